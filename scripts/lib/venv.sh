@@ -1,0 +1,23 @@
+# Sourced by the scripts in scripts/: makes sure the repo's .venv exists and holds the
+# project (editable, with dev extras) at the version pyproject.toml asks for.
+# Sets ROOT and PY.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+VENV="${MESHSERVE_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+ensure_venv() {
+  local stamp="$VENV/.meshserve-installed"
+  if [[ ! -x "$PY" ]]; then
+    echo "meshserve: creating $VENV" >&2
+    python3 -m venv "$VENV"
+  fi
+  if [[ ! -f "$stamp" || "$ROOT/pyproject.toml" -nt "$stamp" ]]; then
+    echo "meshserve: installing dependencies into $VENV (first run takes a minute)" >&2
+    "$PY" -m pip install -q --upgrade pip >&2
+    # torch first and pinned: any other request pulls a multi-GB CUDA build.
+    "$PY" -m pip install -q "torch==2.13.0" >&2
+    "$PY" -m pip install -q -e "$ROOT[dev]" "torch==2.13.0" >&2
+    touch "$stamp"
+  fi
+}

@@ -1,0 +1,1 @@
+"""meshserve services: frontend, job_executor, cluster_manager, scaler, task_executor."""

@@ -1,0 +1,46 @@
+"""The `meshserve` command: `meshserve up` runs a local cluster; `meshserve <service>` runs
+one service (what compose.yaml and a DaemonSet call)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+SERVICE_NAMES = {
+    "frontend": "services.frontend",
+    "job-executor": "services.job_executor",
+    "cluster-manager": "services.cluster_manager",
+    "scaler": "services.scaler",
+    "task-executor": "services.task_executor",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="meshserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run a local cluster in the foreground (Ctrl-C stops it)")
+    up.add_argument("--port", type=int, help="HTTP port of the API (MESHSERVE_HTTP_PORT)")
+    up.add_argument("--models-dir", help="checkpoints directory (MESHSERVE_MODELS_DIR)")
+    up.add_argument("--pool-size", type=int, help="pre-warmed TEs (MESHSERVE_POOL_SIZE)")
+    up.add_argument("--cluster", help="cluster name (MESHSERVE_CLUSTER)")
+    for name in SERVICE_NAMES:
+        sub.add_parser(name, help=f"run the {name} service")
+    args = p.parse_args(argv)
+
+    if args.command == "up":
+        for flag, var in (("port", "HTTP_PORT"), ("models_dir", "MODELS_DIR"),
+                          ("pool_size", "POOL_SIZE"), ("cluster", "CLUSTER")):
+            if getattr(args, flag) is not None:
+                os.environ[f"MESHSERVE_{var}"] = str(getattr(args, flag))
+        from services.launcher import Launcher
+        from shared.settings import Settings
+
+        sys.exit(Launcher(Settings()).run())
+    sys.argv = [SERVICE_NAMES[args.command]]
+    runpy.run_module(SERVICE_NAMES[args.command], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The cluster manager service."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgspec
+
+from services.cluster_manager.membership import Member, expired, identity, member_id
+from services.cluster_manager.registry import scan_models
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.messages.cluster import ClusterView, GetView, JEHeartbeat, Leave, ModelInfo, TEHeartbeat
+from shared.runner import Lifecycle
+from shared.settings import Settings
+from shared.store import Store
+from shared.subjects import Keys, Subjects
+
+log = get_logger(__name__)
+
+RESCAN_INTERVAL = 5.0
+
+
+class ClusterManager:
+    def __init__(self, *, settings: Settings, bus: Bus, store: Store) -> None:
+        self._settings = settings
+        self._bus = bus
+        self._store = store
+        self._subjects = Subjects(settings.cluster)
+        self._keys = Keys(settings.cluster)
+        self._life = Lifecycle()
+        self._members: dict[str, Member] = {}
+        self._last_seen: dict[str, float] = {}
+        self._models: list[ModelInfo] = []
+        self._version = 0
+        self._dirty = asyncio.Event()
+
+    async def run(self) -> None:
+        await self._rescan()
+        await self._bus.subscribe(
+            self._subjects.heartbeat(),
+            {TEHeartbeat: self._on_heartbeat, JEHeartbeat: self._on_heartbeat, Leave: self._on_leave},
+        )
+        await self._bus.subscribe(self._subjects.get_view(), {GetView: self._on_get_view})
+        tasks = [asyncio.create_task(t) for t in (self._sweeper(), self._publisher(), self._scanner())]
+        try:
+            await self._life.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._store.close()
+            self._life.stopped()
+
+    async def shutdown(self) -> None:
+        self._life.request_stop()
+
+    def view(self) -> ClusterView:
+        members = list(self._members.values())
+        return ClusterView(
+            cluster=self._settings.cluster,
+            version=self._version,
+            generated_at=time.time(),
+            tes=sorted((m for m in members if isinstance(m, TEHeartbeat)), key=lambda m: m.te_id),
+            jes=sorted((m for m in members if isinstance(m, JEHeartbeat)), key=lambda m: m.je_id),
+            models=self._models,
+        )
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._dirty.set()
+
+    async def _on_heartbeat(self, hb: Member) -> None:
+        mid = member_id(hb)
+        prev = self._members.get(mid)
+        self._members[mid] = hb
+        self._last_seen[mid] = time.monotonic()
+        if prev is None:
+            log.info("member joined", member=mid, kind=type(hb).__name__)
+        if prev is None or identity(prev) != identity(hb):
+            self._changed()
+
+    async def _on_leave(self, msg: Leave) -> None:
+        if self._members.pop(msg.member_id, None) is not None:
+            self._last_seen.pop(msg.member_id, None)
+            log.info("member left", member=msg.member_id)
+            self._changed()
+
+    async def _on_get_view(self, _: GetView) -> ClusterView:
+        return self.view()
+
+    async def _sweeper(self) -> None:
+        timeout = self._settings.liveness_timeout.total_seconds()
+        while True:
+            await asyncio.sleep(min(timeout / 4, 0.5))
+            dead = expired(self._last_seen, now=time.monotonic(), timeout=timeout)
+            for mid in dead:
+                self._members.pop(mid, None)
+                self._last_seen.pop(mid, None)
+                log.warning("member declared dead", member=mid, silent_for_s=timeout)
+            if dead:
+                self._changed()
+
+    async def _publisher(self) -> None:
+        """Push the view at once on a change, and every heartbeat interval regardless, so
+        load figures stay fresh and a subscriber that missed one push catches up."""
+        period = self._settings.heartbeat_interval.total_seconds()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), period)
+            self._dirty.clear()
+            try:
+                await self._bus.publish(self._subjects.view(), self.view())
+            except Exception as e:  # the bus reconnects by itself; keep pushing
+                log.warning("view push failed", error=str(e))
+
+    async def _scanner(self) -> None:
+        while True:
+            await asyncio.sleep(RESCAN_INTERVAL)
+            try:
+                await self._rescan()
+            except Exception as e:
+                log.warning("model rescan failed", error=str(e))
+
+    async def _rescan(self) -> None:
+        models = await asyncio.to_thread(scan_models, self._settings.models_dir)
+        if models == self._models:
+            return
+        self._models = models
+        log.info("model registry", models=[m.id for m in models])
+        await self._store.replace_hash(
+            self._keys.models(), {m.id: msgspec.json.encode(m) for m in models}
+        )
+        self._changed()
+
+
+async def create(settings: Settings, bus: Bus) -> ClusterManager:
+    if not settings.redis_url:
+        raise SystemExit("cluster_manager: MESHSERVE_REDIS_URL is not set (meshserve up sets it)")
+    store = await Store.connect(settings.redis_url)
+    return ClusterManager(settings=settings, bus=bus, store=store)

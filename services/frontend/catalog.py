@@ -1,0 +1,43 @@
+"""The models the frontend can serve (from the cluster view) and their tokenizers, loaded
+once per model on first use."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from shared.tokenization import ModelTokenizer
+
+from shared.clients import ViewWatcher
+from shared.errors import NotFound
+from shared.messages.cluster import ModelInfo
+
+
+class ModelCatalog:
+    def __init__(self, view: ViewWatcher) -> None:
+        self._view = view
+        self._tokenizers: dict[str, ModelTokenizer] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._view.view.models)
+
+    def get(self, model: str) -> ModelInfo:
+        for m in self._view.view.models:
+            if m.id == model:
+                return m
+        raise NotFound(
+            f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+    async def tokenizer(self, info: ModelInfo) -> ModelTokenizer:
+        tok = self._tokenizers.get(info.path)
+        if tok is not None:
+            return tok
+        lock = self._locks.setdefault(info.path, asyncio.Lock())
+        async with lock:
+            if info.path not in self._tokenizers:
+                self._tokenizers[info.path] = await asyncio.to_thread(
+                    ModelTokenizer.from_dir, Path(info.path)
+                )
+        return self._tokenizers[info.path]

@@ -1,0 +1,298 @@
+"""The frontend: the OpenAI-compatible HTTP API (aiohttp). It validates, tokenizes with
+the model's own chat template, submits the job to a job executor and streams the TE's
+tokens back to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+
+from services.frontend import responses as R
+from services.frontend.catalog import ModelCatalog
+from services.frontend.generation import Generation, StreamRouter
+from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.stop import StopMatcher
+from services.frontend.validation import (
+    parse_chat_request,
+    parse_completion_request,
+    sampling_params,
+)
+from shared.bus import Bus
+from shared.clients import JobExecutorClient, TaskExecutorClient, ViewWatcher
+from shared.errors import (
+    BadRequest,
+    Internal,
+    MeshserveError,
+    NotFound,
+    PayloadTooLarge,
+)
+from shared.logging import get_logger
+from shared.runner import Lifecycle
+from shared.settings import Settings
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024**2
+
+REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
+TTFT = Histogram(
+    "meshserve_ttft_seconds", "Time to first token", ["model"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
+
+
+def _finish_reason(reason: str | None) -> str:
+    # The OpenAI schema knows only these two for a completed generation.
+    return "length" if reason == "length" else "stop"
+
+
+def _error_response(err: MeshserveError) -> web.Response:
+    headers = {}
+    if err.status in (429, 503) and err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
+    return web.Response(
+        status=err.status, body=R.json_body(R.error_body(err)),
+        content_type="application/json", headers=headers,
+    )
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI-style JSON body, never as a stack trace."""
+    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+    try:
+        resp = await handler(request)
+    except MeshserveError as e:
+        resp = _error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+        resp = _error_response(PayloadTooLarge(f"The request body exceeds {MAX_BODY_BYTES} bytes."))
+    except web.HTTPNotFound:
+        resp = _error_response(NotFound(f"Unknown request URL: {request.method} {request.path}."))
+    except web.HTTPMethodNotAllowed:
+        err = BadRequest(f"Method {request.method} is not allowed on {request.path}.")
+        err.status = 405
+        resp = _error_response(err)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        resp = _error_response(Internal("The server had an error processing your request."))
+    REQUESTS.labels(endpoint, str(resp.status)).inc()
+    return resp
+
+
+class Frontend:
+    def __init__(self, *, settings: Settings, bus: Bus) -> None:
+        self._settings = settings
+        self._bus = bus
+        self._subjects = Subjects(settings.cluster)
+        self.frontend_id = f"fe-{uuid.uuid4().hex[:8]}"
+        self._life = Lifecycle()
+        self._view = ViewWatcher(bus, self._subjects)
+        self._catalog = ModelCatalog(self._view)
+        self._router = StreamRouter(self.frontend_id, self._subjects)
+        self._jobs = JobExecutorClient(bus, self._subjects)
+        self._tes = TaskExecutorClient(bus, self._subjects)
+        self.port: int | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def run(self) -> None:
+        await self._view.start()
+        await self._bus.subscribe_raw(self._subjects.token_streams(self.frontend_id), self._router.on_msg)
+        runner = web.AppRunner(
+            self.app(), access_log=None,
+            shutdown_timeout=self._settings.shutdown_grace.total_seconds(),
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self._settings.http_host, self._settings.http_port)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        log.info("listening", url=f"http://{self._settings.http_host}:{self.port}/v1")
+        try:
+            await self._life.wait()
+        finally:
+            # Stop accepting, let in-flight requests finish within the grace period.
+            await runner.cleanup()
+            await self._view.stop()
+            self._life.stopped()
+
+    async def shutdown(self) -> None:
+        self._life.request_stop()
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        view = self._view.view
+        ok = self._bus.connected and view.version >= 0
+        body = {
+            "status": "ok" if ok else "starting",
+            "models": [m.id for m in view.models],
+            "task_executors": [
+                {"id": te.te_id, "state": str(te.state), "model": te.model, "engine": te.engine,
+                 "device": te.device}
+                for te in view.tes
+            ],
+            "job_executors": len(view.jes),
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest())
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    def _model_obj(self, m: Any) -> dict[str, Any]:
+        return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
+                "max_model_len": m.max_context}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [self._model_obj(m) for m in self._catalog.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        return web.json_response(self._model_obj(self._catalog.get(request.match_info["model"])))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat_request(await request.read())
+        info = self._catalog.get(req.model)
+        tok = await self._catalog.tokenizer(info)
+        try:
+            prompt = tok.encode_chat(req.template_messages(), add_generation_prompt=True)
+        except Exception as e:  # a template may raise_exception() on messages it rejects
+            raise BadRequest(f"The messages do not fit the model's chat template: {e}",
+                             param="messages") from e
+        return await self._generate(request, req, info, tok, prompt, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion_request(await request.read())
+        info = self._catalog.get(req.model)
+        tok = await self._catalog.tokenizer(info)
+        p = req.prompt_input()
+        prompt = tok.encode(p) if isinstance(p, str) else p
+        vocab = tok.vocab_size
+        if any(t >= vocab for t in prompt):
+            raise BadRequest(f"Token ids must be below the vocabulary size {vocab}.", param="prompt")
+        return await self._generate(request, req, info, tok, prompt, chat=False)
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def _generate(
+        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest,
+        info: Any, tok: Any, prompt: list[int], *, chat: bool,
+    ) -> web.StreamResponse:
+        sampling = sampling_params(
+            req, prompt_tokens=len(prompt), max_context=info.max_context,
+            eos_token_ids=tok.eos_token_ids,
+        )
+        rid = R.chat_id() if chat else R.completion_id()
+        gen = Generation(
+            request_id=rid.split("-", 1)[1], model=req.model, prompt_token_ids=prompt,
+            sampling=sampling, settings=self._settings, router=self._router,
+            jobs=self._jobs, tes=self._tes, view=self._view,
+        )
+        created = int(time.time())
+        t0 = time.monotonic()
+        detok = tok.detokenizer(prompt)
+        stops = StopMatcher(req.stop_strings)
+        pieces = self._texts(gen, detok, stops)
+        try:
+            if req.is_stream:
+                return await self._stream(request, req, gen, pieces, stops, rid, created, chat=chat)
+            text = "".join([p async for p in pieces])
+        finally:
+            await pieces.aclose()
+            await gen.cancel()
+            if gen.first_token_at is not None:
+                TTFT.labels(req.model).observe(gen.first_token_at - t0)
+            TOKENS.labels(req.model).inc(len(gen.generated))
+        usage = R.usage(len(prompt), len(gen.generated), gen.cached_tokens)
+        reason = "stop" if stops.stopped else _finish_reason(gen.finish_reason)
+        build = R.chat_completion if chat else R.completion
+        return web.Response(
+            body=R.json_body(build(rid, req.model, created, text, reason, usage)),
+            content_type="application/json",
+        )
+
+    @staticmethod
+    async def _texts(gen: Generation, detok: Any, stops: StopMatcher):  # type: ignore[no-untyped-def]
+        """Text deltas of the generation, up to (not including) the first stop string."""
+        async for ids in gen.tokens():
+            text, hit = stops.push(detok.push(ids))
+            if text:
+                yield text
+            if hit:
+                return
+        text, _ = stops.push(detok.flush())
+        if text:
+            yield text
+        if not stops.stopped and (tail := stops.flush()):
+            yield tail
+
+    async def _stream(
+        self, request: web.Request, req: Any, gen: Generation, pieces: Any, stops: StopMatcher,
+        rid: str, created: int, *, chat: bool,
+    ) -> web.StreamResponse:
+        # Place the job before committing to a 200: a job that cannot be placed must get
+        # its 404/503 as a proper status, not as an event inside a stream.
+        first: str | None = None
+        done = False
+        try:
+            first = await anext(pieces)
+        except StopAsyncIteration:
+            done = True
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        })
+        await resp.prepare(request)
+
+        def chunk(text: str | None, finish: str | None = None) -> bytes:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return R.sse(R.chat_chunk(rid, req.model, created, delta=delta, finish_reason=finish))
+            return R.sse(R.completion_chunk(rid, req.model, created, text=text or "", finish_reason=finish))
+
+        try:
+            if chat:
+                await resp.write(R.sse(R.chat_chunk(
+                    rid, req.model, created, delta={"role": "assistant", "content": ""})))
+            if first:
+                await resp.write(chunk(first))
+            if not done:
+                async for text in pieces:
+                    await resp.write(chunk(text))
+            reason = "stop" if stops.stopped else _finish_reason(gen.finish_reason)
+            await resp.write(chunk(None, reason))
+            if req.include_usage:
+                usage = R.usage(len(gen.prompt_token_ids), len(gen.generated), gen.cached_tokens)
+                await resp.write(R.sse(R.usage_chunk(rid, req.model, created, usage, chat=chat)))
+            await resp.write(R.SSE_DONE)
+        except MeshserveError as e:
+            with contextlib.suppress(ConnectionError):
+                await resp.write(R.sse(R.error_body(e)))
+                await resp.write(R.SSE_DONE)
+        except (ConnectionError, asyncio.CancelledError):
+            log.info("client went away", request_id=rid)
+            raise
+        return resp
+
+
+async def create(settings: Settings, bus: Bus) -> Frontend:
+    return Frontend(settings=settings, bus=bus)

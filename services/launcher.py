@@ -1,0 +1,126 @@
+"""`meshserve up`: a whole local cluster in the foreground.
+
+Starts NATS and Redis (embedded unless MESHSERVE_NATS_URL / MESHSERVE_REDIS_URL name
+servers), then the five services as child processes; restarts a service that crashes;
+on Ctrl-C or SIGTERM stops every process it started and returns."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from shared.embedded import EmbeddedServer, free_port
+from shared.settings import Settings
+
+# Start order; stop order is the reverse, so the frontend stops taking requests first and
+# the cluster manager, which everybody reports to, goes last.
+SERVICES: Sequence[str] = ("cluster_manager", "scaler", "job_executor", "task_executor", "frontend")
+RESTART_BACKOFF_S = 1.0
+
+
+def say(msg: str) -> None:
+    print(f"meshserve: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    started: float
+
+
+class Launcher:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._servers: list[EmbeddedServer] = []
+        self._children: dict[str, Child] = {}
+        self._stop = False
+
+    def _request_stop(self, signum: int, _frame: object) -> None:
+        self._stop = True
+
+    def _infra(self) -> Settings:
+        updates: dict[str, object] = {}
+        for kind, field in (("nats", "nats_url"), ("redis", "redis_url")):
+            if getattr(self.settings, field) is None:
+                server = EmbeddedServer(kind).start()
+                self._servers.append(server)
+                updates[field] = server.url
+                say(f"started embedded {kind} at {server.url}")
+        if self.settings.http_port == 0:
+            updates["http_port"] = free_port()
+        return self.settings.model_copy(update=updates)
+
+    def _spawn(self, name: str, env: dict[str, str]) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"], env=env, stdin=subprocess.DEVNULL
+        )
+        self._children[name] = Child(name, proc, time.monotonic())
+
+    def _healthy(self, url: str) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                body = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        idle_tes = [te for te in body.get("task_executors", [])]
+        if body.get("status") == "ok" and body.get("job_executors", 0) > 0 and idle_tes:
+            return body
+        return None
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._request_stop)
+        signal.signal(signal.SIGTERM, self._request_stop)
+        try:
+            settings = self._infra()
+            env = {**os.environ, **settings.env(), "MESHSERVE_DIE_WITH_PARENT": "1"}
+            for name in SERVICES:
+                self._spawn(name, env)
+            base = f"http://{settings.http_host}:{settings.http_port}"
+            announced = False
+            while not self._stop:
+                if not announced and (body := self._healthy(base)):
+                    announced = True
+                    say(f"cluster '{settings.cluster}' is up")
+                    say(f"models: {', '.join(body['models']) or f'none (add one under {settings.models_dir})'}")
+                    print(f"{base}/v1", flush=True)
+                for child in list(self._children.values()):
+                    rc = child.proc.poll()
+                    if rc is None or self._stop:
+                        continue
+                    say(f"{child.name} exited with {rc}; restarting it")
+                    if time.monotonic() - child.started < RESTART_BACKOFF_S:
+                        time.sleep(RESTART_BACKOFF_S)
+                    self._spawn(child.name, env)
+                time.sleep(0.2)
+            say("stopping")
+            return 0
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        grace = self.settings.shutdown_grace.total_seconds() + 5
+        for name in reversed(SERVICES):
+            child = self._children.get(name)
+            if child is None or child.proc.poll() is not None:
+                continue
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                say(f"{name} did not stop within {grace:.0f}s; killing it")
+                child.proc.kill()
+                child.proc.wait()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                server.stop()
+        say("stopped")

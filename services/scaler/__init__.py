@@ -1,0 +1,1 @@
+"""Scaler: when to scale which model up or down and where."""

@@ -1,0 +1,76 @@
+"""The Engine protocol every engine implements, and the plain data it exchanges.
+
+An engine is synchronous and single-threaded: the TE shell calls ``add_request`` and
+``abort`` between iterations and ``step`` in a worker thread, one call at a time. Each
+``step`` runs one iteration of continuous batching (new requests join at iteration
+boundaries, finished ones leave) and returns the tokens it produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from shared.messages.api import SamplingParams
+from shared.messages.tasks import TaskMode
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    modes: frozenset[TaskMode] = frozenset({TaskMode.COLOCATED})
+    prefix_cache: bool = False
+    kv_export: bool = False
+    kv_import: bool = False
+    weight_sharing: bool = False
+    lora: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclasses.dataclass(slots=True)
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+
+
+class Engine(Protocol):
+    name: str  # "torch", "openvino", "vllm"
+    device: str  # "cpu", "cuda:0"
+    capabilities: EngineCapabilities
+    max_model_len: int
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; it joins the batch at the next iteration. Raises ValueError
+        for a request the engine can never serve (prompt too long, empty prompt)."""
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; its blocks are freed. Unknown ids are ignored."""
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> Sequence[EngineOutput]:
+        """Run one iteration; return one output per request that produced tokens or
+        finished in it."""
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None:
+        """Free the model and the KV cache."""

@@ -1,0 +1,78 @@
+"""The node pool: keeps N pre-warmed TE processes alive on this node and restarts any that
+dies. Each TE is its own process, so a crash takes down one engine, not the node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import uuid
+
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.runner import Lifecycle
+from shared.settings import Settings
+
+log = get_logger(__name__)
+
+RESTART_BACKOFF_S = 1.0
+
+
+class NodePool:
+    def __init__(self, *, settings: Settings, pool_id: str | None = None) -> None:
+        self._settings = settings
+        self.pool_id = pool_id or f"pool-{uuid.uuid4().hex[:6]}"
+        self._life = Lifecycle()
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def run(self) -> None:
+        slots = [asyncio.create_task(self._keep_alive(i)) for i in range(self._settings.pool_size)]
+        try:
+            await self._life.wait()
+        finally:
+            await self._stop_all()
+            for t in slots:
+                t.cancel()
+            await asyncio.gather(*slots, return_exceptions=True)
+            self._life.stopped()
+
+    async def shutdown(self) -> None:
+        self._life.request_stop()
+
+    async def _keep_alive(self, slot: int) -> None:
+        while not self._life.stopping:
+            te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
+            env = {**os.environ, **self._settings.env()}
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.task_executor.worker", te_id, self.pool_id,
+                env=env, stdin=asyncio.subprocess.DEVNULL,
+            )
+            self._procs[te_id] = proc
+            log.info("TE started", te=te_id, pid=proc.pid)
+            rc = await proc.wait()
+            self._procs.pop(te_id, None)
+            if self._life.stopping:
+                return
+            log.warning("TE exited; starting a fresh one", te=te_id, returncode=rc)
+            await asyncio.sleep(RESTART_BACKOFF_S)
+
+    async def _stop_all(self) -> None:
+        procs = list(self._procs.values())
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        grace = self._settings.shutdown_grace.total_seconds() + 5
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
+        except TimeoutError:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
+
+
+async def create(settings: Settings, bus: Bus) -> NodePool:
+    # The pool itself needs no bus; its TEs connect on their own.
+    return NodePool(settings=settings)

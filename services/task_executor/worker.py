@@ -1,0 +1,305 @@
+"""One task executor (TE): a pre-warmed, model-agnostic process that wraps one engine once
+the scaler assigns it a model, takes tasks, and streams tokens straight to the frontend.
+
+The engine is synchronous. Its steps run in a worker thread; requests to add or abort
+are queued and applied by the engine loop between steps, so the engine is only ever
+touched by one thread at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import gc
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
+from services.task_executor.engines.factory import choose_engine, create_engine
+from shared.bus import Bus
+from shared.clients import ClusterClient, Heartbeater
+from shared.errors import BadRequest, Unavailable
+from shared.logging import get_logger
+from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.scaling import ControlAck, Drain, LoadModel, UnloadModel
+from shared.messages.tasks import RETRY_ELSEWHERE, CancelTask, ChatTask, TaskAccepted, TokenChunk
+from shared.runner import Lifecycle, die_with_parent, run_service
+from shared.settings import Settings
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+EngineFactory = Callable[[Path, Settings], Engine]
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    reply_to: str
+    prompt_tokens: int
+    seq: int = 0
+    generated: int = 0
+
+
+class TaskExecutor:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        bus: Bus,
+        te_id: str,
+        pool_id: str,
+        engine_factory: EngineFactory = create_engine,
+    ) -> None:
+        self._settings = settings
+        self._bus = bus
+        self._subjects = Subjects(settings.cluster)
+        self.te_id = te_id
+        self.pool_id = pool_id
+        self._engine_factory = engine_factory
+        self._life = Lifecycle()
+        self.state = TEState.IDLE
+        self.model: str | None = None
+        self.engine: Engine | None = None
+        self._error: str | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._adds: list[EngineRequest] = []
+        self._aborts: set[str] = set()
+        self._work = asyncio.Event()
+        self._step_lock = asyncio.Lock()  # held while a step runs; unload waits for it
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._last_active = time.time()
+        self._started = time.time()
+        self._hb = Heartbeater(
+            ClusterClient(bus, self._subjects), self._heartbeat,
+            settings.heartbeat_interval.total_seconds(),
+        )
+        self._load_task: asyncio.Task[None] | None = None
+
+    # -- observation -------------------------------------------------------------------
+
+    def _heartbeat(self) -> TEHeartbeat:
+        hb = TEHeartbeat(
+            te_id=self.te_id, pool_id=self.pool_id, host=socket.gethostname(), pid=os.getpid(),
+            state=self.state, started_at=self._started, model=self.model,
+            last_active=self._last_active, error=self._error, sent_at=time.time(),
+            engine=choose_engine(self._settings),
+        )
+        if self.engine is not None:
+            st = self.engine.stats()
+            caps = self.engine.capabilities
+            hb.device = self.engine.device
+            hb.engine = self.engine.name
+            hb.max_model_len = self.engine.max_model_len
+            hb.capabilities = sorted(
+                [str(m) for m in caps.modes]
+                + [f.name for f in dataclasses.fields(caps) if getattr(caps, f.name) is True]
+            )
+            hb.running = st.running
+            hb.waiting = st.waiting + len(self._adds)
+            hb.free_kv_blocks = st.free_kv_blocks
+            hb.total_kv_blocks = st.total_kv_blocks
+        return hb
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self._bus.subscribe(
+            self._subjects.te_task(self.te_id), {ChatTask: self._on_task, CancelTask: self._on_cancel}
+        )
+        await self._bus.subscribe(
+            self._subjects.te_control(self.te_id),
+            {LoadModel: self._on_load, UnloadModel: self._on_unload, Drain: self._on_drain},
+        )
+        self._hb.start()
+        loop_task = asyncio.create_task(self._engine_loop())
+        try:
+            await self._life.wait()
+            self.state = TEState.DRAINING
+            self._hb.beat_now()
+            await self._drain(self._settings.shutdown_grace.total_seconds())
+        finally:
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+            await self._hb.stop()
+            await ClusterClient(self._bus, self._subjects).leave(self.te_id)
+            if self.engine is not None:
+                self.engine.close()
+            self._life.stopped()
+
+    async def shutdown(self) -> None:
+        self._life.request_stop()
+
+    async def _drain(self, grace: float) -> None:
+        """Let running requests finish within grace; hand the rest back for a retry."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        for request_id in list(self._streams):
+            self._aborts.add(request_id)
+            await self._finish(request_id, RETRY_ELSEWHERE, error="task executor stopping")
+        self._work.set()
+
+    # -- control -------------------------------------------------------------------------
+
+    async def _on_load(self, cmd: LoadModel) -> ControlAck:
+        if self.state != TEState.IDLE:
+            return ControlAck(te_id=self.te_id, ok=False, error=f"TE is {self.state}, not idle")
+        self.state, self.model, self._error = TEState.LOADING, cmd.model, None
+        self._hb.beat_now()
+        self._load_task = asyncio.create_task(self._load(cmd))
+        return ControlAck(te_id=self.te_id, ok=True)
+
+    async def _load(self, cmd: LoadModel) -> None:
+        t0 = time.monotonic()
+        try:
+            engine = await asyncio.to_thread(self._engine_factory, Path(cmd.path), self._settings)
+        except Exception as e:
+            log.exception("model load failed", model=cmd.model)
+            self.state, self.model, self._error = TEState.IDLE, None, f"{type(e).__name__}: {e}"
+        else:
+            self.engine = engine
+            self.state = TEState.READY
+            self._last_active = time.time()
+            log.info("model loaded", model=cmd.model, seconds=round(time.monotonic() - t0, 2),
+                     device=engine.device)
+        self._hb.beat_now()
+
+    async def _on_unload(self, cmd: UnloadModel) -> ControlAck:
+        if self.state != TEState.READY:
+            return ControlAck(te_id=self.te_id, ok=False, error=f"TE is {self.state}, not ready")
+        self.state = TEState.DRAINING
+        self._hb.beat_now()
+        await self._drain(self._settings.shutdown_grace.total_seconds())
+        async with self._step_lock:
+            engine, self.engine = self.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+        gc.collect()
+        log.info("model unloaded", model=self.model, reason=cmd.reason)
+        self.state, self.model = TEState.IDLE, None
+        self._hb.beat_now()
+        return ControlAck(te_id=self.te_id, ok=True)
+
+    async def _on_drain(self, _: Drain) -> ControlAck:
+        self._life.request_stop()
+        return ControlAck(te_id=self.te_id, ok=True)
+
+    # -- tasks ---------------------------------------------------------------------------
+
+    async def _on_task(self, task: ChatTask) -> TaskAccepted:
+        if self.state != TEState.READY or self.engine is None or task.model != self.model:
+            raise Unavailable(f"TE {self.te_id} does not serve {task.model} now ({self.state})")
+        if time.time() > task.deadline:
+            raise Unavailable("the task's deadline has passed")
+        n = len(task.prompt_token_ids)
+        if n == 0:
+            raise BadRequest("the prompt is empty", param="messages")
+        if n >= self.engine.max_model_len:
+            raise BadRequest(
+                f"the prompt has {n} tokens; this model's context is {self.engine.max_model_len}",
+                param="messages", code="context_length_exceeded",
+            )
+        self._streams[task.request_id] = _Stream(reply_to=task.reply_to, prompt_tokens=n)
+        self._adds.append(EngineRequest(task.request_id, task.prompt_token_ids, task.sampling))
+        self._last_active = time.time()
+        self._idle.clear()
+        self._work.set()
+        return TaskAccepted(request_id=task.request_id, te_id=self.te_id)
+
+    async def _on_cancel(self, msg: CancelTask) -> None:
+        if self._streams.pop(msg.request_id, None) is not None:
+            self._aborts.add(msg.request_id)
+            self._work.set()
+
+    async def _engine_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while (engine := self.engine) is not None:
+                await self._apply_queued(engine)
+                if not engine.has_work():
+                    break
+                try:
+                    async with self._step_lock:
+                        outputs = await asyncio.to_thread(engine.step)
+                except Exception as e:
+                    log.exception("engine step failed")
+                    for request_id in list(self._streams):
+                        engine.abort(request_id)
+                        await self._finish(request_id, "error", error=f"engine failure: {e}")
+                    break
+                await self._emit(outputs)
+            if not self._streams:
+                self._idle.set()
+
+    async def _apply_queued(self, engine: Engine) -> None:
+        for request_id in self._aborts:
+            engine.abort(request_id)
+        self._aborts.clear()
+        adds, self._adds = self._adds, []
+        for req in adds:
+            if req.request_id not in self._streams:
+                continue  # cancelled before it started
+            try:
+                engine.add_request(req)
+            except ValueError as e:
+                await self._finish(req.request_id, "error", error=str(e))
+
+    async def _emit(self, outputs: Sequence[EngineOutput]) -> None:
+        if outputs:
+            self._last_active = time.time()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.generated += len(out.new_token_ids)
+            chunk = TokenChunk(
+                request_id=out.request_id, seq=stream.seq, token_ids=out.new_token_ids,
+                finish_reason=out.finish_reason if out.finished else None,
+                prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated,
+                cached_tokens=out.num_cached_tokens,
+            )
+            stream.seq += 1
+            if out.finished:
+                del self._streams[out.request_id]
+            try:
+                await self._bus.publish(stream.reply_to, chunk, request_id=out.request_id)
+            except Unavailable as e:
+                log.warning("token publish failed", request_id=out.request_id, error=str(e))
+
+    async def _finish(self, request_id: str, reason: str, *, error: str | None = None) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        chunk = TokenChunk(
+            request_id=request_id, seq=stream.seq, token_ids=[], finish_reason=reason,
+            prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated, error=error,
+        )
+        with contextlib.suppress(Unavailable):
+            await self._bus.publish(stream.reply_to, chunk, request_id=request_id)
+
+
+def main() -> None:
+    te_id, pool_id = sys.argv[1], sys.argv[2]
+    die_with_parent()
+    settings = Settings()
+    # Pre-warm: pay for the engine's imports now, before any model is assigned.
+    import torch
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    import services.task_executor.engines.torch_engine  # noqa: F401
+
+    async def factory(settings: Settings, bus: Bus) -> TaskExecutor:
+        return TaskExecutor(settings=settings, bus=bus, te_id=te_id, pool_id=pool_id)
+
+    run_service(f"task_executor.{te_id}", factory)
+
+
+if __name__ == "__main__":
+    main()

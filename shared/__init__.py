@@ -1,0 +1,1 @@
+"""The library every meshserve service uses: settings, bus, messages, store, logging."""

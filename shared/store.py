@@ -1,0 +1,38 @@
+"""The Redis store. Every key goes through shared.subjects.Keys, so it starts with the
+cluster name."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared.errors import Unavailable
+
+
+class Store:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+
+    @classmethod
+    async def connect(cls, url: str) -> Store:
+        client = aioredis.from_url(url, decode_responses=False, socket_connect_timeout=5)
+        try:
+            await client.ping()
+        except Exception as e:
+            await client.aclose()
+            raise Unavailable(f"redis at {url} is unreachable: {e}") from e
+        return cls(client)
+
+    async def replace_hash(self, key: str, mapping: dict[str, bytes]) -> None:
+        """Set a hash to exactly this mapping, atomically."""
+        async with self.redis.pipeline(transaction=True) as p:
+            p.delete(key)
+            if mapping:
+                p.hset(key, mapping=mapping)
+            await p.execute()
+
+    async def hash_items(self, key: str) -> dict[str, bytes]:
+        raw = await self.redis.hgetall(key)
+        return {k.decode(): v for k, v in raw.items()}
+
+    async def close(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,114 @@
+"""Every NATS subject meshserve uses, built in this one place. No other code writes a
+subject string. The catalogue also drives proto/subjects.md (scripts/gen-proto)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shared.messages.api import ErrorReply
+from shared.messages.base import Message
+from shared.messages.cluster import ClusterView, GetView, JEHeartbeat, Leave, TEHeartbeat
+from shared.messages.jobs import ChatJob, JobAccepted
+from shared.messages.scaling import ControlAck, Drain, LoadModel, ScaleUp, UnloadModel
+from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
+
+
+@dataclasses.dataclass(frozen=True)
+class SubjectSpec:
+    template: str  # "{cluster}" and other {fields} are filled by Subjects
+    pattern: str  # "request/reply", "publish", "queue request/reply"
+    payload: tuple[type[Message], ...]
+    reply: tuple[type[Message], ...]
+    publishers: str
+    subscribers: str
+    doc: str
+
+
+CATALOGUE: dict[str, SubjectSpec] = {
+    "job_submit": SubjectSpec(
+        "{cluster}.je.submit", "queue request/reply", (ChatJob,), (JobAccepted, ErrorReply),
+        "frontend", "job executors (queue group 'je')",
+        "Submit a job; the reply comes once the job is placed on a TE or has failed.",
+    ),
+    "te_task": SubjectSpec(
+        "{cluster}.te.{te_id}.task", "request/reply", (ChatTask, CancelTask),
+        (TaskAccepted, ErrorReply), "job executor, frontend (cancel)", "one TE",
+        "Place a task on a TE, or cancel one.",
+    ),
+    "te_control": SubjectSpec(
+        "{cluster}.te.{te_id}.control", "request/reply", (LoadModel, UnloadModel, Drain),
+        (ControlAck,), "scaler", "one TE", "Load or unload a model, or drain the TE.",
+    ),
+    "token_stream": SubjectSpec(
+        "{cluster}.inbox.{owner}.{request_id}", "publish", (TokenChunk,), (),
+        "TE", "the frontend that owns the request",
+        "Tokens of one request, streamed straight from the TE to the frontend.",
+    ),
+    "heartbeat": SubjectSpec(
+        "{cluster}.cm.heartbeat", "publish", (TEHeartbeat, JEHeartbeat, Leave), (),
+        "TEs, JEs", "cluster manager", "Liveness, state and load of every member.",
+    ),
+    "view": SubjectSpec(
+        "{cluster}.cm.view", "publish", (ClusterView,), (), "cluster manager",
+        "JEs, scaler, frontends", "The cluster view, pushed on every change and periodically.",
+    ),
+    "get_view": SubjectSpec(
+        "{cluster}.cm.get_view", "request/reply", (GetView,), (ClusterView,),
+        "anyone starting up", "cluster manager", "The current cluster view, on demand.",
+    ),
+    "scale_demand": SubjectSpec(
+        "{cluster}.scaler.demand", "publish", (ScaleUp,), (), "job executors", "scaler",
+        "Jobs are waiting for a model with no instance able to take them.",
+    ),
+}
+
+
+class Subjects:
+    """Subjects of one cluster."""
+
+    def __init__(self, cluster: str) -> None:
+        self.cluster = cluster
+
+    def _fill(self, name: str, **fields: str) -> str:
+        return CATALOGUE[name].template.format(cluster=self.cluster, **fields)
+
+    def job_submit(self) -> str:
+        return self._fill("job_submit")
+
+    def te_task(self, te_id: str) -> str:
+        return self._fill("te_task", te_id=te_id)
+
+    def te_control(self, te_id: str) -> str:
+        return self._fill("te_control", te_id=te_id)
+
+    def token_stream(self, owner: str, request_id: str) -> str:
+        return self._fill("token_stream", owner=owner, request_id=request_id)
+
+    def token_streams(self, owner: str) -> str:
+        """Wildcard over every token stream one frontend owns."""
+        return self._fill("token_stream", owner=owner, request_id="*")
+
+    def heartbeat(self) -> str:
+        return self._fill("heartbeat")
+
+    def view(self) -> str:
+        return self._fill("view")
+
+    def get_view(self) -> str:
+        return self._fill("get_view")
+
+    def scale_demand(self) -> str:
+        return self._fill("scale_demand")
+
+
+class Keys:
+    """Redis keys of one cluster; every key starts with the cluster name."""
+
+    def __init__(self, cluster: str) -> None:
+        self.cluster = cluster
+
+    def models(self) -> str:
+        return f"{self.cluster}:models"
+
+    def members(self) -> str:
+        return f"{self.cluster}:members"

@@ -1,0 +1,1 @@
+from tests.infra import bus, cluster, nats_url, redis_url, store  # noqa: F401
