@@ -94,6 +94,20 @@ class Settings(BaseSettings):
     )
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
 
+    @field_validator(
+        "heartbeat_interval", "liveness_timeout", "keep_alive", "placement_timeout",
+        "retry_after", "request_timeout", "shutdown_grace", mode="before",
+    )
+    @classmethod
+    def _seconds(cls, v: Any) -> Any:
+        """Durations may be given as plain seconds ("2.5") as well as ISO 8601 ("PT2.5S")."""
+        if isinstance(v, str):
+            try:
+                return timedelta(seconds=float(v))
+            except ValueError:
+                return v
+        return v
+
     @field_validator("models_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:

@@ -146,7 +146,8 @@ class Frontend:
             "models": [m.id for m in view.models],
             "task_executors": [
                 {"id": te.te_id, "state": str(te.state), "model": te.model, "engine": te.engine,
-                 "device": te.device}
+                 "device": te.device, "pool": te.pool_id, "host": te.host, "pid": te.pid,
+                 "running": te.running, "waiting": te.waiting}
                 for te in view.tes
             ],
             "job_executors": len(view.jes),
