@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from shared.embedded import EmbeddedServer, free_port
+from shared.embedded import EmbeddedServer, die_with_parent, free_port
 from shared.settings import Settings
 
 # Start order; stop order is the reverse, so the frontend stops taking requests first and
@@ -61,8 +61,11 @@ class Launcher:
         return self.settings.model_copy(update=updates)
 
     def _spawn(self, name: str, env: dict[str, str]) -> None:
+        # Own session, so a terminal's Ctrl-C reaches only the launcher, which then stops
+        # the services in order; die_with_parent covers a launcher killed outright.
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"], env=env, stdin=subprocess.DEVNULL
+            [sys.executable, "-m", f"services.{name}"], env=env, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent,
         )
         self._children[name] = Child(name, proc, time.monotonic())
 
@@ -82,7 +85,7 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._request_stop)
         try:
             settings = self._infra()
-            env = {**os.environ, **settings.env(), "MESHSERVE_DIE_WITH_PARENT": "1"}
+            env = {**os.environ, **settings.env()}
             for name in SERVICES:
                 self._spawn(name, env)
             base = f"http://{settings.http_host}:{settings.http_port}"

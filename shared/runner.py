@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -58,8 +57,17 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
     try:
         service = await factory(settings, bus)
         loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task[None]] = []
+
+        def on_signal() -> None:
+            # The first signal asks for a graceful stop; a second one means "now".
+            if stopping:
+                log.warning("second signal: exiting without draining")
+                os._exit(1)
+            stopping.append(asyncio.create_task(service.shutdown()))
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.shutdown()))
+            loop.add_signal_handler(sig, on_signal)
         log.info("service started", cluster=settings.cluster)
         await service.run()
         log.info("service stopped")
@@ -68,17 +76,7 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
             await bus.close()
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies, so no service outlives
-    the launcher or node pool that started it, even one killed with SIGKILL."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def run_service(name: str, factory: ServiceFactory) -> None:
-    if os.environ.get("MESHSERVE_DIE_WITH_PARENT") == "1":
-        die_with_parent()
     settings = Settings()
     setup_logging(service=name, fmt=settings.log_format, level=settings.log_level)
     try:

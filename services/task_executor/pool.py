@@ -11,6 +11,7 @@ import sys
 import uuid
 
 from shared.bus import Bus
+from shared.embedded import die_with_parent
 from shared.logging import get_logger
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -47,7 +48,7 @@ class NodePool:
             env = {**os.environ, **self._settings.env()}
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.task_executor.worker", te_id, self.pool_id,
-                env=env, stdin=asyncio.subprocess.DEVNULL,
+                env=env, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent,
             )
             self._procs[te_id] = proc
             log.info("TE started", te=te_id, pid=proc.pid)

@@ -27,7 +27,7 @@ from shared.logging import get_logger
 from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.scaling import ControlAck, Drain, LoadModel, UnloadModel
 from shared.messages.tasks import RETRY_ELSEWHERE, CancelTask, ChatTask, TaskAccepted, TokenChunk
-from shared.runner import Lifecycle, die_with_parent, run_service
+from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.subjects import Subjects
 
@@ -286,7 +286,6 @@ class TaskExecutor:
 
 def main() -> None:
     te_id, pool_id = sys.argv[1], sys.argv[2]
-    die_with_parent()
     settings = Settings()
     # Pre-warm: pay for the engine's imports now, before any model is assigned.
     import torch
