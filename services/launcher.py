@@ -106,11 +106,15 @@ class Launcher:
                     self._spawn(child.name, env)
                 time.sleep(0.2)
             say("stopping")
-            return 0
         finally:
-            self._shutdown()
+            failed = self._shutdown()
+        if failed:
+            say(f"not stopped cleanly: {', '.join(failed)}")
+        return 1 if failed else 0
 
-    def _shutdown(self) -> None:
+    def _shutdown(self) -> list[str]:
+        """Stop the services in reverse start order; names of those that did not exit 0."""
+        failed: list[str] = []
         grace = self.settings.shutdown_grace.total_seconds() + 5
         for name in reversed(SERVICES):
             child = self._children.get(name)
@@ -118,12 +122,15 @@ class Launcher:
                 continue
             child.proc.send_signal(signal.SIGTERM)
             try:
-                child.proc.wait(grace)
+                rc = child.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 say(f"{name} did not stop within {grace:.0f}s; killing it")
                 child.proc.kill()
-                child.proc.wait()
+                rc = child.proc.wait()
+            if rc != 0:
+                failed.append(f"{name} (exit {rc})")
         for server in self._servers:
             with contextlib.suppress(Exception):
                 server.stop()
         say("stopped")
+        return failed

@@ -33,11 +33,13 @@ class NodePool:
         try:
             await self._life.wait()
         finally:
-            await self._stop_all()
+            codes = await self._stop_all()
             for t in slots:
                 t.cancel()
             await asyncio.gather(*slots, return_exceptions=True)
             self._life.stopped()
+        if bad := {te: rc for te, rc in codes.items() if rc != 0}:
+            raise RuntimeError(f"task executors did not stop cleanly: {bad}")
 
     async def shutdown(self) -> None:
         self._life.request_stop()
@@ -59,8 +61,10 @@ class NodePool:
             log.warning("TE exited; starting a fresh one", te=te_id, returncode=rc)
             await asyncio.sleep(RESTART_BACKOFF_S)
 
-    async def _stop_all(self) -> None:
-        procs = list(self._procs.values())
+    async def _stop_all(self) -> dict[str, int]:
+        """SIGTERM every TE, SIGKILL what is left after the grace period; exit codes."""
+        items = list(self._procs.items())
+        procs = [p for _, p in items]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
@@ -72,6 +76,7 @@ class NodePool:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
+        return {te: p.returncode for te, p in items}
 
 
 async def create(settings: Settings, bus: Bus) -> NodePool:
