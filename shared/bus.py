@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 import nats
 import nats.errors
+import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
@@ -116,26 +117,30 @@ class Bus:
         tasks: set[asyncio.Task[None]] = set()
 
         async def handle(m: Msg) -> None:
-            reply: Message | None
-            try:
-                msg = decoder.decode(m.data)
-            except msgspec.DecodeError as e:
-                reply = BadRequest(f"undecodable message on {subject}: {e}").to_reply()
-            else:
-                try:
-                    reply = await handlers[type(msg)](msg)
-                except MeshserveError as e:
-                    reply = e.to_reply()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
-                    log.exception("handler failed", subject=subject, msg_type=type(msg).__name__)
-                    reply = Internal(f"{type(e).__name__}: {e}").to_reply()
+            # Logs of this handler carry the request id the frontend assigned, if any.
+            request_id = (m.headers or {}).get(REQUEST_ID_HEADER)
+            with structlog.contextvars.bound_contextvars(request_id=request_id):
+                reply = await dispatch(m)
             if m.reply and reply is not None:
                 try:
                     await m.respond(encode(reply))
                 except nats.errors.Error as e:
                     log.warning("reply failed", subject=subject, error=str(e))
+
+        async def dispatch(m: Msg) -> Message | None:
+            try:
+                msg = decoder.decode(m.data)
+            except msgspec.DecodeError as e:
+                return BadRequest(f"undecodable message on {subject}: {e}").to_reply()
+            try:
+                return await handlers[type(msg)](msg)
+            except MeshserveError as e:
+                return e.to_reply()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.exception("handler failed", subject=subject, msg_type=type(msg).__name__)
+                return Internal(f"{type(e).__name__}: {e}").to_reply()
 
         async def cb(m: Msg) -> None:
             if not concurrent:
