@@ -1,0 +1,114 @@
+"""The paged KV cache: fixed-size blocks of K and V per layer, a block allocator, block tables.
+
+Blocks are reference-counted even though, without prefix caching, every block has exactly one
+owner: prefix caching shares a full block among requests with the same prefix (ref count > 1),
+keeps freed blocks addressable by the hash of their content until they are reused (the LRU end
+of the free list), and copies a shared block before writing into it. Those additions hook into
+``allocate`` / ``free`` / ``fork`` here without changing their callers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The allocator was asked for more blocks than it has free. The scheduler checks capacity
+    before it allocates, so this means a scheduling bug rather than a full cache."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        # FIFO reuse: the block freed longest ago is handed out first, which is the order an
+        # LRU cache of freed prefix blocks needs.
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_count = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._ref_count[b] = 1
+        return blocks
+
+    def fork(self, blocks: Iterable[int]) -> None:
+        """Add an owner to each block (a second request sharing it)."""
+        for b in blocks:
+            if self._ref_count[b] <= 0:
+                raise ValueError(f"block {b} is not allocated")
+            self._ref_count[b] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one owner from each block; blocks nobody owns go back to the free list."""
+        for b in blocks:
+            if self._ref_count[b] <= 0:
+                raise ValueError(f"block {b} freed twice")
+            self._ref_count[b] -= 1
+            if self._ref_count[b] == 0:
+                self._free.append(b)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref_count[block]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
+
+
+class PagedKVCache:
+    """Per layer, K and V as ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offset
+    ``i % block_size``; its flat slot is ``block * block_size + offset``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: attention reads padding slots (masked out) and must not meet NaNs.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+
+    @staticmethod
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at flat ``slots``."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of whole blocks, per request: ``[batch, num_kv_heads, max_blocks * block_size,
+        head_dim]`` from a padded ``[batch, max_blocks]`` block table."""
+        b, n = block_tables.shape
+        k = self.k[layer][block_tables].view(b, n * self.block_size, *self.k[layer].shape[2:])
+        v = self.v[layer][block_tables].view(b, n * self.block_size, *self.v[layer].shape[2:])
+        return k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,202 @@
+"""The decoder forward over the paged KV cache (Llama / Qwen2 / Mistral).
+
+One forward runs a whole iteration: the new tokens of every scheduled request are flattened into
+one ``[num_tokens, hidden]`` batch, so each weight matrix is read once per iteration however many
+requests share it. Only attention is per request:
+- decode requests (one new token each) attend together: their blocks are gathered into a padded
+  ``[batch, kv_heads, max_len, head_dim]`` K/V and the query heads that share a K/V head are
+  laid out as that head's query rows, so GQA needs no K/V repetition;
+- prefill requests attend one at a time, causally, over their own fresh K/V (or over the cache
+  when part of the sequence is already there, which chunked prefill and prefix caching need).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.task_executor.engines.torch_engine.config import ModelConfig
+from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
+from services.task_executor.engines.torch_engine.linear import linear
+from services.task_executor.engines.torch_engine.rope import cos_sin_tables
+from services.task_executor.engines.torch_engine.weights import ModelWeights
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """The tokens one request computes in an iteration."""
+
+    token_ids: Sequence[int]
+    start_pos: int  # tokens of this request already in the cache
+    block_table: Sequence[int]  # covers start_pos + len(token_ids) tokens
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Prefill:
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_table: torch.Tensor | None  # only when start_pos > 0: the cached part is read back
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] flat cache slot of each token
+    logits_indices: torch.Tensor  # [S] last token of each request, in the caller's order
+    num_decode: int  # the first num_decode tokens (and requests) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], True = attend
+    prefills: tuple[_Prefill, ...]
+
+
+def build_batch(
+    chunks: Sequence[SeqChunk], *, block_size: int, device: torch.device
+) -> ForwardBatch:
+    """Lay out an iteration's requests: decodes first (they attend as one batch), then
+    prefills. Logits still come back in the order of ``chunks``."""
+    decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+    prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last = [0] * len(chunks)
+    prefills: list[_Prefill] = []
+    for i in decode + prefill:
+        c = chunks[i]
+        n = len(c.token_ids)
+        pos = range(c.start_pos, c.start_pos + n)
+        if n != 1:
+            table = (
+                torch.tensor(c.block_table, dtype=torch.long, device=device)
+                if c.start_pos
+                else None
+            )
+            prefills.append(_Prefill(len(ids), n, c.start_pos, table))
+        ids.extend(c.token_ids)
+        positions.extend(pos)
+        slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
+        last[i] = len(ids) - 1
+
+    tables = mask = None
+    if decode:
+        width = max(len(chunks[i].block_table) for i in decode)
+        padded = [
+            list(chunks[i].block_table) + [0] * (width - len(chunks[i].block_table)) for i in decode
+        ]
+        tables = torch.tensor(padded, dtype=torch.long, device=device)
+        ctx = torch.tensor([chunks[i].start_pos + 1 for i in decode], device=device)
+        valid = torch.arange(width * block_size, device=device)[None, :] < ctx[:, None]
+        mask = valid[:, None, None, :]
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        input_ids=as_tensor(ids),
+        positions=as_tensor(positions),
+        slots=as_tensor(slots),
+        logits_indices=as_tensor(last),
+        num_decode=len(decode),
+        decode_block_tables=tables,
+        decode_mask=mask,
+        prefills=tuple(prefills),
+    )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # float32 statistics whatever the model dtype, cast back before the weight: the reference's
+    # rounding order, which keeps bf16 outputs close to it.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class Transformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        *,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.cos, self.sin = cos_sin_tables(
+            config.rope, config.head_dim, max_model_len, dtype=dtype, device=device
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Runs the batch, writes its K/V into ``cache`` and returns float32 logits
+        ``[num_requests, vocab]`` of each request's last token."""
+        cfg, w = self.config, self.weights
+        n_tokens = batch.input_ids.shape[0]
+        n_heads, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        half = hd // 2
+        # [T, 1, hd]: broadcast over the q and k heads, which are rotated together.
+        cos = self.cos[batch.positions][:, None, :]
+        sin = self.sin[batch.positions][:, None, :]
+
+        h = F.embedding(batch.input_ids, w.embed)
+        for i, lw in enumerate(w.layers):
+            x = _rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            qkv = linear(x, lw.qkv, lw.qkv_bias).view(n_tokens, n_heads + 2 * n_kv, hd)
+            qk = qkv[:, : n_heads + n_kv]
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
+            q, k, v = qk[:, :n_heads], qk[:, n_heads:], qkv[:, n_heads + n_kv :]
+            cache.write(i, batch.slots, k, v)
+            attn = self._attention(i, batch, cache, q, k, v)
+            h = h + linear(attn, lw.o)
+            x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, lw.down)
+        h = _rms_norm(h[batch.logits_indices], w.norm, cfg.rms_norm_eps)
+        return linear(h, w.lm_head).float()
+
+    def _attention(
+        self,
+        layer: int,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """q ``[T, heads, hd]``, k/v ``[T, kv_heads, hd]`` -> ``[T, heads * hd]``."""
+        cfg = self.config
+        n_heads, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        outs = []
+        d = batch.num_decode
+        if d:
+            assert batch.decode_block_tables is not None
+            ck, cv = cache.gather(layer, batch.decode_block_tables)
+            # Query heads h = kv * group + g share K/V head kv (transformers' repeat_kv order).
+            qd = q[:d].reshape(d, n_kv, n_heads // n_kv, hd)
+            o = F.scaled_dot_product_attention(qd, ck, cv, attn_mask=batch.decode_mask)
+            outs.append(o.reshape(d, n_heads * hd))
+        for p in batch.prefills:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            qp = q[sl].transpose(0, 1)[None]
+            if p.block_table is None:
+                kp, vp = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            else:
+                ctx = p.start_pos + p.q_len
+                kp, vp = cache.gather(layer, p.block_table[None])
+                kp, vp = kp[:, :, :ctx], vp[:, :, :ctx]
+                # Query i sits at position start_pos + i and sees keys up to it.
+                qpos = torch.arange(p.start_pos, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1).reshape(p.q_len, n_heads * hd))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -1,0 +1,129 @@
+"""Load an HF safetensors checkpoint into the runner's layout.
+
+q/k/v projections are concatenated into one matrix and gate/up into another at load time, so
+a layer runs three matmuls on its input instead of five.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.task_executor.engines.torch_engine import linear
+from services.task_executor.engines.torch_engine.config import ModelConfig
+
+
+@dataclasses.dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclasses.dataclass(slots=True)
+class ModelWeights:
+    """Matrices (everything multiplied with ``linear.linear``) may be packed for the device;
+    ``embed`` is always plain, since it is indexed."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; when tied, embed's values (its packed copy on CPU)
+
+    def decode_bytes(self) -> int:
+        """Bytes of weights one decode step streams: every matrix, norm and bias, and the LM
+        head; the embedding table only contributes the rows looked up, ignored here."""
+        tensors = [self.norm, self.lm_head]
+        for layer in self.layers:
+            fields = (getattr(layer, f.name) for f in dataclasses.fields(layer))
+            tensors.extend(t for t in fields if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open() as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+class _Checkpoint:
+    """Every shard of a checkpoint behind one name -> tensor lookup (memory-mapped reads)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._where: dict[str, Path] = {}
+        self._handles = {}
+        for path in _shard_files(model_dir):
+            handle = safe_open(str(path), framework="pt", device="cpu")
+            self._handles[path] = handle
+            self._where.update(dict.fromkeys(handle.keys(), path))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+def load_weights(
+    model_dir: Path | str, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
+    ckpt = _Checkpoint(Path(model_dir))
+    packed = linear.can_pack(dtype, device)
+
+    def load(*names: str) -> torch.Tensor:
+        # Concatenate on the host in the target dtype, then move once: the device never holds
+        # the unfused copies.
+        parts = [ckpt.get(n).to(dtype) for n in names]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return t.to(device).contiguous()
+
+    def load_matrix(*names: str) -> torch.Tensor:
+        t = load(*names)
+        return linear.pack(t) if packed else t
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        layers.append(
+            LayerWeights(
+                input_norm=load(p + "input_layernorm.weight"),
+                qkv=load_matrix(
+                    attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"
+                ),
+                qkv_bias=(
+                    load(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
+                    if config.attention_bias
+                    else None
+                ),
+                o=load_matrix(attn + "o_proj.weight"),
+                post_norm=load(p + "post_attention_layernorm.weight"),
+                gate_up=load_matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=load_matrix(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = load("model.embed_tokens.weight")
+    # Tied exports may still carry a copy of lm_head.weight; the flag decides. A checkpoint
+    # without one is tied whatever its config says (the flag's default differs by family).
+    tied = config.tie_word_embeddings or "lm_head.weight" not in ckpt
+    if tied:
+        lm_head = linear.pack(embed) if packed else embed
+    else:
+        lm_head = load_matrix("lm_head.weight")
+    return ModelWeights(embed=embed, layers=layers, norm=load("model.norm.weight"), lm_head=lm_head)

@@ -1,0 +1,412 @@
+"""Behaviour of the torch engine a TE would notice: continuous batching, sampling, stop rules,
+abort, a full KV cache; and the scheduling policy as a pure function."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from services.task_executor.engines.base import EngineOutput, EngineRequest
+from services.task_executor.engines.torch_engine import TorchEngine
+from services.task_executor.engines.torch_engine.config import load_model_config
+from services.task_executor.engines.torch_engine.kv_cache import BlockAllocator
+from services.task_executor.engines.torch_engine.scheduler import (
+    SchedulerConfig,
+    SeqView,
+    schedule,
+)
+from shared.messages.api import SamplingParams
+
+VOCAB = 96
+EOS = 95
+
+
+def _write_tiny_llama(out: Path, **overrides: object) -> Path:
+    """A random Llama checkpoint written directly (no transformers import: fast)."""
+    hidden, inter, heads, kv_heads, layers = 32, 64, 4, 2, 2
+    hd = hidden // heads
+    config = {
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": EOS,
+        "torch_dtype": "float32",
+        **overrides,
+    }
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return 0.3 * torch.randn(shape, generator=gen)
+
+    tensors = {
+        "model.embed_tokens.weight": rnd(VOCAB, hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
+            p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+            p + "mlp.gate_proj.weight": rnd(inter, hidden),
+            p + "mlp.up_proj.weight": rnd(inter, hidden),
+            p + "mlp.down_proj.weight": rnd(hidden, inter),
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _engine(model_dir: Path, **kwargs: object) -> TorchEngine:
+    kwargs = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64} | kwargs
+    return TorchEngine(model_dir, **kwargs)  # type: ignore[arg-type]
+
+
+def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kwargs)  # type: ignore[arg-type]
+
+
+PROMPTS = {
+    "a": [5, 17, 42, 8, 61, 3, 29],
+    "b": [11, 2],
+    "c": [7, 70, 33, 12, 90, 45, 1, 18, 64, 23, 9],
+}
+
+
+def _drain(engine: TorchEngine, max_steps: int = 500) -> dict[str, list[EngineOutput]]:
+    outs: dict[str, list[EngineOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("the engine did not finish its requests")
+
+
+def _tokens(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def _run_alone(model_dir: Path, rid: str, params: SamplingParams) -> list[EngineOutput]:
+    engine = _engine(model_dir)
+    engine.add_request(EngineRequest(rid, PROMPTS[rid], params))
+    return _drain(engine)[rid]
+
+
+# --- continuous batching -------------------------------------------------------------------
+
+
+def test_request_joining_mid_generation_finishes_and_matches_running_alone(model_dir: Path) -> None:
+    alone = {rid: _tokens(_run_alone(model_dir, rid, greedy(12))) for rid in PROMPTS}
+
+    engine = _engine(model_dir)
+    engine.add_request(EngineRequest("a", PROMPTS["a"], greedy(12)))
+    engine.add_request(EngineRequest("b", PROMPTS["b"], greedy(12)))
+    outs: dict[str, list[EngineOutput]] = {}
+    for _ in range(4):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert engine.stats().running == 2
+    engine.add_request(EngineRequest("c", PROMPTS["c"], greedy(12)))
+    joined = engine.step()
+    assert {o.request_id for o in joined} == {"a", "b", "c"}  # c joined at the iteration boundary
+    for o in joined:
+        outs.setdefault(o.request_id, []).append(o)
+    for rid, more in _drain(engine).items():
+        outs.setdefault(rid, []).extend(more)
+
+    for rid in PROMPTS:
+        assert _tokens(outs[rid]) == alone[rid], rid
+        assert outs[rid][-1].finished and outs[rid][-1].finish_reason == "length"
+        assert all(o.num_prompt_tokens == len(PROMPTS[rid]) for o in outs[rid])
+    assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = _tokens(_run_alone(model_dir, "a", params))
+    assert _tokens(_run_alone(model_dir, "a", params)) == alone
+
+    engine = _engine(model_dir)
+    engine.add_request(EngineRequest("b", PROMPTS["b"], SamplingParams(max_tokens=16, seed=7)))
+    engine.add_request(EngineRequest("c", PROMPTS["c"], greedy(5)))
+    engine.step()
+    engine.add_request(EngineRequest("a", PROMPTS["a"], params))
+    assert _tokens(_drain(engine)["a"]) == alone
+
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert _tokens(_run_alone(model_dir, "a", other_seed)) != alone
+
+
+def test_sampling_follows_the_distribution_and_top_p_cuts_its_tail() -> None:
+    from services.task_executor.engines.torch_engine.sampling import make_generator, sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = make_generator(0)
+    draws = [sample(logits, [SamplingParams(max_tokens=1)], [g])[0] for _ in range(2000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.04)
+
+    top = SamplingParams(max_tokens=1, top_p=0.7)
+    assert set(sample(logits, [top], [g])[0] for _ in range(300)) == {0, 1}
+    assert sample(logits, [SamplingParams(max_tokens=1, temperature=0)], [g]) == [0]
+
+
+# --- stop rules ------------------------------------------------------------------------------
+
+
+def test_max_tokens_finishes_with_length(model_dir: Path) -> None:
+    outs = _run_alone(model_dir, "a", greedy(5))
+    assert len(_tokens(outs)) == 5
+    assert [o.finished for o in outs] == [False] * 4 + [True]
+    assert outs[-1].finish_reason == "length"
+
+
+def _first_new_token(tokens: list[int]) -> int:
+    """Index of the first token that did not occur before it (so stopping on it is unambiguous)."""
+    return next(i for i, t in enumerate(tokens) if t not in tokens[:i] and i > 0)
+
+
+def test_eos_finishes_with_stop_unless_ignored(model_dir: Path, tmp_path: Path) -> None:
+    free_run = _tokens(_run_alone(model_dir, "a", greedy(10)))
+    i = _first_new_token(free_run)
+    # Same weights, but the token greedy decoding reaches at step i is declared EOS, as a
+    # list in generation_config.json (config.json's own eos is kept as well).
+    eos_dir = tmp_path / "eos"
+    eos_dir.mkdir()
+    (eos_dir / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    (eos_dir / "config.json").write_text((model_dir / "config.json").read_text())
+    (eos_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [free_run[i]]}))
+    assert load_model_config(eos_dir).eos_token_ids == {EOS, free_run[i]}
+
+    engine = _engine(eos_dir)
+    engine.add_request(
+        EngineRequest("a", PROMPTS["a"], SamplingParams(max_tokens=10, temperature=0))
+    )
+    engine.add_request(EngineRequest("x", PROMPTS["a"], greedy(10)))  # ignore_eos
+    outs = _drain(engine)
+    assert _tokens(outs["a"]) == free_run[: i + 1]
+    assert outs["a"][-1].finish_reason == "stop"
+    assert _tokens(outs["x"]) == free_run
+    assert outs["x"][-1].finish_reason == "length"
+
+
+def test_stop_token_ids_finish_with_stop(model_dir: Path) -> None:
+    free_run = _tokens(_run_alone(model_dir, "c", greedy(10)))
+    i = _first_new_token(free_run)
+    outs = _run_alone(model_dir, "c", greedy(10, stop_token_ids=[free_run[i]]))
+    assert _tokens(outs) == free_run[: i + 1]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+
+
+def test_generation_is_clipped_at_max_model_len(model_dir: Path) -> None:
+    engine = _engine(model_dir, max_model_len=12)
+    assert engine.max_model_len == 12
+    engine.add_request(EngineRequest("a", PROMPTS["a"], greedy(100)))  # 7 prompt tokens
+    outs = _drain(engine)["a"]
+    assert len(_tokens(outs)) == 12 - 7
+    assert outs[-1].finish_reason == "length"
+
+
+def test_requests_the_engine_can_never_serve_are_rejected(model_dir: Path) -> None:
+    engine = _engine(model_dir, max_model_len=12)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(EngineRequest("e", [], greedy(4)))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request(EngineRequest("long", list(range(12)), greedy(4)))
+    with pytest.raises(ValueError):
+        engine.add_request(EngineRequest("vocab", [VOCAB], greedy(4)))
+    with pytest.raises(ValueError):
+        engine.add_request(EngineRequest("zero", [1], greedy(0)))
+    engine.add_request(EngineRequest("ok", list(range(11)), greedy(4)))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(EngineRequest("ok", [1], greedy(4)))
+    assert engine.stats().waiting == 1
+
+
+# --- abort and a full cache --------------------------------------------------------------
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests(model_dir: Path) -> None:
+    engine = _engine(model_dir, max_num_seqs=1)
+    total = engine.stats().total_kv_blocks
+    engine.add_request(EngineRequest("a", PROMPTS["a"], greedy(20)))
+    engine.add_request(EngineRequest("b", PROMPTS["b"], greedy(20)))
+    for _ in range(3):
+        engine.step()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting) == (1, 1)
+    assert stats.free_kv_blocks < total
+
+    engine.abort("a")
+    engine.abort("unknown")  # ignored
+    assert engine.stats().free_kv_blocks == total
+    assert [o.request_id for o in engine.step()] == ["b"]  # b takes the freed slot
+    engine.abort("b")
+    assert not engine.has_work()
+    assert engine.stats().free_kv_blocks == total
+    assert engine.step() == []
+
+
+def test_full_cache_preempts_and_recomputes_without_changing_outputs(model_dir: Path) -> None:
+    alone = {rid: _tokens(_run_alone(model_dir, rid, greedy(14))) for rid in PROMPTS}
+    # 10 blocks of 4 tokens: each request ends holding 4-7 blocks, so the three cannot all
+    # stay resident; the newest is preempted and recomputed later.
+    engine = _engine(model_dir, num_kv_blocks=10)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(EngineRequest(rid, prompt, greedy(14)))
+    outs: dict[str, list[EngineOutput]] = {}
+    saw_preemption = False
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        stats = engine.stats()
+        saw_preemption |= stats.waiting > 0 and bool(outs.get("c") or outs.get("b"))
+        assert stats.free_kv_blocks >= 0
+    assert not engine.has_work()
+    assert saw_preemption
+    for rid in PROMPTS:
+        assert _tokens(outs[rid]) == alone[rid], rid
+        assert outs[rid][-1].finish_reason == "length"
+    assert engine.stats().free_kv_blocks == 10
+
+
+def test_close_releases_the_engine(model_dir: Path) -> None:
+    engine = _engine(model_dir)
+    engine.close()
+    engine.close()
+    with pytest.raises(RuntimeError):
+        engine.step()
+
+
+# --- scheduler policy (pure) -------------------------------------------------------------
+
+CFG = SchedulerConfig(block_size=4, max_num_seqs=3, max_prefill_tokens=16, watermark_blocks=0)
+
+
+def test_scheduler_admits_fcfs_within_seqs_budget_and_blocks() -> None:
+    waiting = [SeqView("w1", 8), SeqView("w2", 8), SeqView("w3", 4)]
+    d = schedule([], waiting, free_blocks=100, config=CFG)
+    assert d.prefill == ("w1", "w2") and not d.preempt  # 16-token budget reached
+
+    d = schedule([SeqView("r1", 9, 3)], waiting, free_blocks=100, config=CFG)
+    assert d.decode == ("r1",) and d.prefill == ("w1", "w2")  # max_num_seqs = 3
+
+    d = schedule([], waiting, free_blocks=3, config=CFG)
+    assert d.prefill == ("w1",)  # w2 needs 2 more blocks; w3 must not jump the queue
+
+    d = schedule([], [SeqView("huge", 40), SeqView("w", 4)], free_blocks=100, config=CFG)
+    assert d.prefill == ("huge",)  # over budget but first: it would never start otherwise
+
+
+def test_scheduler_keeps_the_watermark_only_for_running_requests() -> None:
+    cfg = SchedulerConfig(block_size=4, max_num_seqs=8, max_prefill_tokens=100, watermark_blocks=2)
+    assert schedule([], [SeqView("w", 16)], free_blocks=4, config=cfg).prefill == ("w",)
+    d = schedule([SeqView("r", 8, 2)], [SeqView("w", 8)], free_blocks=3, config=cfg)
+    assert d.decode == ("r",) and d.prefill == ()
+
+
+def test_scheduler_preempts_the_newest_running_request_when_blocks_run_out() -> None:
+    # Each running request crosses a block boundary with its next token and needs one block.
+    running = [SeqView("old", 9, 2), SeqView("mid", 5, 1), SeqView("new", 13, 3)]
+    d = schedule(running, [SeqView("w", 4)], free_blocks=2, config=CFG)
+    assert d.preempt == ("new",)
+    assert d.decode == ("old", "mid")
+    assert d.prefill == ()  # nothing joins while the cache is short
+
+    # Preempting the newest is not always enough: it goes on until the rest fit.
+    running = [SeqView("old", 9, 2), SeqView("mid", 5, 1), SeqView("new", 2, 1)]
+    d = schedule(running, [], free_blocks=0, config=CFG)
+    assert d.preempt == ("new", "mid")
+    assert d.decode == ("old",)
+
+
+def test_scheduler_does_nothing_without_work() -> None:
+    assert schedule([], [], free_blocks=10, config=CFG).idle
+
+
+# --- block allocator -----------------------------------------------------------------------
+
+
+def test_block_allocator_counts_owners() -> None:
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3)
+    assert alloc.num_free == 1
+    alloc.fork(a[:1])  # a second owner, as prefix sharing will add
+    alloc.free(a)
+    assert alloc.num_free == 3 and alloc.ref_count(a[0]) == 1
+    alloc.free(a[:1])
+    assert alloc.num_free == 4
+    with pytest.raises(ValueError):
+        alloc.free(a[:1])
+    with pytest.raises(RuntimeError):
+        alloc.allocate(5)
+
+
+# --- checkpoint config ---------------------------------------------------------------------
+
+
+def test_config_reads_the_transformers_4_layout(tmp_path: Path) -> None:
+    raw = {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,  # not hidden / heads
+        "vocab_size": 100,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "sliding_window": 4096,
+        "eos_token_id": [7, 8],
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    cfg = load_model_config(tmp_path)
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.attention_bias) == (32, 1, False)
+    assert (cfg.rope.type, cfg.rope.theta, cfg.rope.original_max_position_embeddings) == (
+        "llama3",
+        500000.0,
+        8192,
+    )
+    assert cfg.eos_token_ids == {7, 8, 9}
+    assert cfg.torch_dtype == "bfloat16"
+
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="rope"):
+        load_model_config(tmp_path)
