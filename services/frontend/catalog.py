@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from shared.tokenization import ModelTokenizer
-
 from shared.clients import ViewWatcher
 from shared.errors import NotFound
 from shared.messages.cluster import ModelInfo
+from shared.tokenization import ModelTokenizer
 
 
 class ModelCatalog:
