@@ -83,8 +83,17 @@ class Settings(BaseSettings):
     )
 
     pool_size: int = Field(2, ge=0, description="Pre-warmed TE processes per node pool.")
-    engine: Literal["auto", "torch"] = Field(
-        "auto", description="Engine for TEs. auto: torch (OpenVINO and vLLM arrive with issue 3)."
+    engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
+        "auto",
+        description="Engine for TEs: auto picks vllm where a CUDA device and vLLM are present, "
+        "else torch.",
+    )
+    model_engines: dict[str, Literal["torch", "openvino", "vllm"]] = Field(
+        default_factory=dict,
+        description='Per-model engine, overriding MESHSERVE_ENGINE, as JSON: {"demo": "openvino"}.',
+    )
+    gpu_memory_fraction: float = Field(
+        0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
     )
     device: str = Field("auto", description="Engine device: auto, cpu, cuda, cuda:N.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import importlib
 import os
 import socket
 import sys
@@ -33,7 +34,7 @@ from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
-EngineFactory = Callable[[Path, Settings], Engine]
+EngineFactory = Callable[[str, Path, Settings], Engine]
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +80,7 @@ class TaskExecutor:
             settings.heartbeat_interval.total_seconds(),
         )
         self._load_task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()  # set once the TE listens for tasks and commands
 
     # -- observation -------------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class TaskExecutor:
         )
         self._hb.start()
         loop_task = asyncio.create_task(self._engine_loop())
+        self.ready.set()
         try:
             await self._life.wait()
             self.state = TEState.DRAINING
@@ -157,7 +160,9 @@ class TaskExecutor:
     async def _load(self, cmd: LoadModel) -> None:
         t0 = time.monotonic()
         try:
-            engine = await asyncio.to_thread(self._engine_factory, Path(cmd.path), self._settings)
+            engine = await asyncio.to_thread(
+                self._engine_factory, cmd.model, Path(cmd.path), self._settings
+            )
         except Exception as e:
             log.exception("model load failed", model=cmd.model)
             self.state, self.model, self._error = TEState.IDLE, None, f"{type(e).__name__}: {e}"
@@ -196,6 +201,12 @@ class TaskExecutor:
             raise Unavailable(f"TE {self.te_id} does not serve {task.model} now ({self.state})")
         if time.time() > task.deadline:
             raise Unavailable("the task's deadline has passed")
+        if task.mode not in self.engine.capabilities.modes:
+            raise BadRequest(
+                f"the {self.engine.name} engine of TE {self.te_id} cannot run a {task.mode} task "
+                f"(it runs: {', '.join(sorted(self.engine.capabilities.modes))})",
+                code="unsupported_task_mode",
+            )
         n = len(task.prompt_token_ids)
         if n == 0:
             raise BadRequest("the prompt is empty", param="messages")
@@ -292,7 +303,12 @@ def main() -> None:
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    import services.task_executor.engines.torch_engine  # noqa: F401
+    prewarm = {
+        "torch": "services.task_executor.engines.torch_engine",
+        "vllm": "vllm",
+        "openvino": "services.task_executor.engines.openvino_engine",
+    }[choose_engine(settings)]
+    importlib.import_module(prewarm)
 
     async def factory(settings: Settings, bus: Bus) -> TaskExecutor:
         return TaskExecutor(settings=settings, bus=bus, te_id=te_id, pool_id=pool_id)

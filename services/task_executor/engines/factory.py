@@ -3,19 +3,33 @@ so a TE pays for the imports of the one it runs."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from services.task_executor.engines.base import Engine
 from shared.settings import Settings
 
 
-def choose_engine(settings: Settings) -> str:
-    """auto: vLLM where a CUDA device is present once that engine exists; torch today."""
-    return "torch" if settings.engine == "auto" else settings.engine
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
-def create_engine(model_path: Path, settings: Settings) -> Engine:
-    kind = choose_engine(settings)
+def choose_engine(settings: Settings, model: str | None = None) -> str:
+    """The model's own engine if one is set, else MESHSERVE_ENGINE; auto means vLLM where
+    a CUDA device and vLLM are present, and meshserve's torch engine elsewhere."""
+    if model is not None and model in settings.model_engines:
+        return settings.model_engines[model]
+    if settings.engine != "auto":
+        return settings.engine
+    if importlib.util.find_spec("vllm") is not None and cuda_available():
+        return "vllm"
+    return "torch"
+
+
+def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
+    kind = choose_engine(settings, model)
     if kind == "torch":
         from services.task_executor.engines.torch_engine import TorchEngine
 
@@ -25,5 +39,14 @@ def create_engine(model_path: Path, settings: Settings) -> Engine:
             dtype=settings.dtype,
             kv_cache_bytes=settings.kv_cache_bytes,
             max_num_seqs=settings.max_num_seqs,
+        )
+    if kind == "vllm":
+        from services.task_executor.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_path,
+            dtype=settings.dtype,
+            max_num_seqs=settings.max_num_seqs,
+            gpu_memory_fraction=settings.gpu_memory_fraction,
         )
     raise ValueError(f"engine {kind!r} is not available in this build")

@@ -1,0 +1,127 @@
+"""One task executor with the real torch engine, driven over real NATS."""
+
+import asyncio
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from services.task_executor.worker import TaskExecutor
+from shared.bus import Bus
+from shared.clients import TaskExecutorClient
+from shared.errors import BadRequest, Unavailable
+from shared.messages.api import SamplingParams
+from shared.messages.base import decoder_for
+from shared.messages.cluster import TEState
+from shared.messages.scaling import LoadModel, UnloadModel
+from shared.messages.tasks import RETRY_ELSEWHERE, ChatTask, TaskMode, TokenChunk
+from shared.settings import Settings
+from shared.subjects import Subjects
+
+pytestmark = pytest.mark.nats
+
+
+@pytest.fixture
+async def te(bus: Bus, cluster: str, demo_model_dir: Path):
+    settings = Settings(cluster=cluster, heartbeat_interval=timedelta(seconds=0.2),
+                        shutdown_grace=timedelta(seconds=0.5))
+    te = TaskExecutor(settings=settings, bus=bus, te_id="te-t", pool_id="p")
+    task = asyncio.create_task(te.run())
+    await asyncio.wait_for(te.ready.wait(), 5)
+    client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
+    ack = await client.control("te-t", LoadModel(model="demo", path=str(demo_model_dir)))
+    assert ack.ok
+    deadline = time.monotonic() + 30
+    while te.state != TEState.READY:
+        assert time.monotonic() < deadline and te.state == TEState.LOADING, te._error
+        await asyncio.sleep(0.05)
+    yield te, client
+    await te.shutdown()
+    await task
+
+
+class Collected:
+    def __init__(self) -> None:
+        self.chunks: list[TokenChunk] = []
+        self.first = asyncio.Event()
+        self.done = asyncio.Event()
+
+
+async def collect(bus: Bus, subject: str) -> Collected:
+    got = Collected()
+    dec = decoder_for(TokenChunk)
+
+    async def cb(m):
+        c = dec.decode(m.data)
+        got.chunks.append(c)
+        got.first.set()
+        if c.finish_reason:
+            got.done.set()
+
+    await bus.subscribe_raw(subject, cb)
+    return got
+
+
+def task(cluster: str, rid: str, max_tokens: int = 8, **kw) -> ChatTask:
+    return ChatTask(request_id=rid, model="demo", prompt_token_ids=[0, 5, 6, 7, 8, 9],
+                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                    reply_to=Subjects(cluster).token_stream("fe", rid), deadline=time.time() + 30,
+                    **kw)
+
+
+async def test_streams_tokens_in_order_to_the_reply_subject(te, bus: Bus, cluster: str):
+    _, client = te
+    got = await collect(bus, Subjects(cluster).token_stream("fe", "r1"))
+    accepted = await client.place("te-t", task(cluster, "r1", max_tokens=8))
+    assert accepted.te_id == "te-t"
+    await asyncio.wait_for(got.done.wait(), 20)
+    chunks = got.chunks
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert sum(len(c.token_ids) for c in chunks) == 8
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 8
+    assert chunks[-1].prompt_tokens == 6
+
+
+async def test_refuses_a_task_mode_its_engine_cannot_run(te, cluster: str):
+    _, client = te
+    with pytest.raises(BadRequest) as e:
+        await client.place("te-t", task(cluster, "r2", mode=TaskMode.PREFILL))
+    assert e.value.code == "unsupported_task_mode" and "torch" in e.value.message
+
+
+async def test_refuses_another_model_and_expired_deadlines(te, cluster: str):
+    _, client = te
+    other = task(cluster, "r3")
+    other.model = "other"
+    with pytest.raises(Unavailable):
+        await client.place("te-t", other)
+    late = task(cluster, "r4")
+    late.deadline = time.time() - 1
+    with pytest.raises(Unavailable):
+        await client.place("te-t", late)
+
+
+async def test_cancel_stops_generation(te, bus: Bus, cluster: str):
+    worker, client = te
+    got = await collect(bus, Subjects(cluster).token_stream("fe", "r5"))
+    await client.place("te-t", task(cluster, "r5", max_tokens=2000))
+    await asyncio.wait_for(got.first.wait(), 20)
+    await client.cancel("te-t", "r5")
+    await asyncio.sleep(0.5)
+    n = len(got.chunks)
+    await asyncio.sleep(0.3)
+    assert len(got.chunks) == n < 2000 and not got.done.is_set()
+    assert worker.engine.stats().running == 0
+
+
+async def test_unload_hands_running_requests_back_for_a_retry(te, bus: Bus, cluster: str):
+    worker, client = te
+    got = await collect(bus, Subjects(cluster).token_stream("fe", "r6"))
+    await client.place("te-t", task(cluster, "r6", max_tokens=5000))
+    await asyncio.wait_for(got.first.wait(), 20)
+    ack = await client.control("te-t", UnloadModel(reason="test"))
+    assert ack.ok
+    await asyncio.wait_for(got.done.wait(), 5)
+    assert got.chunks[-1].finish_reason == RETRY_ELSEWHERE
+    assert worker.state == TEState.IDLE and worker.engine is None
