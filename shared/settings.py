@@ -4,6 +4,7 @@ environment elsewhere."""
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from datetime import timedelta
@@ -141,5 +142,7 @@ class Settings(BaseSettings):
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()
+            elif isinstance(value, dict | list):
+                value = json.dumps(value)  # how pydantic-settings reads complex fields back
             out[f"MESHSERVE_{name.upper()}"] = str(value)
         return out

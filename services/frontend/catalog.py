@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from shared.clients import ViewWatcher
-from shared.errors import NotFound
+from shared.errors import NotFound, Unavailable
 from shared.messages.cluster import ModelInfo
 from shared.tokenization import ModelTokenizer
 
@@ -22,6 +22,12 @@ class ModelCatalog:
         return list(self._view.view.models)
 
     def get(self, model: str) -> ModelInfo:
+        if self._view.view.version < 0:
+            # No view yet: say "not now", not "no such model".
+            raise Unavailable(
+                "The cluster view is not available yet; retry shortly.", retry_after_s=1,
+                code="starting",
+            )
         for m in self._view.view.models:
             if m.id == model:
                 return m

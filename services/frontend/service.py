@@ -47,11 +47,27 @@ TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
+CLIENT_GONE = Counter("meshserve_client_disconnects", "Clients that hung up before the end")
 
 
 def _finish_reason(reason: str | None) -> str:
     # The OpenAI schema knows only these two for a completed generation.
     return "length" if reason == "length" else "stop"
+
+
+# No tokenizer packs more characters than this into one token; a text longer than the
+# context times this cannot fit, so it is refused before the (costly) tokenization.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def _check_text_size(chars: int, max_context: int, param: str) -> None:
+    if chars > max_context * MAX_CHARS_PER_TOKEN:
+        raise BadRequest(
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"{param} hold {chars} characters, more than any {max_context}-token text. Please "
+            f"reduce the length of the {param}.",
+            param=param, code="context_length_exceeded",
+        )
 
 
 def _error_response(err: MeshserveError) -> web.Response:
@@ -119,6 +135,9 @@ class Frontend:
         runner = web.AppRunner(
             self.app(), access_log=None,
             shutdown_timeout=self._settings.shutdown_grace.total_seconds(),
+            # A client that hangs up cancels its handler, whose cleanup cancels the
+            # generation on its TE instead of running it to max_tokens for nobody.
+            handler_cancellation=True,
         )
         await runner.setup()
         site = web.TCPSite(runner, self._settings.http_host, self._settings.http_port)
@@ -174,8 +193,16 @@ class Frontend:
         req = parse_chat_request(await request.read())
         info = self._catalog.get(req.model)
         tok = await self._catalog.tokenizer(info)
+        messages = req.template_messages()
+        _check_text_size(sum(len(m.get("content") or "") for m in messages), info.max_context,
+                         "messages")
         try:
-            prompt = tok.encode_chat(req.template_messages(), add_generation_prompt=True)
+            # Off the event loop: a long prompt must not stall every other stream.
+            prompt = await asyncio.to_thread(
+                tok.encode_chat, messages, add_generation_prompt=True
+            )
+        except MeshserveError:
+            raise
         except Exception as e:  # a template may raise_exception() on messages it rejects
             raise BadRequest(f"The messages do not fit the model's chat template: {e}",
                              param="messages") from e
@@ -186,7 +213,11 @@ class Frontend:
         info = self._catalog.get(req.model)
         tok = await self._catalog.tokenizer(info)
         p = req.prompt_input()
-        prompt = tok.encode(p) if isinstance(p, str) else p
+        if isinstance(p, str):
+            _check_text_size(len(p), info.max_context, "prompt")
+            prompt = await asyncio.to_thread(tok.encode, p)
+        else:
+            prompt = p
         vocab = tok.vocab_size
         if any(t >= vocab for t in prompt):
             raise BadRequest(f"Token ids must be below the vocabulary size {vocab}.", param="prompt")
@@ -289,9 +320,10 @@ class Frontend:
             with contextlib.suppress(ConnectionError):
                 await resp.write(R.sse(R.error_body(e)))
                 await resp.write(R.SSE_DONE)
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:
+            # The client hung up mid-stream: nothing to answer; _generate cancels the task.
             log.info("client went away", request_id=rid)
-            raise
+            CLIENT_GONE.inc()
         return resp
 
 

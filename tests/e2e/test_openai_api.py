@@ -144,6 +144,28 @@ def test_bad_input_gets_openai_style_400(cluster_up, client):
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_stops_its_generation(cluster_up, stream):
+    """The TE stops generating for a client that is gone, instead of running to max_tokens."""
+    import http.client
+
+    host, port = cluster_up.url.removeprefix("http://").removesuffix("/v1").split(":")
+    # 8000 tokens take the demo model well over 4 s, the time allowed to notice the hang-up.
+    body = json.dumps({"model": "demo", "messages": MSGS, "max_tokens": 8000, "stream": stream,
+                       "ignore_eos": True})
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    deadline = time.time() + 20
+    while not any(te["running"] for te in health(cluster_up.url)["task_executors"]):
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.1)
+    conn.close()  # hang up
+    deadline = time.time() + 4
+    while any(te["running"] for te in health(cluster_up.url)["task_executors"]):
+        assert time.time() < deadline, "the generation went on after the client left"
+        time.sleep(0.2)
+
+
 def test_request_survives_the_death_of_its_task_executor(cluster_up, client):
     """SIGKILL the TE in the middle of a stream: the frontend resubmits with the tokens so
     far and the client still gets every token it asked for."""

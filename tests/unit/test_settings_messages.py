@@ -26,7 +26,8 @@ def test_settings_from_environment(monkeypatch, tmp_path):
 
 
 def test_settings_env_round_trip_to_a_child(monkeypatch):
-    s = Settings(cluster="c1", keep_alive=timedelta(seconds=3), pool_size=4)
+    s = Settings(cluster="c1", keep_alive=timedelta(seconds=3), pool_size=4,
+                 model_engines={"demo": "torch", "big": "vllm"}, nats_url="nats://x:1")
     for k, v in s.env().items():
         monkeypatch.setenv(k, v)
     assert Settings() == s
