@@ -25,6 +25,9 @@ from shared.settings import Settings
 # the cluster manager, which everybody reports to, goes last.
 SERVICES: Sequence[str] = ("cluster_manager", "scaler", "job_executor", "task_executor", "frontend")
 RESTART_BACKOFF_S = 1.0
+# A service that crashes this often within CRASH_WINDOW_S is broken, not unlucky: stop.
+MAX_CRASHES = 5
+CRASH_WINDOW_S = 60.0
 
 
 def say(msg: str) -> None:
@@ -36,6 +39,7 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     started: float
+    crashes: list[float] = dataclasses.field(default_factory=list)
 
 
 class Launcher:
@@ -44,6 +48,7 @@ class Launcher:
         self._servers: list[EmbeddedServer] = []
         self._children: dict[str, Child] = {}
         self._stop = False
+        self._crashed = False
 
     def _request_stop(self, signum: int, _frame: object) -> None:
         self._stop = True
@@ -60,14 +65,14 @@ class Launcher:
             updates["http_port"] = free_port()
         return self.settings.model_copy(update=updates)
 
-    def _spawn(self, name: str, env: dict[str, str]) -> None:
+    def _spawn(self, name: str, env: dict[str, str], crashes: list[float] | None = None) -> None:
         # Own session, so a terminal's Ctrl-C reaches only the launcher, which then stops
         # the services in order; die_with_parent covers a launcher killed outright.
         proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{name}"], env=env, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=die_with_parent,
         )
-        self._children[name] = Child(name, proc, time.monotonic())
+        self._children[name] = Child(name, proc, time.monotonic(), crashes or [])
 
     def _healthy(self, url: str) -> dict | None:
         try:
@@ -100,23 +105,32 @@ class Launcher:
                     rc = child.proc.poll()
                     if rc is None or self._stop:
                         continue
+                    now = time.monotonic()
+                    crashes = [t for t in child.crashes if now - t < CRASH_WINDOW_S] + [now]
+                    if len(crashes) >= MAX_CRASHES:
+                        say(f"{child.name} crashed {len(crashes)} times in "
+                            f"{CRASH_WINDOW_S:.0f}s (last exit {rc}); stopping the cluster")
+                        self._stop = True
+                        self._crashed = True
+                        break
                     say(f"{child.name} exited with {rc}; restarting it")
-                    if time.monotonic() - child.started < RESTART_BACKOFF_S:
+                    if now - child.started < RESTART_BACKOFF_S:
                         time.sleep(RESTART_BACKOFF_S)
-                    self._spawn(child.name, env)
+                    self._spawn(child.name, env, crashes)
                 time.sleep(0.2)
             say("stopping")
         finally:
             failed = self._shutdown()
         if failed:
             say(f"not stopped cleanly: {', '.join(failed)}")
-        return 1 if failed else 0
+        return 1 if failed or self._crashed else 0
 
     def _shutdown(self) -> list[str]:
         """Stop the services in reverse start order; names of those that did not exit 0."""
         failed: list[str] = []
-        grace = self.settings.shutdown_grace.total_seconds() + 5
         for name in reversed(SERVICES):
+            # The node pool gives its TEs shutdown_grace + 5 s before killing them.
+            grace = self.settings.shutdown_grace.total_seconds() + (15 if name == "task_executor" else 5)
             child = self._children.get(name)
             if child is None or child.proc.poll() is not None:
                 continue

@@ -52,10 +52,12 @@ class Bus:
         self._subs: list[Subscription] = []
 
     @classmethod
-    async def connect(cls, url: str, *, name: str) -> Bus:
+    async def connect(cls, url: str, *, name: str, cluster: str) -> Bus:
         nc = await nats.connect(
             url,
             name=name,
+            # Reply inboxes carry the cluster name too, like every other subject.
+            inbox_prefix=f"{cluster}._INBOX",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,

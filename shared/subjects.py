@@ -8,7 +8,7 @@ import dataclasses
 from shared.messages.api import ErrorReply
 from shared.messages.base import Message
 from shared.messages.cluster import ClusterView, GetView, JEHeartbeat, Leave, TEHeartbeat
-from shared.messages.jobs import ChatJob, JobAccepted
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
 from shared.messages.scaling import ControlAck, Drain, LoadModel, ScaleUp, UnloadModel
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 
@@ -40,9 +40,10 @@ CATALOGUE: dict[str, SubjectSpec] = {
         (ControlAck,), "scaler", "one TE", "Load or unload a model, or drain the TE.",
     ),
     "token_stream": SubjectSpec(
-        "{cluster}.inbox.{owner}.{request_id}", "publish", (TokenChunk,), (),
-        "TE", "the frontend that owns the request",
-        "Tokens of one request, streamed straight from the TE to the frontend.",
+        "{cluster}.inbox.{owner}.{request_id}", "publish", (TokenChunk, JobHeld), (),
+        "TE (tokens), job executor (JobHeld)", "the frontend that owns the request",
+        "Tokens of one request, streamed straight from the TE to the frontend; and the "
+        "notice that a JE holds the job while a model scales up.",
     ),
     "heartbeat": SubjectSpec(
         "{cluster}.cm.heartbeat", "publish", (TEHeartbeat, JEHeartbeat, Leave), (),

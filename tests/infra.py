@@ -40,8 +40,8 @@ def cluster() -> str:
 
 
 @pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    b = await Bus.connect(nats_url, name="pytest")
+async def bus(nats_url: str, cluster: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, name="pytest", cluster=cluster)
     yield b
     await b.close()
 

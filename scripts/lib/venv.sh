@@ -15,7 +15,8 @@ ensure_venv() {
   if [[ ! -f "$stamp" || "$ROOT/pyproject.toml" -nt "$stamp" ]]; then
     echo "meshserve: installing dependencies into $VENV (first run takes a minute)" >&2
     "$PY" -m pip install -q --upgrade pip >&2
-    # torch first and pinned: any other request pulls a multi-GB CUDA build.
+    # torch first and pinned. On this project's machines 2.13.0 resolves to a local CPU
+    # wheel; any other request (or an index without that wheel) pulls a multi-GB CUDA build.
     "$PY" -m pip install -q "torch==2.13.0" >&2
     "$PY" -m pip install -q -e "$ROOT[dev]" "torch==2.13.0" >&2
     touch "$stamp"

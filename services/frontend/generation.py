@@ -1,7 +1,7 @@
-"""One generation: submit the job, receive the TE's token stream, and resubmit if the TE
-dies or gives the request back, so an accepted request survives the loss of any one
-process. A resubmission carries the tokens produced so far, so greedy output continues
-exactly where it stopped."""
+"""One generation: submit the job, receive the TE's token stream, and resubmit if the JE
+holding it or the TE running it dies or gives it back, so an accepted request survives
+the loss of any one process. A resubmission carries the tokens produced so far, so greedy
+output continues exactly where it stopped."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import msgspec
 from nats.aio.msg import Msg
@@ -19,7 +19,7 @@ from shared.errors import Internal, MeshserveError, Unavailable
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
-from shared.messages.jobs import ChatJob
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
 from shared.messages.tasks import RETRY_ELSEWHERE, TokenChunk
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -27,30 +27,35 @@ from shared.subjects import Subjects
 log = get_logger(__name__)
 
 MAX_ATTEMPTS = 4
-# How often a waiting stream checks that its TE is still in the cluster view.
-LIVENESS_POLL_S = 0.5
+# How often a waiting generation checks that its JE or TE is still in the cluster view.
+LIVENESS_POLL_S = 0.25
 
-_chunk_decoder = decoder_for(TokenChunk)
+_stream_decoder = decoder_for(TokenChunk, JobHeld)
 
 
 class StreamRouter:
     """One subscription for all of this frontend's token streams; chunks are routed to the
-    queue of their request."""
+    queue of their attempt, JobHeld notices to its holder slot."""
 
     def __init__(self, owner: str, subjects: Subjects) -> None:
         self.owner = owner
         self._subjects = subjects
         self._queues: dict[str, asyncio.Queue[TokenChunk]] = {}
+        self.holders: dict[str, str] = {}  # attempt key -> id of the JE holding it
 
     async def on_msg(self, m: Msg) -> None:
         try:
-            chunk = _chunk_decoder.decode(m.data)
+            msg = _stream_decoder.decode(m.data)
         except msgspec.DecodeError:
-            log.warning("undecodable token chunk", subject=m.subject)
+            log.warning("undecodable message on a token stream", subject=m.subject)
             return
-        q = self._queues.get(chunk.request_id)
+        if isinstance(msg, JobHeld):
+            if msg.request_id in self._queues:
+                self.holders[msg.request_id] = msg.je_id
+            return
+        q = self._queues.get(msg.request_id)
         if q is not None:
-            q.put_nowait(chunk)
+            q.put_nowait(msg)
 
     def open(self, key: str) -> tuple[str, asyncio.Queue[TokenChunk]]:
         q: asyncio.Queue[TokenChunk] = asyncio.Queue()
@@ -59,6 +64,28 @@ class StreamRouter:
 
     def close(self, key: str) -> None:
         self._queues.pop(key, None)
+        self.holders.pop(key, None)
+
+
+class AbsenceClock:
+    """Whether a member has been missing from the cluster view for longer than a grace
+    period. The grace keeps a view that is briefly incomplete (a cluster manager that has
+    just restarted) from reading as the death of every member."""
+
+    def __init__(self, grace_s: float) -> None:
+        self._grace = grace_s
+        self._missing_since: dict[str, float] = {}
+
+    def gone(self, member: str, present: Iterable[str]) -> bool:
+        now = time.monotonic()
+        if member in present:
+            self._missing_since.pop(member, None)
+            return False
+        return now - self._missing_since.setdefault(member, now) > self._grace
+
+
+class _Lost(Exception):
+    """The JE holding the job died before placing it."""
 
 
 @dataclasses.dataclass
@@ -76,9 +103,11 @@ class Generation:
     finish_reason: str | None = None
     cached_tokens: int = 0
     first_token_at: float | None = None
-    _te_id: str | None = None
-    _key: str | None = None
     on_attempt: Callable[[int, str], None] | None = None
+    _attempt: tuple[str, str] | None = None  # (te_id, key) of the attempt now streaming
+
+    def __post_init__(self) -> None:
+        self._absence = AbsenceClock(2 * self.settings.heartbeat_interval.total_seconds())
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Yield token ids as they arrive until the request finishes."""
@@ -87,35 +116,70 @@ class Generation:
         for attempt in range(MAX_ATTEMPTS):
             key = f"{self.request_id}-{attempt}"
             subject, queue = self.router.open(key)
-            self._key = key
             try:
-                remaining = self.sampling.max_tokens - len(self.generated)
-                job = ChatJob(
-                    request_id=key,
-                    model=self.model,
-                    prompt_token_ids=self.prompt_token_ids + self.generated,
-                    sampling=msgspec.structs.replace(self.sampling, max_tokens=remaining),
-                    reply_to=subject,
-                    deadline=time.time() + self.settings.placement_timeout.total_seconds(),
-                    attempt=attempt,
-                    exclude_te_ids=exclude,
-                )
-                accepted = await self.jobs.submit(
-                    job, timeout=self.settings.placement_timeout.total_seconds() + 5
-                )
-                self._te_id = accepted.te_id
+                try:
+                    accepted = await self._submit(key, subject, attempt, exclude)
+                except _Lost:
+                    continue
+                self._attempt = (accepted.te_id, key)
                 if self.on_attempt:
                     self.on_attempt(attempt, accepted.te_id)
                 async for ids in self._receive(queue, accepted.te_id, deadline):
                     yield ids
                 if self.finish_reason is not None:
                     return
+                # Lost or handed back. If the TE is in fact alive, it must stop before the
+                # request runs elsewhere.
+                await self.cancel()
+                self._attempt = None
                 exclude.append(accepted.te_id)
                 log.warning("resubmitting request", request_id=self.request_id,
                             te=accepted.te_id, generated=len(self.generated))
             finally:
                 self.router.close(key)
-        raise Unavailable(f"request {self.request_id} failed on {MAX_ATTEMPTS} task executors")
+        raise Unavailable(
+            f"The request failed on {MAX_ATTEMPTS} task executors; retry later.",
+            retry_after_s=self.settings.retry_after.total_seconds(),
+        )
+
+    async def _submit(self, key: str, subject: str, attempt: int, exclude: list[str]) -> JobAccepted:
+        placement = self.settings.placement_timeout.total_seconds()
+        job = ChatJob(
+            request_id=key,
+            model=self.model,
+            prompt_token_ids=self.prompt_token_ids + self.generated,
+            sampling=msgspec.structs.replace(
+                self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated)
+            ),
+            reply_to=subject,
+            deadline=time.time() + placement,
+            attempt=attempt,
+            exclude_te_ids=exclude,
+        )
+        submit = asyncio.create_task(self.jobs.submit(job, timeout=placement + 5))
+        try:
+            while True:
+                done, _ = await asyncio.wait({submit}, timeout=LIVENESS_POLL_S)
+                if done:
+                    break
+                holder = self.router.holders.get(key)
+                if holder and self._member_gone(holder, (je.je_id for je in self.view.view.jes)):
+                    log.warning("job executor lost while holding the job", je=holder,
+                                request_id=self.request_id)
+                    raise _Lost
+            return submit.result()
+        except Unavailable as e:
+            if e.code == "unavailable":  # the bus's own failure, not a JE's verdict
+                raise Unavailable(
+                    "No job executor answered in time; retry later.",
+                    retry_after_s=self.settings.retry_after.total_seconds(),
+                ) from e
+            raise
+        finally:
+            submit.cancel()
+
+    def _member_gone(self, member: str, present: Iterable[str]) -> bool:
+        return self.view.view.version >= 0 and self._absence.gone(member, set(present))
 
     async def _receive(
         self, queue: asyncio.Queue[TokenChunk], te_id: str, deadline: float
@@ -127,12 +191,12 @@ class Generation:
             except TimeoutError:
                 if time.time() > deadline:
                     raise Unavailable("the request timed out") from None
-                if self.view.view.version >= 0 and all(
-                    te.te_id != te_id for te in self.view.view.tes
-                ):
+                if self._member_gone(te_id, (te.te_id for te in self.view.view.tes)):
                     log.warning("task executor lost", te=te_id, request_id=self.request_id)
                     return
                 continue
+            if chunk.te_id and chunk.te_id != te_id:
+                continue  # a TE the JE gave up on after all started: not this attempt's
             if chunk.finish_reason == RETRY_ELSEWHERE:
                 return
             if chunk.finish_reason == "error":
@@ -148,7 +212,9 @@ class Generation:
                 return
 
     async def cancel(self) -> None:
-        """Stop the generation on its TE (the client left, or a stop string was hit)."""
-        if self.finish_reason is None and self._te_id and self._key:
+        """Stop the generation on its TE (the client left, a stop string was hit, or the
+        attempt is being abandoned)."""
+        if self.finish_reason is None and self._attempt is not None:
+            te_id, key = self._attempt
             with contextlib.suppress(MeshserveError):
-                await self.tes.cancel(self._te_id, self._key)
+                await self.tes.cancel(te_id, key)

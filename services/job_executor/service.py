@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -12,10 +13,10 @@ from collections import defaultdict
 from services.job_executor.scheduling import pick_te
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
-from shared.errors import MeshserveError, NotFound, Unavailable
+from shared.errors import Internal, MeshserveError, NotFound, Unavailable
 from shared.logging import get_logger
-from shared.messages.cluster import ClusterView, JEHeartbeat
-from shared.messages.jobs import ChatJob, JobAccepted
+from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
 from shared.messages.scaling import ScaleUp
 from shared.messages.tasks import ChatTask
 from shared.runner import Lifecycle
@@ -93,7 +94,8 @@ class JobExecutor:
 
     async def _place(self, job: ChatJob) -> JobAccepted:
         log.debug("job received", request_id=job.request_id, model=job.model, attempt=job.attempt)
-        exclude = set(job.exclude_te_ids)
+        refused: set[str] = set()  # TEs that refused or did not answer, until the next view
+        held = False
         while True:
             view = self._view.view
             if view.version >= 0 and not any(m.id == job.model for m in view.models):
@@ -101,20 +103,36 @@ class JobExecutor:
                     f"The model `{job.model}` does not exist.", param="model",
                     code="model_not_found",
                 )
+            if failure := self._load_failure(job.model, view):
+                await self._demand(job.model)  # the scaler retries, with backoff
+                raise Internal(f"The model `{job.model}` failed to load: {failure}")
             placed = {te: len(ts) for te, ts in self._placed.items()}
-            decision = pick_te(job.model, view.tes, placed, exclude)
+            # TEs this request already failed on are a last resort, not banned: a TE that
+            # gave the request back while unloading may be the model's only instance.
+            decision = pick_te(job.model, view.tes, placed, refused | set(job.exclude_te_ids))
+            if decision.te_id is None and job.exclude_te_ids:
+                decision = pick_te(job.model, view.tes, placed, refused)
             if decision.te_id is not None:
                 try:
                     await self._tes.place(decision.te_id, self._task(job))
                 except Unavailable as e:
-                    # That TE is gone or not serving the model any more: try another.
-                    log.info("placement refused", te=decision.te_id, error=str(e))
-                    exclude.add(decision.te_id)
+                    # Refused, or no answer in time: it may still have taken the task, so
+                    # cancel it there before trying elsewhere.
+                    log.info("placement failed", te=decision.te_id, error=str(e))
+                    with contextlib.suppress(MeshserveError):
+                        await self._tes.cancel(decision.te_id, job.request_id)
+                    refused.add(decision.te_id)
                     continue
                 self._placed[decision.te_id].append(time.time())
                 log.info("job placed", request_id=job.request_id, te=decision.te_id)
                 return JobAccepted(request_id=job.request_id, te_id=decision.te_id, je_id=self.je_id)
-            if decision.scale_up or exclude:
+            if not held:
+                held = True
+                with contextlib.suppress(MeshserveError):
+                    await self._bus.publish(
+                        job.reply_to, JobHeld(request_id=job.request_id, je_id=self.je_id)
+                    )
+            if decision.scale_up or refused:
                 await self._demand(job.model)
             remaining = job.deadline - time.time()
             if remaining <= 0 or self._life.stopping:
@@ -125,7 +143,14 @@ class JobExecutor:
                     code="no_capacity",
                 )
             await self._view.wait_change(min(remaining, 0.5))
-            exclude = set(job.exclude_te_ids)  # a new view may have revived them
+            refused.clear()
+
+    @staticmethod
+    def _load_failure(model: str, view: ClusterView) -> str | None:
+        """The error of a recent failed load of the model, when no instance is up or coming."""
+        if any(te.model == model and te.state in (TEState.READY, TEState.LOADING) for te in view.tes):
+            return None
+        return next((te.error for te in view.tes if te.failed_model == model and te.error), None)
 
     async def _demand(self, model: str) -> None:
         now = time.monotonic()

@@ -2,7 +2,7 @@
 
 Scale from zero: a model with fresh demand and no instance (ready or loading) gets an
 idle pre-warmed TE, preferring the node pool with the most idle TEs (it has the most
-room left). Scale to zero: a ready TE with nothing running or waiting and no activity
+room left); after failed loads, the next try waits an exponential backoff. Scale to zero: a ready TE with nothing running or waiting and no activity
 for keep_alive is unloaded."""
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ from shared.messages.cluster import TEHeartbeat, TEState
 class ScalerConfig:
     keep_alive_s: float
     demand_ttl_s: float = 10.0  # a demand older than this is forgotten
+    backoff_base_s: float = 2.0  # wait after a model's first failed load, doubled per failure
+    backoff_max_s: float = 60.0
+
+
+def load_backoff(failures: int, cfg: ScalerConfig) -> float:
+    """Seconds to wait before loading a model again after `failures` failed loads in a row."""
+    if failures <= 0:
+        return 0.0
+    return min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (failures - 1))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,14 +51,19 @@ def decide(
     *,
     now: float,
     cfg: ScalerConfig,
+    failed: Mapping[str, tuple[int, float]] | None = None,  # model -> (failures, last at)
 ) -> list[Action]:
     actions: list[Action] = []
     serving = {te.model for te in tes if te.state in (TEState.READY, TEState.LOADING)}
     serving |= set(pending.values())
     idle = [te for te in tes if te.state == TEState.IDLE and te.te_id not in pending]
     idle_per_pool = Counter(te.pool_id for te in idle)
+    failed = failed or {}
     for model in sorted(m for m, at in demands.items() if now - at <= cfg.demand_ttl_s):
         if model in serving or not idle:
+            continue
+        count, last = failed.get(model, (0, 0.0))
+        if now - last < load_backoff(count, cfg):
             continue
         te = max(idle, key=lambda t: (idle_per_pool[t.pool_id], t.te_id))
         idle.remove(te)

@@ -10,6 +10,7 @@ from shared.bus import Bus
 from shared.clients import TaskExecutorClient, ViewWatcher
 from shared.errors import MeshserveError
 from shared.logging import get_logger
+from shared.messages.cluster import TEState
 from shared.messages.scaling import LoadModel, ScaleUp, UnloadModel
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -33,6 +34,7 @@ class Scaler:
         self._cfg = ScalerConfig(keep_alive_s=settings.keep_alive.total_seconds())
         self._demands: dict[str, float] = {}
         self._pending: dict[str, tuple[str, float]] = {}  # te_id -> (model, sent at)
+        self._failed: dict[str, tuple[int, float]] = {}  # model -> (failures in a row, last)
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -66,14 +68,24 @@ class Scaler:
         in_view = {te.te_id: te for te in view.tes}
         for te_id, (model, at) in list(self._pending.items()):
             te = in_view.get(te_id)
-            if te is None or te.model == model or now - at > PENDING_TTL_S:
+            if te is not None and te.failed_model == model:
+                count = self._failed.get(model, (0, 0.0))[0] + 1
+                self._failed[model] = (count, now)
+                log.warning("model load failed", model=model, te=te_id, failures=count,
+                            error=te.error)
                 del self._pending[te_id]
+            elif te is None or te.model == model or now - at > PENDING_TTL_S:
+                del self._pending[te_id]
+        for te in view.tes:
+            if te.state == TEState.READY and te.model is not None:
+                self._failed.pop(te.model, None)
         actions = decide(
             view.tes,
             self._demands,
             {te: m for te, (m, _) in self._pending.items()},
             now=now,
             cfg=self._cfg,
+            failed=self._failed,
         )
         paths = {m.id: m.path for m in view.models}
         for action in actions:

@@ -36,6 +36,9 @@ log = get_logger(__name__)
 
 EngineFactory = Callable[[str, Path, Settings], Engine]
 
+# Longest a stopping TE waits for the engine step in flight.
+STEP_STOP_TIMEOUT_S = 30.0
+
 
 @dataclasses.dataclass(slots=True)
 class _Stream:
@@ -66,11 +69,13 @@ class TaskExecutor:
         self.model: str | None = None
         self.engine: Engine | None = None
         self._error: str | None = None
+        self._failed_model: str | None = None
         self._streams: dict[str, _Stream] = {}
         self._adds: list[EngineRequest] = []
         self._aborts: set[str] = set()
         self._work = asyncio.Event()
-        self._step_lock = asyncio.Lock()  # held while a step runs; unload waits for it
+        self._step_lock = asyncio.Lock()  # held while an iteration runs; unload waits for it
+        self._closing = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_active = time.time()
@@ -89,6 +94,7 @@ class TaskExecutor:
             te_id=self.te_id, pool_id=self.pool_id, host=socket.gethostname(), pid=os.getpid(),
             state=self.state, started_at=self._started, model=self.model,
             last_active=self._last_active, error=self._error, sent_at=time.time(),
+            failed_model=self._failed_model,
             engine=choose_engine(self._settings),
         )
         if self.engine is not None:
@@ -126,9 +132,14 @@ class TaskExecutor:
             self._hb.beat_now()
             await self._drain(self._settings.shutdown_grace.total_seconds())
         finally:
-            loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop_task
+            # Let a step in flight finish (a thread cannot be interrupted) before the
+            # engine is closed under it.
+            self._closing = True
+            self._work.set()
+            try:
+                await asyncio.wait_for(loop_task, STEP_STOP_TIMEOUT_S)
+            except TimeoutError:
+                log.error("engine step did not finish; closing anyway")
             await self._hb.stop()
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             if self.engine is not None:
@@ -152,7 +163,8 @@ class TaskExecutor:
     async def _on_load(self, cmd: LoadModel) -> ControlAck:
         if self.state != TEState.IDLE:
             return ControlAck(te_id=self.te_id, ok=False, error=f"TE is {self.state}, not idle")
-        self.state, self.model, self._error = TEState.LOADING, cmd.model, None
+        self.state, self.model = TEState.LOADING, cmd.model
+        self._error = self._failed_model = None
         self._hb.beat_now()
         self._load_task = asyncio.create_task(self._load(cmd))
         return ControlAck(te_id=self.te_id, ok=True)
@@ -166,6 +178,7 @@ class TaskExecutor:
         except Exception as e:
             log.exception("model load failed", model=cmd.model)
             self.state, self.model, self._error = TEState.IDLE, None, f"{type(e).__name__}: {e}"
+            self._failed_model = cmd.model
         else:
             self.engine = engine
             self.state = TEState.READY
@@ -228,23 +241,28 @@ class TaskExecutor:
             self._work.set()
 
     async def _engine_loop(self) -> None:
-        while True:
+        while not self._closing:
             await self._work.wait()
             self._work.clear()
-            while (engine := self.engine) is not None:
-                await self._apply_queued(engine)
-                if not engine.has_work():
-                    break
+            while not self._closing and (engine := self.engine) is not None:
                 try:
+                    # The whole iteration holds the lock: an unload waits for it to end
+                    # rather than closing the engine under a running step.
                     async with self._step_lock:
+                        if self.engine is not engine:
+                            break
+                        await self._apply_queued(engine)
+                        if not engine.has_work():
+                            break
                         outputs = await asyncio.to_thread(engine.step)
+                    await self._emit(outputs)
                 except Exception as e:
-                    log.exception("engine step failed")
+                    log.exception("engine iteration failed")
                     for request_id in list(self._streams):
-                        engine.abort(request_id)
+                        with contextlib.suppress(Exception):
+                            engine.abort(request_id)
                         await self._finish(request_id, "error", error=f"engine failure: {e}")
                     break
-                await self._emit(outputs)
             if not self._streams:
                 self._idle.set()
 
@@ -273,7 +291,7 @@ class TaskExecutor:
                 request_id=out.request_id, seq=stream.seq, token_ids=out.new_token_ids,
                 finish_reason=out.finish_reason if out.finished else None,
                 prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated,
-                cached_tokens=out.num_cached_tokens,
+                cached_tokens=out.num_cached_tokens, te_id=self.te_id,
             )
             stream.seq += 1
             if out.finished:
@@ -290,6 +308,7 @@ class TaskExecutor:
         chunk = TokenChunk(
             request_id=request_id, seq=stream.seq, token_ids=[], finish_reason=reason,
             prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated, error=error,
+            te_id=self.te_id,
         )
         with contextlib.suppress(Unavailable):
             await self._bus.publish(stream.reply_to, chunk, request_id=request_id)

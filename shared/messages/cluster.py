@@ -35,6 +35,7 @@ class TEHeartbeat(Message):
     last_active: float = 0.0  # unix seconds of the last task accepted or token produced
     error: str | None = None  # why the last load failed
     sent_at: float = 0.0  # unix seconds; load reported here includes tasks placed before it
+    failed_model: str | None = None  # the model whose last load failed (see error)
 
 
 class JEHeartbeat(Message):

@@ -26,3 +26,11 @@ class JobAccepted(Message):
     request_id: str
     te_id: str
     je_id: str
+
+
+class JobHeld(Message):
+    """Sent by a JE to the job's reply_to when it starts holding a job it cannot place yet
+    (waiting for a scale-up), so the frontend can resubmit if that JE dies meanwhile."""
+
+    request_id: str
+    je_id: str

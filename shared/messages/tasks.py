@@ -55,3 +55,4 @@ class TokenChunk(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    te_id: str = ""  # the sender: a frontend drops chunks of a TE its attempt did not land on

@@ -129,3 +129,7 @@ def test_error_reply_round_trip():
     err = from_reply(back)
     assert isinstance(err, Unavailable) and err.retry_after_s == 3
     assert SamplingParams(max_tokens=3).temperature == 1.0
+
+
+async def test_reply_inboxes_carry_the_cluster_name(bus: Bus, cluster: str):
+    assert bus.new_inbox().startswith(f"{cluster}._INBOX.")

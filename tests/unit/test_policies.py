@@ -2,7 +2,7 @@
 
 from services.cluster_manager.membership import expired, identity
 from services.job_executor.scheduling import pick_te
-from services.scaler.policy import Load, ScalerConfig, Unload, decide
+from services.scaler.policy import Load, ScalerConfig, Unload, decide, load_backoff
 from shared.messages.cluster import TEHeartbeat, TEState
 
 
@@ -65,6 +65,16 @@ class TestScaler:
         recent = te("c", model="n", last_active=50.0)
         acts = decide([idle_long, busy, recent], {}, {}, now=100, cfg=self.cfg)
         assert acts == [Unload(te_id="a", model="m")]
+
+    def test_failed_loads_back_off_exponentially(self):
+        idle = te("i", TEState.IDLE, None)
+        once = {"m": (1, 100.0)}
+        assert decide([idle], {"m": 100.5}, {}, now=101.0, cfg=self.cfg, failed=once) == []
+        assert decide([idle], {"m": 102.5}, {}, now=102.5, cfg=self.cfg, failed=once) != []
+        thrice = {"m": (3, 100.0)}
+        assert load_backoff(3, self.cfg) == 8.0
+        assert decide([idle], {"m": 107.0}, {}, now=107.0, cfg=self.cfg, failed=thrice) == []
+        assert load_backoff(30, self.cfg) == 60.0
 
     def test_recent_demand_keeps_a_model_alive(self):
         acts = decide([te("a", last_active=0.0)], {"m": 90.0}, {}, now=100, cfg=self.cfg)
