@@ -10,6 +10,11 @@ The bound is what a decode step costs if it only streams the weights once at the
 memory bandwidth: ``batch × bandwidth ÷ weight bytes`` tokens per second (KV reads ignored;
 they are small at these lengths).
 
+A second table (prefix caching) gives, per model and dtype, the time to first token of a request
+whose 1,024-token prefix is in the prefix cache against one whose prefix is not (both add the
+same number of fresh tokens after it), and prefill tok/s of a 512-token prompt.
+``--no-decode`` / ``--no-prefix-cache`` run one table only.
+
 Checkpoints come from shared.modelgen and are generated under --models-dir when missing.
 
 On a shared host a busy neighbour ruins CPU timings (with every core in use, each parallel op
@@ -21,6 +26,7 @@ counts of retried runs are in the JSON).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -270,6 +276,119 @@ def goals(rows: list[dict[str, Any]], model: str, dtype: str) -> dict[str, Any]:
     return out
 
 
+# --- prefix caching: time to first token with a cached prefix, and prefill speed -------------
+
+
+def _first_token_s(engine: TorchEngine, prompt: list[int]) -> float:
+    """Seconds from queueing a one-token request to its token (its TTFT on an idle engine)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    engine.add_request(EngineRequest(f"p{time.monotonic_ns()}", prompt, params))
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t
+
+
+def bench_prefix_cache(
+    name: str, path: Path, dtype: str, args: argparse.Namespace, neighbours: Neighbours
+) -> dict[str, Any]:
+    """TTFT of a request whose prefix is cached vs one whose prefix is not (same lengths:
+    the prefix plus a fresh suffix), and prefill tok/s of a prompt with nothing cached."""
+    plen, slen, flen = args.cached_prefix_len, args.suffix_len, args.prefill_len
+    total = max(plen + slen, flen) + BLOCK_SIZE
+    engine = TorchEngine(
+        path,
+        device="cpu",
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        # Room for two prompts at once, so caching one never evicts the other mid-run.
+        num_kv_blocks=3 * blocks_for(total, BLOCK_SIZE),
+        max_num_seqs=2,
+        max_model_len=total,
+        max_prefill_tokens=total,
+    )
+    vocab = engine.config.vocab_size
+
+    def fresh(n: int, seed: int) -> list[int]:
+        return prompts_for(1, n, vocab, seed=seed)[0]
+
+    # Warm-up: oneDNN builds kernels per shape; run each shape once, cached and not.
+    warm = fresh(plen, 1000)
+    _first_token_s(engine, warm + fresh(slen, 1001))
+    _first_token_s(engine, warm + fresh(slen, 1002))
+    _first_token_s(engine, fresh(flen, 1003))
+
+    # Every timed run, retries included, gets tokens never seen before (a retried "uncached"
+    # run would otherwise find its prefix cached by the first try).
+    seeds = itertools.count(2000)
+    prefix: list[int] = []
+
+    def uncached_run() -> float:
+        nonlocal prefix
+        prefix = fresh(plen, next(seeds))  # left in the cache for cached_run
+        return _first_token_s(engine, prefix + fresh(slen, next(seeds)))
+
+    def cached_run() -> float:
+        return _first_token_s(engine, prefix + fresh(slen, next(seeds)))
+
+    uncached, cached, prefill = [], [], []
+    for _ in range(args.reps):
+        uncached.append(neighbours.timed(uncached_run))
+        cached.append(neighbours.timed(cached_run))
+        prefill.append(
+            flen / neighbours.timed(lambda: _first_token_s(engine, fresh(flen, next(seeds))))
+        )
+    stats = engine.stats()
+    engine.close()
+    row = {
+        "model": name,
+        "dtype": dtype,
+        "cached_prefix_len": plen,
+        "suffix_len": slen,
+        "ttft_uncached_ms": 1e3 * statistics.median(uncached),
+        "ttft_cached_ms": 1e3 * statistics.median(cached),
+        "prefill_len": flen,
+        "prefill_tok_s": statistics.median(prefill),
+        "cache_hit_tokens": stats.prefix_cache_hit_tokens,
+        "uncached_samples_s": uncached,
+        "cached_samples_s": cached,
+    }
+    row["ttft_ratio"] = row["ttft_cached_ms"] / row["ttft_uncached_ms"]
+    print_prefix_row(row, flush=True)
+    return row
+
+
+PREFIX_HEADER = (
+    f"{'model':<18} {'dtype':<9} {'prefix':>6} {'ttft uncached ms':>16} "
+    f"{'ttft cached ms':>14} {'ratio':>6} {'prefill tok/s':>13}"
+)
+
+
+def print_prefix_row(row: dict[str, Any], *, flush: bool = False) -> None:
+    print(
+        f"{row['model']:<18} {row['dtype']:<9} {row['cached_prefix_len']:>6} "
+        f"{row['ttft_uncached_ms']:>16.1f} {row['ttft_cached_ms']:>14.1f} "
+        f"{row['ttft_ratio']:>6.3f} {row['prefill_tok_s']:>13.1f}",
+        flush=flush,
+    )
+
+
+def run_prefix_cache_bench(
+    plan: list[tuple[str, str]], args: argparse.Namespace, neighbours: Neighbours
+) -> list[dict[str, Any]]:
+    print(
+        f"\nprefix cache: TTFT of {args.cached_prefix_len} cached + {args.suffix_len} new tokens"
+        f" vs all {args.cached_prefix_len + args.suffix_len} new (goal: ratio <= 0.2);"
+        f" prefill of {args.prefill_len} tokens; median of {args.reps}\n"
+    )
+    print(PREFIX_HEADER)
+    rows = []
+    for name, dtype in plan:
+        path = ensure_model(name, args.models_dir)
+        rows.append(bench_prefix_cache(name, path, dtype, args, neighbours))
+    return rows
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -291,6 +410,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "engine.json")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode throughput table")
+    p.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix cache table")
+    p.add_argument("--cached-prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=16, help="new tokens after the prefix")
+    p.add_argument("--prefill-len", type=int, default=512)
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2")
@@ -304,8 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     neighbours = Neighbours()
     bandwidth = neighbours.timed(measure_bandwidth)
     print(f"torch {torch.__version__}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s")
-    print(f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.reps}\n")
-    print(HEADER)
     rows: list[dict[str, Any]] = []
     plan: list[tuple[str, str]] = []
     for name in args.models.split(","):
@@ -313,9 +435,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
         dtypes = args.demo_dtypes if name == "demo" else args.bench_dtypes
         plan.extend((name, d) for d in dtypes.split(","))
-    for name, dtype in plan:
-        path = ensure_model(name, args.models_dir)
-        rows.extend(bench_model(name, path, dtype, args, bandwidth, neighbours))
+    if not args.no_decode:
+        print(
+            f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.reps}\n"
+        )
+        print(HEADER)
+        for name, dtype in plan:
+            path = ensure_model(name, args.models_dir)
+            rows.extend(bench_model(name, path, dtype, args, bandwidth, neighbours))
+    prefix_rows = [] if args.no_prefix_cache else run_prefix_cache_bench(plan, args, neighbours)
 
     result = {
         "host": {
@@ -332,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "contended_runs_repeated": neighbours.retries,
         "rows": rows,
         "goals": [goals(rows, name, dtype) for name, dtype in plan],
+        "prefix_cache": prefix_rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
@@ -342,7 +471,13 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"engine/hf at batch 1 = {g['engine_vs_hf_batch1']:.2f} (goal >= 1)")
         if "batch8_vs_batch1" in g:
             parts.append(f"batch 8 / batch 1 = {g['batch8_vs_batch1']:.1f}x (goal >= 4)")
-        print(f"{g['model']} {g['dtype']}: " + "; ".join(parts))
+        if parts:
+            print(f"{g['model']} {g['dtype']}: " + "; ".join(parts))
+    for r in prefix_rows:
+        print(
+            f"{r['model']} {r['dtype']}: cached/uncached TTFT = {r['ttft_ratio']:.3f}"
+            f" (goal <= 0.2); prefill {r['prefill_tok_s']:.0f} tok/s"
+        )
     print(f"\nwrote {args.out}")
     return 0
 

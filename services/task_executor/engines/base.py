@@ -4,6 +4,11 @@ An engine is synchronous and single-threaded: the TE shell calls ``add_request``
 ``abort`` between iterations and ``step`` in a worker thread, one call at a time. Each
 ``step`` runs one iteration of continuous batching (new requests join at iteration
 boundaries, finished ones leave) and returns the tokens it produced.
+
+Optional capabilities add engine-specific methods, same threading rule: with ``prefix_cache``,
+``drain_kv_events() -> list[kv_events.KvEvent]`` (what a router indexes); with ``kv_export`` /
+``kv_import``, ``export_kv(request_id)`` and ``import_kv(export, request)`` (PD hand-over; the
+torch engine's ``KvExport`` is the format).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class EngineStats:
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # cumulative prompt tokens found there (not recomputed)
 
 
 class Engine(Protocol):

@@ -1,9 +1,15 @@
-"""TorchEngine: meshserve's own model runner behind the Engine protocol."""
+"""TorchEngine: meshserve's own model runner behind the Engine protocol.
+
+Beyond the protocol it caches prefixes (``prefix_cache``: blocks shared by content, a host tier,
+pins, KV events for a router) and moves a request's KV between instances (``export_kv`` /
+``import_kv``, the base of PD disaggregation).
+"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,13 +21,21 @@ from services.task_executor.engines.base import (
     EngineRequest,
     EngineStats,
 )
+from services.task_executor.engines.kv_events import KvEvent
 from services.task_executor.engines.torch_engine import sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
+from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
 from services.task_executor.engines.torch_engine.model import SeqChunk, Transformer, build_batch
+from services.task_executor.engines.torch_engine.prefix_cache import (
+    PrefixCache,
+    chain_hashes,
+    extend_chain,
+)
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
+    blocks_needed,
     schedule,
 )
 from services.task_executor.engines.torch_engine.weights import load_weights
@@ -46,6 +60,12 @@ class _Request:
     generator: torch.Generator
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V is in the cache
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full blocks
+    num_committed: int = 0  # leading blocks already offered to the prefix cache's index
+    num_cached_tokens: int | None = None  # served from the cache at the first admission
+    reported_cached: bool = False  # the first output (which carries num_cached_tokens) is out
+    retain_kv: bool = False  # keep the KV after finishing, for export_kv
+    imported_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, hd], until admitted
 
     @property
     def num_output(self) -> int:
@@ -74,7 +94,9 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
 
 class TorchEngine:
     name = "torch"
-    capabilities = EngineCapabilities(modes=frozenset({TaskMode.COLOCATED}))
+    capabilities = EngineCapabilities(
+        modes=frozenset({TaskMode.COLOCATED}), prefix_cache=True, kv_export=True, kv_import=True
+    )
 
     def __init__(
         self,
@@ -88,10 +110,17 @@ class TorchEngine:
         max_num_seqs: int = 32,
         max_model_len: int | None = None,
         max_prefill_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        num_host_kv_blocks: int = 0,
     ) -> None:
+        """``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
+        one, blocks evicted from the device are copied there, and ``offload_kv`` works."""
         torch_device = resolve_device(device)
         self.device = str(torch_device)
         self.config = load_model_config(model_dir)
+        self.model_fingerprint = model_fingerprint(model_dir)
+        if not enable_prefix_caching:
+            self.capabilities = dataclasses.replace(self.capabilities, prefix_cache=False)
         self.dtype = resolve_dtype(dtype, self.config, torch_device)
         self.weights = load_weights(model_dir, self.config, dtype=self.dtype, device=torch_device)
 
@@ -136,6 +165,9 @@ class TorchEngine:
             dtype=self.dtype,
             device=torch_device,
         )
+        self.prefix_cache = PrefixCache(
+            self.cache, enabled=enable_prefix_caching, num_host_blocks=num_host_kv_blocks
+        )
         self.runner = Transformer(
             cfg,
             self.weights,
@@ -155,37 +187,27 @@ class TorchEngine:
         self._running: list[_Request] = []  # admission order: the last one is preempted first
         self._waiting: collections.deque[_Request] = collections.deque()
         self._requests: dict[str, _Request] = {}
+        self._retained: dict[str, _Request] = {}  # finished with retain_kv, awaiting export
+        self._cache_queries = 0
+        self._cache_hits = 0
+        self._final_events: list[KvEvent] = []
         self._closed = False
 
     # --- Engine protocol ---------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> None:
-        self._check_open()
-        prompt = list(request.prompt_token_ids)
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; this model serves at most "
-                f"{self.max_model_len - 1} prompt tokens"
-            )
-        if request.request_id in self._requests:
-            raise ValueError(f"request {request.request_id!r} is already queued")
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        sampling.validate(request.sampling)
-        req = _Request(
-            request_id=request.request_id,
-            prompt_len=len(prompt),
-            token_ids=prompt,
-            sampling=request.sampling,
-            generator=sampling.make_generator(request.sampling.seed),
-        )
-        self._requests[req.request_id] = req
-        self._waiting.append(req)
+    def add_request(self, request: EngineRequest, *, retain_kv: bool = False) -> None:
+        """``retain_kv``: when the request finishes, keep its KV for ``export_kv`` until
+        ``abort(request_id)`` or an export with ``release=True`` (a prefill-only instance
+        runs requests with max_tokens=1 this way)."""
+        req = self._new_request(request, list(request.prompt_token_ids))
+        req.retain_kv = retain_kv
+        self._enqueue(req)
 
     def abort(self, request_id: str) -> None:
+        """Also drops KV retained for export."""
+        retained = self._retained.pop(request_id, None)
+        if retained is not None:
+            self._release(retained)
         req = self._requests.pop(request_id, None)
         if req is None:
             return
@@ -209,8 +231,10 @@ class TorchEngine:
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            free_kv_blocks=self.cache.allocator.num_free if not self._closed else 0,
+            free_kv_blocks=self.prefix_cache.num_free if not self._closed else 0,
             total_kv_blocks=self.cache.num_blocks if not self._closed else 0,
+            prefix_cache_queries=self._cache_queries,
+            prefix_cache_hit_tokens=self._cache_hits,
         )
 
     def close(self) -> None:
@@ -220,9 +244,120 @@ class TorchEngine:
         self._running.clear()
         self._waiting.clear()
         self._requests.clear()
-        del self.runner, self.cache, self.weights
+        self._retained.clear()
+        self.prefix_cache.clear()
+        self._final_events = self.prefix_cache.drain_events()
+        del self.runner, self.cache, self.weights, self.prefix_cache
         if self._torch_device.type == "cuda":
             torch.cuda.empty_cache()
+
+    # --- prefix cache (engine-specific) ---------------------------------------------------
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """What entered and left the prefix cache since the last call (also after close,
+        which clears the cache)."""
+        if self._closed:
+            events, self._final_events = self._final_events, []
+            return events
+        return self.prefix_cache.drain_events()
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+        """The chained hashes of the full blocks of ``token_ids`` at this engine's block size
+        (what a router matches against the KV events)."""
+        return chain_hashes(token_ids, self._sched.block_size)
+
+    def pin_prefix(self, cache_id: str, token_ids: Sequence[int]) -> int:
+        """Keep the cached prefix of ``token_ids`` in device memory under ``cache_id`` (for
+        context caching); returns the tokens it covers. Run the prefix first (max_tokens=1):
+        only what is cached now is pinned. Requests whose prompt starts with it then reuse it."""
+        self._check_open()
+        return self.prefix_cache.pin(cache_id, token_ids)
+
+    def unpin_prefix(self, cache_id: str) -> bool:
+        self._check_open()
+        return self.prefix_cache.unpin(cache_id)
+
+    def pinned_prefix(self, cache_id: str) -> tuple[list[int], int] | None:
+        """(the token ids pinned under ``cache_id``, how many of them are cached), or None."""
+        self._check_open()
+        match = self.prefix_cache.match_cache_id(cache_id)
+        if match is None:
+            return None
+        self.prefix_cache.free(match.blocks)
+        return list(match.token_ids), match.num_tokens
+
+    def offload_kv(self, block_hashes: Sequence[int]) -> int:
+        """Copy cached blocks to the host tier; returns how many were copied."""
+        self._check_open()
+        return self.prefix_cache.offload(block_hashes)
+
+    def populate_kv(self, block_hashes: Sequence[int]) -> int:
+        """Copy host-tier blocks back to the device; returns how many were copied."""
+        self._check_open()
+        return self.prefix_cache.populate(block_hashes)
+
+    # --- KV export / import (engine-specific) ----------------------------------------------
+
+    def export_kv(self, request_id: str, *, release: bool = False) -> KvExport:
+        """The KV a request has computed so far: a running request, or a finished one added
+        with ``retain_kv``; ``release`` drops a retained one's KV afterwards."""
+        self._check_open()
+        req = self._requests.get(request_id) or self._retained.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r} holds KV here")
+        if req.num_computed == 0:
+            raise ValueError(f"request {request_id!r} has no KV yet (waiting or preempted)")
+        n, bs, cfg = req.num_computed, self._sched.block_size, self.config
+        idx = torch.tensor(req.blocks[: blocks_for(n, bs)], device=self._torch_device)
+        kv = torch.stack(
+            [torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in self._kv()]
+        ).cpu()
+        # The last block's slots past n hold stale data from earlier owners; zero keeps the
+        # bytes deterministic.
+        kv.view(cfg.num_layers, 2, -1, cfg.num_kv_heads, cfg.head_dim)[:, :, n:] = 0
+        export = KvExport(
+            token_ids=list(req.token_ids),
+            num_prompt_tokens=req.prompt_len,
+            num_computed_tokens=n,
+            block_size=bs,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            model_fingerprint=self.model_fingerprint,
+            kv=kv,
+        )
+        if release and request_id in self._retained:
+            self._release(self._retained.pop(request_id))
+        return export
+
+    def import_kv(self, export: KvExport, request: EngineRequest) -> None:
+        """Queue ``request`` to continue where ``export`` (from this model, on any instance)
+        left off: its KV is copied in when the request is admitted, and decoding goes on from
+        the export's last token, counting the tokens generated before it toward max_tokens.
+        The KV may come at another block size or dtype. Raises ValueError for another model or
+        a request that does not match the export."""
+        self._check_open()
+        cfg = self.config
+        if export.model_fingerprint != self.model_fingerprint:
+            raise ValueError("the KV export comes from a different model")
+        shape = (export.num_layers, export.num_kv_heads, export.head_dim)
+        if shape != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(f"the KV export's (layers, kv heads, head dim) {shape} do not fit")
+        prompt = list(request.prompt_token_ids)
+        if prompt != export.token_ids[: export.num_prompt_tokens]:
+            raise ValueError("the request's prompt is not the one the KV was computed for")
+        tokens = list(export.token_ids)
+        req = self._new_request(request, tokens, prompt_len=len(prompt))
+        if req.num_output >= request.sampling.max_tokens:
+            raise ValueError("the exported request has already produced max_tokens tokens")
+        if request.sampling.temperature != 0:
+            # One draw per sampled token (sampling.py): skip those the exporter made, so a
+            # seeded request continues as if it had never moved.
+            for _ in range(req.num_output):
+                torch.rand(1, generator=req.generator)
+        req.imported_kv = export.token_kv().to(self.dtype)
+        self._enqueue(req)
 
     # --- one iteration, in three parts ----------------------------------------------------
     # step() = _schedule -> _forward -> _advance. Tests call the parts to read the logits of a
@@ -232,13 +367,18 @@ class TorchEngine:
         """Apply the scheduling decision (preempt, admit, grow block tables); return the
         requests that run in this iteration."""
         self._check_open()
-        allocator = self.cache.allocator
-        decision = schedule(
-            [SeqView(r.request_id, len(r.token_ids), len(r.blocks)) for r in self._running],
-            [SeqView(r.request_id, len(r.token_ids)) for r in self._waiting],
-            allocator.num_free,
-            self._sched,
-        )
+        pc = self.prefix_cache
+        running = [SeqView(r.request_id, len(r.token_ids), len(r.blocks)) for r in self._running]
+        if sum(blocks_needed(v, self._sched.block_size) for v in running) > pc.num_free:
+            # Preemption is coming: what a victim gives back excludes blocks others share.
+            running = [
+                dataclasses.replace(v, num_shared_blocks=self._num_shared(r))
+                for v, r in zip(running, self._running, strict=True)
+            ]
+        # Only the requests that could join are looked up: a long queue costs nothing.
+        room = max(0, self._sched.max_num_seqs - len(self._running))
+        waiting = [self._waiting_view(r) for r in itertools.islice(self._waiting, room)]
+        decision = schedule(running, waiting, pc.num_free, self._sched)
         for rid in decision.preempt:  # newest first, so the oldest ends at the queue's front
             req = self._requests[rid]
             self._running.remove(req)
@@ -247,11 +387,11 @@ class TorchEngine:
         for rid in decision.prefill:
             req = self._waiting.popleft()
             assert req.request_id == rid, "the scheduler admits from the front of the queue"
+            self._admit(req)
             self._running.append(req)
         for req in self._running:
-            missing = blocks_for(len(req.token_ids), self._sched.block_size) - len(req.blocks)
-            if missing > 0:
-                req.blocks.extend(allocator.allocate(missing))
+            pc.append(req.blocks, len(req.token_ids))
+            pc.make_writable(req.blocks, req.num_computed, len(req.token_ids))
         return list(self._running)
 
     def _forward(self, scheduled: Sequence[_Request]) -> torch.Tensor:
@@ -267,9 +407,15 @@ class TorchEngine:
             logits, [r.sampling for r in scheduled], [r.generator for r in scheduled]
         )
         outputs = []
+        bs = self._sched.block_size
         for req, token in zip(scheduled, tokens, strict=True):
             req.num_computed = len(req.token_ids)
             req.token_ids.append(token)
+            if self.prefix_cache.enabled:
+                extend_chain(req.block_hashes, req.token_ids, bs)
+                req.num_committed = self.prefix_cache.commit(
+                    req.blocks, req.block_hashes, req.num_computed, req.num_committed
+                )
             reason = sampling.finish_reason(
                 token,
                 num_output_tokens=req.num_output,
@@ -281,7 +427,14 @@ class TorchEngine:
             if reason is not None:
                 self._running.remove(req)
                 del self._requests[req.request_id]
-                self._release(req)
+                if req.retain_kv:
+                    self._retained[req.request_id] = req
+                else:
+                    self._release(req)
+            cached = 0
+            if not req.reported_cached:
+                req.reported_cached = True
+                cached = req.num_cached_tokens or 0
             outputs.append(
                 EngineOutput(
                     request_id=req.request_id,
@@ -289,15 +442,106 @@ class TorchEngine:
                     finished=reason is not None,
                     finish_reason=reason,
                     num_prompt_tokens=req.prompt_len,
+                    num_cached_tokens=cached,
                 )
             )
         return outputs
 
+    # --- helpers -------------------------------------------------------------------------
+
+    def _new_request(
+        self, request: EngineRequest, token_ids: list[int], *, prompt_len: int | None = None
+    ) -> _Request:
+        self._check_open()
+        prompt_len = len(token_ids) if prompt_len is None else prompt_len
+        if not prompt_len:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this model serves at most "
+                f"{self.max_model_len - 1} prompt tokens"
+            )
+        rid = request.request_id
+        if rid in self._requests or rid in self._retained:
+            raise ValueError(f"request {rid!r} is already queued")
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        sampling.validate(request.sampling)
+        return _Request(
+            request_id=rid,
+            prompt_len=prompt_len,
+            token_ids=token_ids,
+            sampling=request.sampling,
+            generator=sampling.make_generator(request.sampling.seed),
+        )
+
+    def _enqueue(self, req: _Request) -> None:
+        if self.prefix_cache.enabled:
+            req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size)
+        self._requests[req.request_id] = req
+        self._waiting.append(req)
+
+    def _reusable_hashes(self, req: _Request) -> list[int]:
+        """Hashes of the blocks a waiting request may take from the cache: all its full blocks,
+        or, imported, those its KV covers (the rest comes from the import)."""
+        if req.imported_kv is not None:
+            return req.block_hashes[: req.imported_kv.shape[2] // self._sched.block_size]
+        return req.block_hashes
+
+    def _waiting_view(self, req: _Request) -> SeqView:
+        found, in_use = self.prefix_cache.probe(self._reusable_hashes(req))
+        n = len(req.token_ids)
+        if req.imported_kv is not None:
+            return SeqView(req.request_id, n, in_use, num_cached_tokens=req.imported_kv.shape[2])
+        cached = found * self._sched.block_size
+        # A fully cached sequence still computes its last token, into a copy of the last block.
+        copy = int(cached >= n)
+        return SeqView(req.request_id, n, in_use - copy, num_cached_tokens=min(cached, n - 1))
+
+    def _admit(self, req: _Request) -> None:
+        """Give a request joining the batch its cached blocks (and its imported KV)."""
+        pc = self.prefix_cache
+        match = pc.match_hashes(self._reusable_hashes(req))
+        req.blocks = list(match.blocks)
+        req.num_committed = len(match.blocks)
+        if req.imported_kv is not None:
+            kv, req.imported_kv = req.imported_kv, None
+            start, n = match.num_tokens, kv.shape[2]
+            pc.append(req.blocks, n)
+            bs = self._sched.block_size
+            slots = torch.tensor(
+                [req.blocks[p // bs] * bs + p % bs for p in range(start, n)],
+                device=self._torch_device,
+            )
+            for layer in range(self.config.num_layers):
+                k = kv[layer, 0, start:].to(self._torch_device)
+                v = kv[layer, 1, start:].to(self._torch_device)
+                self.cache.write(layer, slots, k, v)
+            req.num_computed = n
+            req.num_committed = pc.commit(req.blocks, req.block_hashes, n, req.num_committed)
+            req.num_cached_tokens = 0  # imported, not served by this cache
+            return
+        req.num_computed = min(match.num_tokens, len(req.token_ids) - 1)
+        if req.num_cached_tokens is None:  # first admission; a preempted one is not a query
+            req.num_cached_tokens = req.num_computed
+            if pc.enabled:
+                self._cache_queries += req.prompt_len
+                self._cache_hits += req.num_computed
+
+    def _num_shared(self, req: _Request) -> int:
+        return sum(self.prefix_cache.ref_count(b) > 1 for b in req.blocks)
+
+    def _kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.cache.k, self.cache.v, strict=True))
+
     def _release(self, req: _Request) -> None:
-        # Preempted requests are recomputed from their tokens, so their cache state goes too.
-        self.cache.allocator.free(req.blocks)
+        # Preempted requests are recomputed from their tokens (their full blocks usually
+        # still sit in the prefix cache), so their own cache state goes.
+        self.prefix_cache.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
+        req.num_committed = 0
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,10 +1,10 @@
 """The paged KV cache: fixed-size blocks of K and V per layer, a block allocator, block tables.
 
 Blocks are reference-counted even though, without prefix caching, every block has exactly one
-owner: prefix caching shares a full block among requests with the same prefix (ref count > 1),
-keeps freed blocks addressable by the hash of their content until they are reused (the LRU end
-of the free list), and copies a shared block before writing into it. Those additions hook into
-``allocate`` / ``free`` / ``fork`` here without changing their callers.
+owner: prefix caching (``prefix_cache.py``, on top of ``allocate`` / ``free`` / ``fork`` here)
+shares a full block among requests with the same prefix (ref count > 1), holds a reference of
+its own on every block it indexes by content hash so that a finished request's blocks stay
+addressable until their memory is needed, and copies a shared block before writing into it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
-        # FIFO reuse: the block freed longest ago is handed out first, which is the order an
-        # LRU cache of freed prefix blocks needs.
+        # FIFO reuse: the block freed longest ago is handed out first. (Freed blocks that hold
+        # a cached prefix are not here: the prefix cache keeps them, in its own LRU order.)
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_count = [0] * num_blocks
 

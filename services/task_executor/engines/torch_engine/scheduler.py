@@ -9,7 +9,8 @@ Policy (close to vLLM's default):
   small watermark kept for the running requests' growth) and prefill token budget. The queue
   stops at the first request that does not fit, so a long prompt is not starved by short ones
   behind it; the first prefill of an iteration may exceed the budget, since without chunked
-  prefill a prompt longer than the budget could otherwise never start.
+  prefill a prompt longer than the budget could otherwise never start. Tokens served from the
+  prefix cache cost blocks only when the cached blocks are not already in use, and no budget.
 - Nothing joins in an iteration that preempts: the cache is already short.
 """
 
@@ -25,7 +26,11 @@ from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 class SeqView:
     request_id: str
     num_tokens: int  # tokens whose K/V the cache must hold after this iteration
-    num_blocks: int = 0  # blocks the request holds now
+    # Blocks the request holds now, or, waiting, the cached blocks it will share without taking
+    # a free one (minus one for a shared block it must copy before writing, so it may be -1).
+    num_blocks: int = 0
+    num_cached_tokens: int = 0  # of num_tokens, those already computed: not in the budget
+    num_shared_blocks: int = 0  # running: held blocks other requests also hold (kept if preempted)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,7 +70,7 @@ def schedule(
     while decode and need > free:
         victim = decode.pop()
         preempt.append(victim.request_id)
-        free += victim.num_blocks
+        free += victim.num_blocks - victim.num_shared_blocks
         need -= blocks_needed(victim, config.block_size)
     free -= need
 
@@ -81,10 +86,11 @@ def schedule(
             blocks = blocks_needed(seq, config.block_size)
             if free - blocks < watermark:
                 break
-            if prefill and seq.num_tokens > budget:
+            new_tokens = seq.num_tokens - seq.num_cached_tokens
+            if prefill and new_tokens > budget:
                 break
             prefill.append(seq.request_id)
-            budget -= seq.num_tokens
+            budget -= new_tokens
             free -= blocks
     return SchedulerDecision(
         decode=tuple(s.request_id for s in decode), prefill=tuple(prefill), preempt=tuple(preempt)

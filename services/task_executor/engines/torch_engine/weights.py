@@ -48,7 +48,7 @@ class ModelWeights:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _shard_files(model_dir: Path) -> list[Path]:
+def shard_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         with index.open() as f:
@@ -66,7 +66,7 @@ class _Checkpoint:
     def __init__(self, model_dir: Path) -> None:
         self._where: dict[str, Path] = {}
         self._handles = {}
-        for path in _shard_files(model_dir):
+        for path in shard_files(model_dir):
             handle = safe_open(str(path), framework="pt", device="cpu")
             self._handles[path] = handle
             self._where.update(dict.fromkeys(handle.keys(), path))
