@@ -102,6 +102,12 @@ class Settings(BaseSettings):
     kv_cache_bytes: int = Field(
         512 * 1024**2, ge=1024**2, description="KV cache memory per TE, in bytes."
     )
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV of shared prompt prefixes (torch and OpenVINO engines)."
+    )
+    host_kv_blocks: int = Field(
+        0, ge=0, description="KV blocks of the torch engine's host-memory tier (0: none)."
+    )
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
 
     @field_validator(

@@ -9,6 +9,7 @@ from shared.messages.api import ErrorReply
 from shared.messages.base import Message
 from shared.messages.cluster import ClusterView, GetView, JEHeartbeat, Leave, TEHeartbeat
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
+from shared.messages.kv import KvEventBatch
 from shared.messages.scaling import ControlAck, Drain, LoadModel, ScaleUp, UnloadModel
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 
@@ -57,6 +58,11 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "{cluster}.cm.get_view", "request/reply", (GetView,), (ClusterView,),
         "anyone starting up", "cluster manager", "The current cluster view, on demand.",
     ),
+    "kv_events": SubjectSpec(
+        "{cluster}.kv.events.{te_id}", "publish", (KvEventBatch,), (), "TEs",
+        "job executors (prompt index)",
+        "Batches of prefix-cache events (blocks stored, removed) of one TE.",
+    ),
     "scale_demand": SubjectSpec(
         "{cluster}.scaler.demand", "publish", (ScaleUp,), (), "job executors", "scaler",
         "Jobs are waiting for a model with no instance able to take them.",
@@ -97,6 +103,12 @@ class Subjects:
 
     def get_view(self) -> str:
         return self._fill("get_view")
+
+    def kv_events(self, te_id: str) -> str:
+        return self._fill("kv_events", te_id=te_id)
+
+    def all_kv_events(self) -> str:
+        return self._fill("kv_events", te_id="*")
 
     def scale_demand(self) -> str:
         return self._fill("scale_demand")

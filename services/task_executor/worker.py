@@ -21,11 +21,13 @@ from pathlib import Path
 
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.factory import choose_engine, create_engine
+from services.task_executor.engines.kv_wire import KvWireEvent, to_wire
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import BadRequest, Unavailable
 from shared.logging import get_logger
 from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.kv import KvEventBatch
 from shared.messages.scaling import ControlAck, Drain, LoadModel, UnloadModel
 from shared.messages.tasks import RETRY_ELSEWHERE, CancelTask, ChatTask, TaskAccepted, TokenChunk
 from shared.runner import Lifecycle, run_service
@@ -35,6 +37,9 @@ from shared.subjects import Subjects
 log = get_logger(__name__)
 
 EngineFactory = Callable[[str, Path, Settings], Engine]
+
+# Prefix-cache events are published at most this often, as one batch.
+KV_FLUSH_S = 0.05
 
 # Longest a stopping TE waits for the engine step in flight.
 STEP_STOP_TIMEOUT_S = 30.0
@@ -76,6 +81,8 @@ class TaskExecutor:
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()  # held while an iteration runs; unload waits for it
         self._closing = False
+        self._kv_pending: list[KvWireEvent] = []
+        self._kv_seq = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_active = time.time()
@@ -125,6 +132,7 @@ class TaskExecutor:
         )
         self._hb.start()
         loop_task = asyncio.create_task(self._engine_loop())
+        kv_task = asyncio.create_task(self._kv_publisher())
         self.ready.set()
         try:
             await self._life.wait()
@@ -140,6 +148,7 @@ class TaskExecutor:
                 await asyncio.wait_for(loop_task, STEP_STOP_TIMEOUT_S)
             except TimeoutError:
                 log.error("engine step did not finish; closing anyway")
+            kv_task.cancel()
             await self._hb.stop()
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             if self.engine is not None:
@@ -197,6 +206,8 @@ class TaskExecutor:
             engine, self.engine = self.engine, None
         if engine is not None:
             await asyncio.to_thread(engine.close)
+            self._collect_kv_events(engine)
+            await self._flush_kv_events()
         gc.collect()
         log.info("model unloaded", model=self.model, reason=cmd.reason)
         self.state, self.model = TEState.IDLE, None
@@ -255,6 +266,7 @@ class TaskExecutor:
                         if not engine.has_work():
                             break
                         outputs = await asyncio.to_thread(engine.step)
+                        self._collect_kv_events(engine)
                     await self._emit(outputs)
                 except Exception as e:
                     log.exception("engine iteration failed")
@@ -265,6 +277,31 @@ class TaskExecutor:
                     break
             if not self._streams:
                 self._idle.set()
+
+    def _collect_kv_events(self, engine: Engine) -> None:
+        drain = getattr(engine, "drain_kv_events", None)
+        if drain is not None:
+            self._kv_pending.extend(to_wire(e) for e in drain())
+
+    async def _kv_publisher(self) -> None:
+        """Prefix-cache events leave in batches, at most one message per flush period."""
+        while True:
+            await asyncio.sleep(KV_FLUSH_S)
+            await self._flush_kv_events()
+
+    async def _flush_kv_events(self) -> None:
+        if not self._kv_pending or self.model is None:
+            return
+        batch = KvEventBatch(
+            te_id=self.te_id, model=self.model, seq=self._kv_seq,
+            block_size=getattr(self.engine, "block_size", 0), events=self._kv_pending,
+        )
+        self._kv_pending = []
+        self._kv_seq += 1
+        try:
+            await self._bus.publish(self._subjects.kv_events(self.te_id), batch)
+        except Unavailable as e:
+            log.warning("kv event publish failed", error=str(e))
 
     async def _apply_queued(self, engine: Engine) -> None:
         for request_id in self._aborts:

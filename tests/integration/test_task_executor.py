@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.task_executor.engines.torch_engine.prefix_cache import chain_hashes
 from services.task_executor.worker import TaskExecutor
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient
@@ -14,6 +15,7 @@ from shared.errors import BadRequest, Unavailable
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
 from shared.messages.cluster import TEState
+from shared.messages.kv import KvBlocksStored, KvEventBatch
 from shared.messages.scaling import LoadModel, UnloadModel
 from shared.messages.tasks import RETRY_ELSEWHERE, ChatTask, TaskMode, TokenChunk
 from shared.settings import Settings
@@ -125,3 +127,32 @@ async def test_unload_hands_running_requests_back_for_a_retry(te, bus: Bus, clus
     await asyncio.wait_for(got.done.wait(), 5)
     assert got.chunks[-1].finish_reason == RETRY_ELSEWHERE
     assert worker.state == TEState.IDLE and worker.engine is None
+
+
+async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cluster: str):
+    _, client = te
+    batches: list[KvEventBatch] = []
+    dec = decoder_for(KvEventBatch)
+
+    async def on_kv(m):
+        batches.append(dec.decode(m.data))
+
+    await bus.subscribe_raw(Subjects(cluster).all_kv_events(), on_kv)
+    shared = [0, *range(10, 10 + 47)]  # three full 16-token blocks
+    firsts = []
+    for rid, tail in (("p1", [200, 201, 202]), ("p2", [300, 301])):
+        got = await collect(bus, Subjects(cluster).token_stream("fe", rid))
+        t = task(cluster, rid, max_tokens=4)
+        t.prompt_token_ids = shared + tail
+        await client.place("te-t", t)
+        await asyncio.wait_for(got.done.wait(), 20)
+        firsts.append(got.chunks[0])
+    assert firsts[0].cached_tokens == 0
+    assert firsts[1].cached_tokens == 48
+    await asyncio.sleep(0.2)  # one flush period
+    stored = [h for b in batches for e in b.events if isinstance(e, KvBlocksStored) for h in e.block_hashes]
+    assert set(chain_hashes(shared, 16)) <= set(stored)
+    assert all(b.te_id == "te-t" and b.model == "demo" and b.block_size == 16 for b in batches)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    # Batched: far fewer messages than blocks.
+    assert len(batches) < len(stored)

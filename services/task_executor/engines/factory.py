@@ -39,6 +39,8 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             dtype=settings.dtype,
             kv_cache_bytes=settings.kv_cache_bytes,
             max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=settings.prefix_caching,
+            num_host_kv_blocks=settings.host_kv_blocks,
         )
     if kind == "vllm":
         from services.task_executor.engines.vllm_engine import VLLMEngine
@@ -48,5 +50,6 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             dtype=settings.dtype,
             max_num_seqs=settings.max_num_seqs,
             gpu_memory_fraction=settings.gpu_memory_fraction,
+            enable_prefix_caching=settings.prefix_caching,
         )
     raise ValueError(f"engine {kind!r} is not available in this build")

@@ -176,6 +176,7 @@ class TorchEngine:
             device=torch_device,
         )
         self._torch_device = torch_device
+        self.block_size = block_size
         self._sched = SchedulerConfig(
             block_size=block_size,
             max_num_seqs=max_num_seqs,
