@@ -91,6 +91,18 @@ async def test_two_concurrent_requests(client, aclient):
     assert [r.choices[0].message.content for r in together] == alone
 
 
+def test_a_repeated_prompt_reports_cached_tokens(client):
+    long = [{"role": "user", "content": "Copying and distribution of this file, with or without "
+             "modification, are permitted in any medium without royalty. " * 4}]
+    first = greedy(client, long, max_tokens=4)
+    second = greedy(client, long, max_tokens=4)
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens > 64
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole 16-token blocks of the prompt are reused; the last token is always recomputed.
+    assert cached >= (second.usage.prompt_tokens - 1) // 16 * 16 - 16 > 0
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model="demo", messages=MSGS, max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
     a = client.chat.completions.create(**kw).choices[0].message.content
