@@ -93,6 +93,9 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='Per-model engine, overriding MESHSERVE_ENGINE, as JSON: {"demo": "openvino"}.',
     )
+    openvino_weight_format: Literal["int8", "fp16", "fp32", "int4"] = Field(
+        "int8", description="Weights of the OpenVINO IR a TE converts to and serves."
+    )
     gpu_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
     )

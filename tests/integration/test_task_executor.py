@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.torch_engine.prefix_cache import chain_hashes
 from services.task_executor.worker import TaskExecutor
 from shared.bus import Bus
@@ -156,3 +157,39 @@ async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cl
     assert [b.seq for b in batches] == list(range(len(batches)))
     # Batched: far fewer messages than blocks.
     assert len(batches) < len(stored)
+
+
+async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: str, demo_model_dir: Path):
+    """MESHSERVE_ENGINE=openvino: the TE converts the checkpoint (fp16 IR here, for exact
+    agreement) and streams the tokens the torch engine produces."""
+    from services.task_executor.engines.torch_engine import TorchEngine
+
+    settings = Settings(cluster=cluster, engine="openvino", openvino_weight_format="fp16",
+                        heartbeat_interval=timedelta(seconds=0.2),
+                        shutdown_grace=timedelta(seconds=0.5))
+    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-ov", pool_id="p")
+    run = asyncio.create_task(worker.run())
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
+    try:
+        assert (await client.control("te-ov", LoadModel(model="demo", path=str(demo_model_dir)))).ok
+        deadline = time.monotonic() + 240  # a first conversion builds its export venv
+        while worker.state != TEState.READY:
+            assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
+            await asyncio.sleep(0.1)
+        assert worker.engine.name == "openvino"
+        got = await collect(bus, Subjects(cluster).token_stream("fe", "ov1"))
+        await client.place("te-ov", task(cluster, "ov1", max_tokens=12))
+        await asyncio.wait_for(got.done.wait(), 30)
+        tokens = [t for c in got.chunks for t in c.token_ids]
+    finally:
+        await worker.shutdown()
+        await run
+    ref = TorchEngine(demo_model_dir, dtype="float32")
+    ref.add_request(EngineRequest("r", [0, 5, 6, 7, 8, 9],
+                                  SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    expected = []
+    while ref.has_work():
+        for o in ref.step():
+            expected.extend(o.new_token_ids)
+    assert tokens == expected

@@ -42,6 +42,19 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             enable_prefix_caching=settings.prefix_caching,
             num_host_kv_blocks=settings.host_kv_blocks,
         )
+    if kind == "openvino":
+        from services.task_executor.engines.openvino_engine import OpenVINOEngine
+
+        # Converts the checkpoint to IR on first use (tens of seconds; scripts/up does it
+        # ahead of time for the demo model).
+        return OpenVINOEngine(
+            model_path,
+            weight_format=settings.openvino_weight_format,
+            kv_cache_bytes=settings.kv_cache_bytes,
+            max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=settings.prefix_caching,
+            num_threads=settings.torch_threads or None,
+        )
     if kind == "vllm":
         from services.task_executor.engines.vllm_engine import VLLMEngine
 
@@ -52,4 +65,4 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             gpu_memory_fraction=settings.gpu_memory_fraction,
             enable_prefix_caching=settings.prefix_caching,
         )
-    raise ValueError(f"engine {kind!r} is not available in this build")
+    raise ValueError(f"unknown engine {kind!r}")
