@@ -166,7 +166,8 @@ class Frontend:
             "task_executors": [
                 {"id": te.te_id, "state": str(te.state), "model": te.model, "engine": te.engine,
                  "device": te.device, "pool": te.pool_id, "host": te.host, "pid": te.pid,
-                 "running": te.running, "waiting": te.waiting}
+                 "running": te.running, "waiting": te.waiting,
+                 "generated_tokens": te.generated_tokens}
                 for te in view.tes
             ],
             "job_executors": len(view.jes),

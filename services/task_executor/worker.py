@@ -75,6 +75,7 @@ class TaskExecutor:
         self.engine: Engine | None = None
         self._error: str | None = None
         self._failed_model: str | None = None
+        self._generated_tokens = 0
         self._streams: dict[str, _Stream] = {}
         self._adds: list[EngineRequest] = []
         self._aborts: set[str] = set()
@@ -101,7 +102,7 @@ class TaskExecutor:
             te_id=self.te_id, pool_id=self.pool_id, host=socket.gethostname(), pid=os.getpid(),
             state=self.state, started_at=self._started, model=self.model,
             last_active=self._last_active, error=self._error, sent_at=time.time(),
-            failed_model=self._failed_model,
+            failed_model=self._failed_model, generated_tokens=self._generated_tokens,
             engine=choose_engine(self._settings),
         )
         if self.engine is not None:
@@ -324,6 +325,7 @@ class TaskExecutor:
             if stream is None:
                 continue
             stream.generated += len(out.new_token_ids)
+            self._generated_tokens += len(out.new_token_ids)
             chunk = TokenChunk(
                 request_id=out.request_id, seq=stream.seq, token_ids=out.new_token_ids,
                 finish_reason=out.finish_reason if out.finished else None,

@@ -36,6 +36,7 @@ class TEHeartbeat(Message):
     error: str | None = None  # why the last load failed
     sent_at: float = 0.0  # unix seconds; load reported here includes tasks placed before it
     failed_model: str | None = None  # the model whose last load failed (see error)
+    generated_tokens: int = 0  # tokens this TE has produced since it started
 
 
 class JEHeartbeat(Message):
