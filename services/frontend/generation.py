@@ -30,6 +30,9 @@ MAX_ATTEMPTS = 4
 # How often a waiting generation checks that its JE or TE is still in the cluster view.
 LIVENESS_POLL_S = 0.25
 
+# How long a cancelled request waits for a placement in flight, to cancel it on its TE.
+CANCEL_WAIT_S = 5.0
+
 _stream_decoder = decoder_for(TokenChunk, JobHeld)
 
 
@@ -159,7 +162,11 @@ class Generation:
         submit = asyncio.create_task(self.jobs.submit(job, timeout=placement + 5))
         try:
             while True:
-                done, _ = await asyncio.wait({submit}, timeout=LIVENESS_POLL_S)
+                try:
+                    done, _ = await asyncio.wait({submit}, timeout=LIVENESS_POLL_S)
+                except asyncio.CancelledError:
+                    await self._cancel_placed(submit, key)
+                    raise
                 if done:
                     break
                 holder = self.router.holders.get(key)
@@ -177,6 +184,16 @@ class Generation:
             raise
         finally:
             submit.cancel()
+
+    async def _cancel_placed(self, submit: asyncio.Task[JobAccepted], key: str) -> None:
+        """The client left while the job was being placed. The TE may already be running
+        it: wait a moment for the placement's answer, then cancel it there."""
+        try:
+            accepted = await asyncio.wait_for(asyncio.shield(submit), CANCEL_WAIT_S)
+        except (TimeoutError, MeshserveError, asyncio.CancelledError):
+            return
+        with contextlib.suppress(MeshserveError):
+            await self.tes.cancel(accepted.te_id, key)
 
     def _member_gone(self, member: str, present: Iterable[str]) -> bool:
         return self.view.view.version >= 0 and self._absence.gone(member, set(present))
