@@ -1,10 +1,18 @@
-"""One streamed chat request, timed: send time, TTFT, every inter-token gap, E2E."""
+"""One streamed request, timed: send time, TTFT, every inter-token gap, E2E.
+
+``stream_chat`` drives ``/chat/completions`` and times the first and every later chunk that
+carries content. ``stream_completion`` drives ``/completions`` (a string or token-id prompt)
+and times every chunk with a choice, text or not: a server may send a chunk per token whose
+text is held back (an incomplete UTF-8 sequence, a skipped special token), and the chunk
+with ``finish_reason`` marks the end of generation, so the gaps span first to last token
+even when the text arrives unevenly."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -19,6 +27,7 @@ class Record:
     completion_tokens: int = 0
     status: int = 0
     error: str | None = None
+    cached_tokens: int = 0
 
     @property
     def tpot_s(self) -> float | None:
@@ -26,16 +35,36 @@ class Record:
             return None
         return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first ÷ time from the first token chunk to the last one."""
+        span = sum(self.gaps_s)
+        if self.completion_tokens < 2 or span <= 0:
+            return None
+        return (self.completion_tokens - 1) / span
 
-async def stream_chat(
-    session: aiohttp.ClientSession, url: str, body: dict, *, api_key: str = "unused"
+
+def _chat_token(choice: dict) -> bool:
+    return bool(choice.get("delta", {}).get("content"))
+
+
+def _completion_token(choice: dict) -> bool:
+    return True
+
+
+async def _stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    is_token: Callable[[dict], bool],
+    api_key: str,
 ) -> Record:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     rec = Record(sent_at=time.time())
     t0 = last = time.perf_counter()
     try:
         async with session.post(
-            f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}
+            url, json=body, headers={"Authorization": f"Bearer {api_key}"}
         ) as resp:
             rec.status = resp.status
             if resp.status != 200:
@@ -50,10 +79,12 @@ async def stream_chat(
                     rec.error = event["error"].get("message", "error")
                     return rec
                 now = time.perf_counter()
-                if event.get("usage"):
-                    rec.prompt_tokens = event["usage"]["prompt_tokens"]
-                    rec.completion_tokens = event["usage"]["completion_tokens"]
-                if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                if usage := event.get("usage"):
+                    rec.prompt_tokens = usage["prompt_tokens"]
+                    rec.completion_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = details.get("cached_tokens") or 0
+                if any(is_token(c) for c in event.get("choices") or []):
                     if rec.ttft_s is None:
                         rec.ttft_s = now - t0
                     else:
@@ -63,3 +94,16 @@ async def stream_chat(
     except (aiohttp.ClientError, TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     return rec
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession, url: str, body: dict, *, api_key: str = "unused"
+) -> Record:
+    return await _stream(session, f"{url}/chat/completions", body, _chat_token, api_key)
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, body: dict, *, api_key: str = "unused"
+) -> Record:
+    """``body["prompt"]`` may be a string or a list of token ids."""
+    return await _stream(session, f"{url}/completions", body, _completion_token, api_key)

