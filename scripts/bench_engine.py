@@ -13,7 +13,13 @@ they are small at these lengths).
 A second table (prefix caching) gives, per model and dtype, the time to first token of a request
 whose 1,024-token prefix is in the prefix cache against one whose prefix is not (both add the
 same number of fresh tokens after it), and prefill tok/s of a 512-token prompt.
-``--no-decode`` / ``--no-prefix-cache`` run one table only.
+
+A third table (async scheduling) gives decode tok/s with the engine's ``async_scheduling`` on and
+off (the next iteration launched while the host finishes the current one, or not), same
+workload as the first table, runs of the two alternating. On CPU "on" is the forward-thread
+overlap (``overlap_on_cpu``, which the engine leaves off by default); ``--async-device cuda``
+measures it where it is meant to pay.
+``--no-decode`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip a table.
 
 Checkpoints come from shared.modelgen and are generated under --models-dir when missing.
 
@@ -26,6 +32,7 @@ counts of retried runs are in the JSON).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -389,6 +396,101 @@ def run_prefix_cache_bench(
     return rows
 
 
+# --- async scheduling: the same decode with the next iteration launched ahead, and without ----
+
+
+def bench_async(
+    name: str, path: Path, dtype: str, args: argparse.Namespace, neighbours: Neighbours
+) -> list[dict[str, Any]]:
+    max_batch = max(args.async_batches)
+    total = args.prompt_len + args.new_tokens
+    engines = {
+        on: TorchEngine(
+            path,
+            device=args.async_device,
+            dtype=dtype,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=max_batch * blocks_for(total, BLOCK_SIZE) + 4,
+            max_num_seqs=max_batch,
+            max_model_len=total + BLOCK_SIZE,
+            async_scheduling=on,
+            overlap_on_cpu=True,
+        )
+        for on in (True, False)
+    }
+    vocab = engines[True].config.vocab_size
+    for b in args.async_batches:
+        for engine in engines.values():
+            engine_decode(engine, prompts_for(b, args.prompt_len, vocab, seed=99), 4)
+    rows = []
+    for b in args.async_batches:
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        before = dataclasses.replace(engines[True].overlap)
+        for rep in range(args.reps):
+            prompts = prompts_for(b, args.prompt_len, vocab, seed=rep)
+            # Alternate which goes first, so a drift in the host's speed hits both alike.
+            for on in (True, False) if rep % 2 == 0 else (False, True):
+                _, dec = neighbours.timed(engine_decode, engines[on], prompts, args.new_tokens)
+                rates[on].append(b * (args.new_tokens - 1) / dec)
+        ov = engines[True].overlap
+        row = {
+            "model": name,
+            "dtype": dtype,
+            "device": engines[True].device,
+            "batch": b,
+            "async_tok_s": statistics.median(rates[True]),
+            "sync_tok_s": statistics.median(rates[False]),
+            "async_samples": rates[True],
+            "sync_samples": rates[False],
+            # over the timed runs (and their retries): iterations launched ahead, and rows
+            # of those used and thrown away
+            "launched_ahead": ov.launched - before.launched,
+            "rows_used": ov.rows_used - before.rows_used,
+            "rows_wasted": ov.rows_wasted - before.rows_wasted,
+        }
+        row["ratio"] = row["async_tok_s"] / row["sync_tok_s"]
+        rows.append(row)
+        print_async_row(row, flush=True)
+    for engine in engines.values():
+        engine.close()
+    return rows
+
+
+ASYNC_HEADER = (
+    f"{'model':<18} {'dtype':<9} {'batch':>5} {'async tok/s':>11} {'sync tok/s':>10} "
+    f"{'ratio':>6} {'async min-max':>15} {'sync min-max':>15} {'ahead used/wasted':>17}"
+)
+
+
+def print_async_row(row: dict[str, Any], *, flush: bool = False) -> None:
+    def spread(xs: list[float]) -> str:
+        return f"{min(xs):.0f}-{max(xs):.0f}"
+
+    print(
+        f"{row['model']:<18} {row['dtype']:<9} {row['batch']:>5} {row['async_tok_s']:>11.1f} "
+        f"{row['sync_tok_s']:>10.1f} {row['ratio']:>6.3f} {spread(row['async_samples']):>15} "
+        f"{spread(row['sync_samples']):>15} "
+        f"{row['rows_used']:>8}/{row['rows_wasted']:<8}",
+        flush=flush,
+    )
+
+
+def run_async_bench(
+    plan: list[tuple[str, str]], args: argparse.Namespace, neighbours: Neighbours
+) -> list[dict[str, Any]]:
+    print(
+        f"\nasync scheduling on {args.async_device}: decode tok/s with async_scheduling on vs off,"
+        f" {args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.reps}"
+        " (runs alternate)\n"
+    )
+    print(ASYNC_HEADER)
+    rows = []
+    for name, dtype in plan:
+        path = ensure_model(name, args.models_dir)
+        rows.extend(bench_async(name, path, dtype, args, neighbours))
+    return rows
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -412,6 +514,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "engine.json")
     p.add_argument("--no-decode", action="store_true", help="skip the decode throughput table")
     p.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix cache table")
+    p.add_argument("--no-async-ab", action="store_true", help="skip the async scheduling table")
+    p.add_argument("--async-batches", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--async-device", default="cpu", help="device of the async scheduling table")
     p.add_argument("--cached-prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16, help="new tokens after the prefix")
     p.add_argument("--prefill-len", type=int, default=512)
@@ -444,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             path = ensure_model(name, args.models_dir)
             rows.extend(bench_model(name, path, dtype, args, bandwidth, neighbours))
     prefix_rows = [] if args.no_prefix_cache else run_prefix_cache_bench(plan, args, neighbours)
+    async_rows = [] if args.no_async_ab else run_async_bench(plan, args, neighbours)
 
     result = {
         "host": {
@@ -461,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "goals": [goals(rows, name, dtype) for name, dtype in plan],
         "prefix_cache": prefix_rows,
+        "async_scheduling": async_rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
@@ -478,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['model']} {r['dtype']}: cached/uncached TTFT = {r['ttft_ratio']:.3f}"
             f" (goal <= 0.2); prefill {r['prefill_tok_s']:.0f} tok/s"
         )
+    for r in async_rows:
+        print(f"{r['model']} {r['dtype']} batch {r['batch']}: async/sync decode = {r['ratio']:.3f}")
     print(f"\nwrote {args.out}")
     return 0
 

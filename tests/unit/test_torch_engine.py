@@ -162,6 +162,26 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(model_dir: Path) -> No
     assert _tokens(_run_alone(model_dir, "a", other_seed)) != alone
 
 
+def test_a_seeded_row_samples_the_same_token_whatever_shares_its_batch() -> None:
+    # Rows with and without top_p used to share one code path per batch, so a row without
+    # top_p next to one with it was sampled from sorted probabilities: another token for the
+    # same draw.
+    from services.task_executor.engines.torch_engine.sampling import make_generator, sample
+
+    logits = 2 * torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    plain = SamplingParams(max_tokens=1, temperature=1.0)
+    cut = SamplingParams(max_tokens=1, temperature=0.7, top_p=0.5)
+    mates = [SamplingParams(max_tokens=1, temperature=0), cut]
+    for seed in range(50):
+        alone = sample(logits[:1], [plain], [make_generator(seed)])
+        batched = sample(logits, [plain, *mates], [make_generator(seed)] + [make_generator(9)] * 2)
+        assert batched[0] == alone[0], seed
+        cut_alone = sample(logits[2:], [cut], [make_generator(seed)])
+        gens = [make_generator(1), make_generator(2), make_generator(seed)]
+        cut_batched = sample(logits, [plain, mates[0], cut], gens)
+        assert cut_batched[2] == cut_alone[0], seed
+
+
 def test_sampling_follows_the_distribution_and_top_p_cuts_its_tail() -> None:
     from services.task_executor.engines.torch_engine.sampling import make_generator, sample
 

@@ -3,11 +3,18 @@
 Beyond the protocol it caches prefixes (``prefix_cache``: blocks shared by content, a host tier,
 pins, KV events for a router) and moves a request's KV between instances (``export_kv`` /
 ``import_kv``, the base of PD disaggregation).
+
+With ``async_scheduling`` (the default; on CUDA, and on CPU only with ``overlap_on_cpu``)
+steady decoding is pipelined one iteration deep: before a decode step waits for its tokens, it
+launches the next one, fed by the tokens still on the device (see ``_look_ahead``), so the
+host's bookkeeping and the caller's work between steps run while the device computes. Outputs
+are the synchronous path's.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -26,7 +33,17 @@ from services.task_executor.engines.torch_engine import sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
-from services.task_executor.engines.torch_engine.model import SeqChunk, Transformer, build_batch
+from services.task_executor.engines.torch_engine.model import (
+    SeqChunk,
+    Transformer,
+    build_batch,
+    to_device,
+)
+from services.task_executor.engines.torch_engine.overlap import (
+    Launch,
+    OverlapStats,
+    make_launcher,
+)
 from services.task_executor.engines.torch_engine.prefix_cache import (
     PrefixCache,
     chain_hashes,
@@ -66,10 +83,40 @@ class _Request:
     reported_cached: bool = False  # the first output (which carries num_cached_tokens) is out
     retain_kv: bool = False  # keep the KV after finishing, for export_kv
     imported_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, hd], until admitted
+    # Sampling draws taken for the next tokens but not yet spent (a launch ahead takes its draw
+    # early; if its token is thrown away, the recomputation reuses it).
+    uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Ahead:
+    """An iteration launched before the previous one's tokens reached the host."""
+
+    launch: Launch
+    size: int  # rows
+    # request -> (row, position it computes, block that position is written to)
+    rows: dict[_Request, tuple[int, int, int]]
+
+    def reusable(self, scheduled: Sequence[_Request], block_size: int) -> dict[_Request, int]:
+        """The rows that computed what ``scheduled`` needs now: the same request at the same
+        position in the same block."""
+        found = {}
+        for r in scheduled:
+            rec = self.rows.get(r)
+            if rec is None:
+                continue
+            row, pos, block = rec
+            if (
+                r.num_computed == pos
+                and len(r.token_ids) == pos + 1
+                and r.blocks[pos // block_size] == block
+            ):
+                found[r] = row
+        return found
 
 
 def resolve_device(device: str) -> torch.device:
@@ -112,9 +159,18 @@ class TorchEngine:
         max_prefill_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         num_host_kv_blocks: int = 0,
+        async_scheduling: bool = True,
+        overlap_on_cpu: bool = False,
     ) -> None:
         """``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
-        one, blocks evicted from the device are copied there, and ``offload_kv`` works."""
+        one, blocks evicted from the device are copied there, and ``offload_kv`` works.
+
+        ``async_scheduling``: overlap the host side of steady decoding with the forward (one
+        iteration launched ahead) where the device runs asynchronously (CUDA); False runs
+        every iteration to completion before the next is scheduled (same outputs; for A/B
+        comparison and debugging). On CPU iterations run synchronously unless
+        ``overlap_on_cpu``, which runs the forward on a worker thread (no gain measured on a
+        2-core host: see ``overlap.make_launcher``)."""
         torch_device = resolve_device(device)
         self.device = str(torch_device)
         self.config = load_model_config(model_dir)
@@ -193,6 +249,11 @@ class TorchEngine:
         self._cache_hits = 0
         self._final_events: list[KvEvent] = []
         self._closed = False
+        self._launcher = (
+            make_launcher(torch_device, on_cpu=overlap_on_cpu) if async_scheduling else None
+        )
+        self._ahead: _Ahead | None = None
+        self.overlap = OverlapStats()
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -223,6 +284,8 @@ class TorchEngine:
 
     @torch.inference_mode()
     def step(self) -> Sequence[EngineOutput]:
+        if self._launcher is not None:
+            return self._step_overlapped()
         scheduled = self._schedule()
         if not scheduled:
             return []
@@ -241,6 +304,9 @@ class TorchEngine:
     def close(self) -> None:
         if self._closed:
             return
+        self._quiesce()
+        if self._launcher is not None:
+            self._launcher.close()
         self._closed = True
         self._running.clear()
         self._waiting.clear()
@@ -272,6 +338,7 @@ class TorchEngine:
         context caching); returns the tokens it covers. Run the prefix first (max_tokens=1):
         only what is cached now is pinned. Requests whose prompt starts with it then reuse it."""
         self._check_open()
+        self._quiesce()
         return self.prefix_cache.pin(cache_id, token_ids)
 
     def unpin_prefix(self, cache_id: str) -> bool:
@@ -290,11 +357,13 @@ class TorchEngine:
     def offload_kv(self, block_hashes: Sequence[int]) -> int:
         """Copy cached blocks to the host tier; returns how many were copied."""
         self._check_open()
+        self._quiesce()
         return self.prefix_cache.offload(block_hashes)
 
     def populate_kv(self, block_hashes: Sequence[int]) -> int:
         """Copy host-tier blocks back to the device; returns how many were copied."""
         self._check_open()
+        self._quiesce()
         return self.prefix_cache.populate(block_hashes)
 
     # --- KV export / import (engine-specific) ----------------------------------------------
@@ -303,6 +372,7 @@ class TorchEngine:
         """The KV a request has computed so far: a running request, or a finished one added
         with ``retain_kv``; ``release`` drops a retained one's KV afterwards."""
         self._check_open()
+        self._quiesce()
         req = self._requests.get(request_id) or self._retained.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r} holds KV here")
@@ -404,14 +474,19 @@ class TorchEngine:
         return self.runner.forward(batch, self.cache)
 
     def _advance(self, scheduled: Sequence[_Request], logits: torch.Tensor) -> list[EngineOutput]:
-        tokens = sampling.sample(
-            logits, [r.sampling for r in scheduled], [r.generator for r in scheduled]
-        )
+        params = [r.sampling for r in scheduled]
+        tokens = sampling.sample_tokens(logits, params, self._uniforms(scheduled, 0)).tolist()
+        return self._apply(scheduled, tokens)
+
+    def _apply(self, scheduled: Sequence[_Request], tokens: Sequence[int]) -> list[EngineOutput]:
+        """Append each request's new token; finish, free and report."""
         outputs = []
         bs = self._sched.block_size
         for req, token in zip(scheduled, tokens, strict=True):
             req.num_computed = len(req.token_ids)
             req.token_ids.append(token)
+            if req.sampling.temperature != 0:
+                req.uniforms.pop(0)
             if self.prefix_cache.enabled:
                 extend_chain(req.block_hashes, req.token_ids, bs)
                 req.num_committed = self.prefix_cache.commit(
@@ -447,6 +522,161 @@ class TorchEngine:
                 )
             )
         return outputs
+
+    # --- overlapped iterations (async_scheduling) -----------------------------------------
+    # Steady decoding knows the next iteration before this one's tokens are on the host: the
+    # same requests, one position further. So a decode step launches the next iteration right
+    # behind its own, fed by the tokens still on the device, and only then waits for its own
+    # tokens and does the bookkeeping; the next step() finds its forward already launched (or,
+    # with the forward thread on CPU, already computed while the caller handled the outputs).
+    #
+    # The launched-ahead iteration is used only for what the synchronous path would run: at
+    # the next step, _schedule() decides as always (adds, aborts, preemption, admissions),
+    # and each scheduled request whose position the ahead iteration computed takes its row;
+    # the rest run in a fresh launch. Rows of requests that finished (EOS, found one step
+    # late) or were aborted are thrown away. Seeded sampling stays exact because a request's
+    # draws are taken in token order and kept until the token is used (_Request.uniforms).
+    #
+    # Requests producing their first token never launch ahead (it would delay their TTFT on
+    # CUDA: the host launches the next forward before it reads this one's tokens), nor do
+    # iterations after which requests would be admitted or preempted (the ahead iteration
+    # would be thrown away).
+
+    def _step_overlapped(self) -> list[EngineOutput]:
+        self._check_open()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.launch.settle()  # on CPU, the cache is the host's again
+        scheduled = self._schedule()
+        if not scheduled:
+            if ahead is not None:
+                self.overlap.rows_wasted += ahead.size
+            return []
+        sources: list[tuple[Launch, int]] = []  # launches holding this iteration's tokens
+        where: dict[_Request, tuple[int, int]] = {}  # request -> (source, row)
+        if ahead is not None:
+            reused = ahead.reusable(scheduled, self._sched.block_size)
+            self.overlap.rows_used += len(reused)
+            self.overlap.rows_wasted += ahead.size - len(reused)
+            if reused:
+                sources.append((ahead.launch, ahead.size))
+                where = {r: (0, row) for r, row in reused.items()}
+        fresh = [r for r in scheduled if r not in where]
+        if fresh:
+            where.update((r, (len(sources), row)) for row, r in enumerate(fresh))
+            sources.append((self._launch(fresh), len(fresh)))
+        try:
+            self._ahead = self._look_ahead(scheduled, sources, where)
+            host = [launch.host_tokens() for launch, _ in sources]
+        except BaseException:
+            # Nothing launched may still run when the next step writes the cache.
+            for launch, _ in sources:
+                with contextlib.suppress(Exception):
+                    launch.settle()
+            self._quiesce()
+            raise
+        tokens = [host[src][row] for src, row in map(where.__getitem__, scheduled)]
+        return self._apply(scheduled, tokens)
+
+    def _launch(self, reqs: Sequence[_Request]) -> Launch:
+        """Forward and sample ``reqs`` as they stand (the synchronous path's iteration)."""
+        assert self._launcher is not None
+        chunks = [SeqChunk(r.token_ids[r.num_computed :], r.num_computed, r.blocks) for r in reqs]
+        batch = build_batch(chunks, block_size=self._sched.block_size, device=self._torch_device)
+        params, uniforms = [r.sampling for r in reqs], self._uniforms(reqs, 0)
+        runner, cache = self.runner, self.cache
+
+        def run() -> torch.Tensor:
+            return sampling.sample_tokens(runner.forward(batch, cache), params, uniforms)
+
+        return self._launcher.launch_now(run)
+
+    def _look_ahead(
+        self,
+        scheduled: Sequence[_Request],
+        sources: Sequence[tuple[Launch, int]],
+        where: dict[_Request, tuple[int, int]],
+    ) -> _Ahead | None:
+        """Launch the iteration after ``scheduled`` (whose tokens are still in ``sources``)
+        when it is predictable; None when it is not."""
+        assert self._launcher is not None
+        max_len, bs = self.max_model_len, self._sched.block_size
+        going_on = []
+        need = 0  # new blocks the next iteration takes
+        for r in scheduled:
+            n = len(r.token_ids)
+            if n - r.num_computed != 1 or n == r.prompt_len:
+                return None  # someone's first token (or a prefill) is in this iteration
+            if n - r.prompt_len + 1 < r.sampling.max_tokens and n + 1 < max_len:
+                going_on.append(r)
+                need += n >= len(r.blocks) * bs
+        if not going_on:
+            return None
+        # The synchronous path's next decision, as far as it is known now (a stop token may
+        # still end a request, and the caller may add or abort some): nothing may join or be
+        # preempted, else the ahead iteration would be thrown away.
+        pc = self.prefix_cache
+        room = self._sched.max_num_seqs - len(going_on)
+        if self._waiting and room > 0:
+            running = [SeqView(r.request_id, len(r.token_ids) + 1, len(r.blocks)) for r in going_on]
+            waiting = [self._waiting_view(r) for r in itertools.islice(self._waiting, room)]
+            decision = schedule(running, waiting, pc.num_free, self._sched)
+            if decision.preempt or decision.prefill:
+                return None
+        elif need > pc.num_free:
+            return None  # the scheduler would preempt
+
+        rows = {}
+        chunks = []
+        for row, r in enumerate(going_on):
+            pos = len(r.token_ids)  # where this iteration's token goes
+            if pos >= len(r.blocks) * bs:
+                pc.append(r.blocks, pos + 1)  # what the next _schedule would do, a step early
+            rows[r] = (row, pos, r.blocks[pos // bs])
+            chunks.append(SeqChunk((0,), pos, r.blocks))
+        placeholder = torch.empty(0, dtype=torch.long)
+        meta = build_batch(chunks, block_size=bs, device=self._torch_device, input_ids=placeholder)
+        offsets = list(itertools.accumulate((n for _, n in sources), initial=0))
+        picks = [offsets[src] + row for src, row in map(where.__getitem__, going_on)]
+        pick = None
+        if picks != list(range(offsets[-1])):
+            pick = to_device(picks, torch.long, self._torch_device)
+        launches = [launch for launch, _ in sources]
+        params, uniforms = [r.sampling for r in going_on], self._uniforms(going_on, 1)
+        runner, cache = self.runner, self.cache
+
+        def run() -> torch.Tensor:
+            prev = [launch.device_tokens() for launch in launches]
+            ids = prev[0] if len(prev) == 1 else torch.cat(prev)
+            if pick is not None:
+                ids = ids.index_select(0, pick)
+            logits = runner.forward(dataclasses.replace(meta, input_ids=ids), cache)
+            return sampling.sample_tokens(logits, params, uniforms)
+
+        self.overlap.launched += 1
+        return _Ahead(self._launcher.launch_ahead(run), len(going_on), rows)
+
+    def _uniforms(self, reqs: Sequence[_Request], ahead: int) -> list[torch.Tensor]:
+        """For each request that samples, the draw for its token ``ahead`` tokens after the one
+        it produces next, taken now if it was not taken yet (draws stay in token order)."""
+        out = []
+        for r in reqs:
+            if r.sampling.temperature != 0:
+                while len(r.uniforms) <= ahead:
+                    r.uniforms.append(sampling.draw(r.generator))
+                out.append(r.uniforms[ahead])
+        return out
+
+    def _quiesce(self) -> None:
+        """Wait for a launched-ahead iteration before the host writes KV-cache memory outside
+        step(). One that failed is dropped (its rows are recomputed; a lasting fault shows in
+        the next step)."""
+        if self._ahead is None:
+            return
+        try:
+            self._ahead.launch.settle()
+        except Exception:
+            self._ahead = None
 
     # --- helpers -------------------------------------------------------------------------
 

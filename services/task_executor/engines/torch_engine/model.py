@@ -54,57 +54,91 @@ class ForwardBatch:
     prefills: tuple[_Prefill, ...]
 
 
+def to_device(
+    values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list as a tensor on ``device``. On CUDA the copy goes through pinned memory
+    and does not block: a plain copy synchronizes the stream, which would wait for a forward
+    still running (the overlapped engine launches the next iteration behind it)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def build_batch(
-    chunks: Sequence[SeqChunk], *, block_size: int, device: torch.device
+    chunks: Sequence[SeqChunk],
+    *,
+    block_size: int,
+    device: torch.device,
+    input_ids: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """Lay out an iteration's requests: decodes first (they attend as one batch), then
-    prefills. Logits still come back in the order of ``chunks``."""
+    prefills. Logits still come back in the order of ``chunks``.
+
+    ``input_ids``: the tokens as a device tensor, in the order of ``chunks``, instead of their
+    ``token_ids`` (only for single-token chunks, whose token ids are then ignored): a decode
+    step can start from tokens sampled on the device without waiting for them on the host.
+
+    Every integer the batch needs crosses to the device in one copy."""
     decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
+    if input_ids is not None and prefill:
+        raise ValueError("input_ids replaces the tokens of single-token chunks only")
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     last = [0] * len(chunks)
-    prefills: list[_Prefill] = []
+    # (q_start, q_len, start_pos, offset of its block table in `tail` or -1, table length)
+    prefill_specs: list[tuple[int, int, int, int, int]] = []
+    tail: list[int] = []  # decode block tables, decode context lengths, prefill block tables
     for i in decode + prefill:
         c = chunks[i]
         n = len(c.token_ids)
         pos = range(c.start_pos, c.start_pos + n)
         if n != 1:
-            table = (
-                torch.tensor(c.block_table, dtype=torch.long, device=device)
-                if c.start_pos
-                else None
-            )
-            prefills.append(_Prefill(len(ids), n, c.start_pos, table))
-        ids.extend(c.token_ids)
+            prefill_specs.append((len(positions), n, c.start_pos, -1, len(c.block_table)))
+        if input_ids is None:
+            ids.extend(c.token_ids)
         positions.extend(pos)
         slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
-        last[i] = len(ids) - 1
+        last[i] = len(positions) - 1
 
+    width = max((len(chunks[i].block_table) for i in decode), default=0)
+    for i in decode:
+        table = chunks[i].block_table
+        tail.extend(table)
+        tail.extend([0] * (width - len(table)))
+    tail.extend(chunks[i].start_pos + 1 for i in decode)
+    for k, (q_start, n, start_pos, _, table_len) in enumerate(prefill_specs):
+        if start_pos:  # only then is the cached part read back
+            prefill_specs[k] = (q_start, n, start_pos, len(tail), table_len)
+            tail.extend(chunks[prefill[k]].block_table)
+
+    head = [ids, positions, slots, last]
+    n_head = sum(len(part) for part in head)
+    flat = to_device([v for part in head for v in part] + tail, dtype=torch.long, device=device)
+    t_ids, t_pos, t_slots, t_last = flat[:n_head].split([len(part) for part in head])
+    rest = flat[n_head:]
+    d = len(decode)
     tables = mask = None
-    if decode:
-        width = max(len(chunks[i].block_table) for i in decode)
-        padded = [
-            list(chunks[i].block_table) + [0] * (width - len(chunks[i].block_table)) for i in decode
-        ]
-        tables = torch.tensor(padded, dtype=torch.long, device=device)
-        ctx = torch.tensor([chunks[i].start_pos + 1 for i in decode], device=device)
+    if d:
+        tables = rest[: d * width].view(d, width)
+        ctx = rest[d * width : d * width + d]
         valid = torch.arange(width * block_size, device=device)[None, :] < ctx[:, None]
         mask = valid[:, None, None, :]
-
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
+    prefills = tuple(
+        _Prefill(q_start, n, start_pos, rest[off : off + table_len] if off >= 0 else None)
+        for q_start, n, start_pos, off, table_len in prefill_specs
+    )
     return ForwardBatch(
-        input_ids=as_tensor(ids),
-        positions=as_tensor(positions),
-        slots=as_tensor(slots),
-        logits_indices=as_tensor(last),
-        num_decode=len(decode),
+        input_ids=t_ids if input_ids is None else input_ids,
+        positions=t_pos,
+        slots=t_slots,
+        logits_indices=t_last,
+        num_decode=d,
         decode_block_tables=tables,
         decode_mask=mask,
-        prefills=tuple(prefills),
+        prefills=prefills,
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
+from services.task_executor.engines.torch_engine.model import to_device
 from shared.messages.api import SamplingParams
 
 
@@ -39,36 +40,66 @@ def sample(
     generators: Sequence[torch.Generator],
 ) -> list[int]:
     """One token per row of ``logits`` ``[batch, vocab]`` (float32)."""
-    tokens = [0] * len(params)
+    uniforms = [draw(g) for p, g in zip(params, generators, strict=True) if p.temperature != 0]
+    return sample_tokens(logits, params, uniforms).tolist()
+
+
+def draw(generator: torch.Generator) -> torch.Tensor:
+    """The one uniform a sampled token costs its request's generator."""
+    return torch.rand(1, generator=generator)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """One token per row of ``logits`` ``[batch, vocab]`` (float32), as an int64 tensor on the
+    logits' device: nothing waits for the device, so the next forward can be launched behind
+    this one. ``uniforms``: a ``draw`` for each row with temperature != 0, in row order."""
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     random = [i for i, p in enumerate(params) if p.temperature != 0]
-    if greedy:
-        picked = logits[greedy].argmax(dim=-1).tolist() if random else logits.argmax(-1).tolist()
-        for i, t in zip(greedy, picked, strict=True):
-            tokens[i] = t
-    if random:
-        picked = _sample_rows(
-            logits[random],
-            [params[i] for i in random],
-            [generators[i] for i in random],
+    if not random:
+        return logits.argmax(dim=-1)
+    device = logits.device
+    draws = dict(zip(random, uniforms, strict=True))
+    # Rows with and without top_p take different arithmetic (inverse CDF over sorted or over
+    # unsorted probabilities, which pick different tokens for the same draw), so each group is
+    # sampled on its own: a row's token never depends on which other rows share the batch.
+    groups = [
+        rows
+        for rows in (
+            greedy,
+            [i for i in random if params[i].top_p < 1],
+            [i for i in random if params[i].top_p >= 1],
         )
-        for i, t in zip(random, picked, strict=True):
-            tokens[i] = t
+        if rows
+    ]
+    if len(groups) == 1:  # all sampled, one kind: no gather
+        return _sample_rows(logits, list(params), list(uniforms))
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    for rows in groups:
+        index = to_device(rows, torch.long, device)
+        part = logits.index_select(0, index)
+        if rows is greedy:
+            picked = part.argmax(dim=-1)
+        else:
+            picked = _sample_rows(part, [params[i] for i in rows], [draws[i] for i in rows])
+        tokens.index_copy_(0, index, picked)
     return tokens
 
 
 def _sample_rows(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
-) -> list[int]:
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: list[torch.Tensor]
+) -> torch.Tensor:
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temps = to_device([p.temperature for p in params], logits.dtype, device)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)
+    u = torch.cat(uniforms)
+    u = u.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else u.to(device)
     if all(p.top_p >= 1 for p in params):
         order = None
     else:
         probs, order = probs.sort(dim=-1, descending=True)
-        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
+        top_p = to_device([p.top_p for p in params], probs.dtype, device)
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before
         # it is still short of top_p (so the most likely token always stays).
         before = probs.cumsum(dim=-1) - probs
@@ -76,11 +107,11 @@ def _sample_rows(
     cdf = probs.cumsum(dim=-1)
     # right=True picks the first token whose cdf exceeds u, which never lands on a token of
     # zero probability (its cdf equals its predecessor's).
-    idx = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     idx = idx.clamp_(max=cdf.shape[-1] - 1)
     if order is not None:
         idx = order.gather(-1, idx)
-    return idx.squeeze(-1).tolist()
+    return idx.squeeze(-1)
 
 
 def finish_reason(
