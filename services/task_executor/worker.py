@@ -1,13 +1,16 @@
 """One task executor (TE): a pre-warmed, model-agnostic process that wraps one engine once
 the scaler assigns it a model, takes tasks, and streams tokens straight to the frontend.
 
-The engine is synchronous. Its steps run in a worker thread; requests to add or abort
-are queued and applied by the engine loop between steps, so the engine is only ever
-touched by one thread at a time."""
+The engine is synchronous. It is loaded, stepped and closed on one dedicated thread;
+requests to add or abort are queued and applied by the engine loop between steps, so the
+engine is only ever touched by one thread at a time. One thread, not asyncio's pool: each
+thread that runs torch ops gets its own OpenMP team, and on a small host an idle team's
+spinning threads steal cores from the team doing the forward."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -18,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.factory import choose_engine, create_engine
@@ -37,6 +41,7 @@ from shared.subjects import Subjects
 log = get_logger(__name__)
 
 EngineFactory = Callable[[str, Path, Settings], Engine]
+_T = TypeVar("_T")
 
 # Prefix-cache events are published at most this often, as one batch.
 KV_FLUSH_S = 0.05
@@ -69,6 +74,9 @@ class TaskExecutor:
         self.te_id = te_id
         self.pool_id = pool_id
         self._engine_factory = engine_factory
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine"
+        )
         self._life = Lifecycle()
         self.state = TEState.IDLE
         self.model: str | None = None
@@ -154,10 +162,14 @@ class TaskExecutor:
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             if self.engine is not None:
                 self.engine.close()
+            self._engine_thread.shutdown(wait=False)
             self._life.stopped()
 
     async def shutdown(self) -> None:
         self._life.request_stop()
+
+    def _on_engine_thread(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
+        return asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
     async def _drain(self, grace: float) -> None:
         """Let running requests finish within grace; hand the rest back for a retry."""
@@ -182,7 +194,7 @@ class TaskExecutor:
     async def _load(self, cmd: LoadModel) -> None:
         t0 = time.monotonic()
         try:
-            engine = await asyncio.to_thread(
+            engine = await self._on_engine_thread(
                 self._engine_factory, cmd.model, Path(cmd.path), self._settings
             )
         except Exception as e:
@@ -206,7 +218,7 @@ class TaskExecutor:
         async with self._step_lock:
             engine, self.engine = self.engine, None
         if engine is not None:
-            await asyncio.to_thread(engine.close)
+            await self._on_engine_thread(engine.close)
             self._collect_kv_events(engine)
             await self._flush_kv_events()
         gc.collect()
@@ -266,7 +278,7 @@ class TaskExecutor:
                         await self._apply_queued(engine)
                         if not engine.has_work():
                             break
-                        outputs = await asyncio.to_thread(engine.step)
+                        outputs = await self._on_engine_thread(engine.step)
                         self._collect_kv_events(engine)
                     await self._emit(outputs)
                 except Exception as e:

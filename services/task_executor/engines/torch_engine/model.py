@@ -6,8 +6,9 @@ requests share it. Only attention is per request:
 - decode requests (one new token each) attend together: their blocks are gathered into a padded
   ``[batch, kv_heads, max_len, head_dim]`` K/V and the query heads that share a K/V head are
   laid out as that head's query rows, so GQA needs no K/V repetition;
-- prefill requests attend one at a time, causally, over their own fresh K/V (or over the cache
-  when part of the sequence is already there, which chunked prefill and prefix caching need).
+- prefill requests attend one at a time, causally (``attention.py``), over their own fresh K/V
+  (or over the cache when part of the sequence is already there, which chunked prefill and
+  prefix caching need).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from services.task_executor.engines.torch_engine.attention import causal_attention
 from services.task_executor.engines.torch_engine.config import ModelConfig
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.linear import linear
@@ -220,17 +222,9 @@ class Transformer:
             outs.append(o.reshape(d, n_heads * hd))
         for p in batch.prefills:
             sl = slice(p.q_start, p.q_start + p.q_len)
-            qp = q[sl].transpose(0, 1)[None]
             if p.block_table is None:
-                kp, vp = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            else:
-                ctx = p.start_pos + p.q_len
-                kp, vp = cache.gather(layer, p.block_table[None])
-                kp, vp = kp[:, :, :ctx], vp[:, :, :ctx]
-                # Query i sits at position start_pos + i and sees keys up to it.
-                qpos = torch.arange(p.start_pos, ctx, device=q.device)
-                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-            outs.append(o[0].transpose(0, 1).reshape(p.q_len, n_heads * hd))
+                kp, vp = k[sl], v[sl]
+            else:  # part of the sequence is in the cache already: read all of it back
+                kp, vp = cache.gather_tokens(layer, p.block_table, p.start_pos + p.q_len)
+            outs.append(causal_attention(q[sl], kp, vp, p.start_pos))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
