@@ -81,3 +81,18 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free the model and the KV cache."""
+
+
+def check_prompt(token_ids: Sequence[int], *, max_model_len: int, vocab_size: int | None) -> None:
+    """What every engine refuses before it queues a prompt (ValueError: the TE answers the
+    client with it): an empty prompt, one that leaves no room for an output token, ids
+    outside the vocabulary (``vocab_size`` None: the engine checks them itself)."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if n >= max_model_len:
+        raise ValueError(
+            f"the prompt has {n} tokens; this model serves at most {max_model_len - 1} prompt tokens"
+        )
+    if vocab_size is not None and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")

@@ -14,6 +14,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    check_prompt,
 )
 from shared.messages.api import SamplingParams
 from shared.messages.tasks import TaskMode
@@ -71,12 +72,8 @@ class VLLMEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         n = len(request.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; this model serves at most {self.max_model_len - 1}"
-            )
+        # vLLM checks the ids against its tokenizer itself.
+        check_prompt(request.prompt_token_ids, max_model_len=self.max_model_len, vocab_size=None)
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         self._engine.add_request(
             request.request_id, prompt, vllm_sampling(request.sampling, self._vllm)

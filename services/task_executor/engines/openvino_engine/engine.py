@@ -33,6 +33,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    check_prompt,
 )
 from services.task_executor.engines.kv_events import AllBlocksCleared, KvEvent
 from services.task_executor.engines.openvino_engine.convert import ensure_ir, is_complete
@@ -203,19 +204,10 @@ class OpenVINOEngine:
     def add_request(self, request: EngineRequest) -> None:
         self._check_open()
         prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; this model serves at most "
-                f"{self.max_model_len - 1} prompt tokens"
-            )
+        check_prompt(prompt, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size)
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already queued")
         ids = np.asarray([prompt], dtype=np.int64)
-        vocab = self.config.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         config, own_stop_ids = self._generation_config(request.sampling, len(prompt))
         handle = self._pipe.add_request(next(self._ids), ov.Tensor(ids), config)
         self._requests[request.request_id] = _Request(

@@ -27,6 +27,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    check_prompt,
 )
 from services.task_executor.engines.kv_events import KvEvent
 from services.task_executor.engines.torch_engine import sampling
@@ -687,17 +688,10 @@ class TorchEngine:
         prompt_len = len(token_ids) if prompt_len is None else prompt_len
         if not prompt_len:
             raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len - 1} prompt tokens"
-            )
+        check_prompt(token_ids, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size)
         rid = request.request_id
         if rid in self._requests or rid in self._retained:
             raise ValueError(f"request {rid!r} is already queued")
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         sampling.validate(request.sampling)
         return _Request(
             request_id=rid,
