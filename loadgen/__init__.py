@@ -1,2 +1,4 @@
-"""Load generation against any OpenAI-compatible endpoint: trace replay, workload
-synthesis, SLO reports and a policy simulator (issue 4 grows this)."""
+"""Load generation against any OpenAI-compatible endpoint: trace replay (``traces``,
+``transforms``, ``plan``, ``prompts``, ``replay``), SLO reports and plots (``slo``,
+``report``, ``plots``, ``compare``), workload synthesis (``synth``). The command line is
+``cli``; the trace readers are pure, for a simulator to reuse."""

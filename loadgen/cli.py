@@ -1,10 +1,15 @@
-"""meshserve-loadgen: drive an OpenAI-compatible endpoint and report latencies.
+"""meshserve-loadgen: replay real traces against any OpenAI-compatible endpoint and report
+latency percentiles, throughput, goodput and SLO attainment, with plots.
 
-  meshserve-loadgen run --url http://127.0.0.1:8080/v1 --model demo \
-      --requests 32 --concurrency 4 --max-tokens 64 --out runs/smoke
+  meshserve-loadgen replay ../shared/traces/azure_llm_2023_conv.csv \\
+      --url http://127.0.0.1:8080/v1 --model demo --tokenizer models/demo \\
+      --time-scale 0.1 --max-requests 200 --out runs/azure
+  meshserve-loadgen synth --models a:2,b:0.5:3 --duration 120 --turns 3 --out mix.jsonl
+  meshserve-loadgen compare runs/meshserve runs/vllm --plot compare.png
+  meshserve-loadgen run --url http://127.0.0.1:8080/v1 --model demo --requests 32
 
-Closed-loop load (a fixed number of requests in flight). Trace replay, synthetic
-workloads and SLO reports arrive with issue 4."""
+Exit status: 0 when the run completed (failed requests are data, counted in the summary),
+2 for bad arguments or an unreadable trace, 3 when the endpoint cannot be used."""
 
 from __future__ import annotations
 
@@ -12,72 +17,215 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import aiohttp
+from loadgen import transforms
+from loadgen.closed_loop import report, run_closed_loop
+from loadgen.plan import PlanError, parse_models_map, plan
+from loadgen.progress import Progress
+from loadgen.prompts import PromptError, TokenPool, approximate_pool, tokenizer_pool
+from loadgen.replay import EndpointError, SendOptions, list_models, replay
+from loadgen.slo import SLO, parse_slo
+from loadgen.traces import FORMATS, TraceError, read_trace, write_trace
 
-from loadgen.client import Record, stream_chat
-from loadgen.stats import summary
+__all__ = ["main", "report"]
 
-
-async def run_closed_loop(args: argparse.Namespace) -> list[Record]:
-    prompt = args.prompt
-    body = {"model": args.model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos}
-    records: list[Record] = []
-    todo = iter(range(args.requests))
-    timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        try:
-            async with session.get(f"{args.url}/models") as r:
-                r.raise_for_status()
-        except (aiohttp.ClientError, OSError) as e:
-            raise SystemExit(f"meshserve-loadgen: cannot reach {args.url}: {e}") from e
-
-        async def worker() -> None:
-            for _ in todo:
-                records.append(await stream_chat(session, args.url, body))
-
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-    return records
+PROG = "meshserve-loadgen"
 
 
-def report(records: list[Record], wall_s: float) -> dict:
-    ok = [r for r in records if r.error is None]
-    ms = lambda xs: {k: round(v * 1000, 2) for k, v in summary(xs).items()}  # noqa: E731
-    out_tokens = sum(r.completion_tokens for r in ok)
-    return {
-        "requests": len(records),
-        "failed": len(records) - len(ok),
-        "ttft_ms": ms([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "tpot_ms": ms([t for r in ok if (t := r.tpot_s) is not None]),
-        "e2e_ms": ms([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "throughput_tok_s": round(out_tokens / wall_s, 2) if wall_s > 0 else 0.0,
-        "wall_s": round(wall_s, 3),
-        "errors": sorted({r.error for r in records if r.error})[:5],
+class UsageError(ValueError):
+    """Bad options or inputs: exit status 2."""
+
+
+def _fail(msg: str, code: int) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def _tokenizer_paths(specs: list[str], models: set[str]) -> dict[str, Path | None]:
+    """``--tokenizer PATH`` (every model) and ``--tokenizer MODEL=PATH``; a model without
+    one uses ``$MESHSERVE_MODELS_DIR/MODEL`` (default ``models/MODEL``) when that holds a
+    tokenizer.json (meshserve's own layout), else none."""
+    default: Path | None = None
+    per: dict[str, Path] = {}
+    for s in specs:
+        name, sep, path = s.partition("=")
+        if sep and not Path(s).exists():
+            per[name] = Path(path)
+        else:
+            default = Path(s)
+    models_dir = Path(os.environ.get("MESHSERVE_MODELS_DIR", "models"))
+    out: dict[str, Path | None] = {}
+    for m in models:
+        p = per.get(m, default)
+        if p is None and (models_dir / m / "tokenizer.json").is_file():
+            p = models_dir / m
+        out[m] = p
+    return out
+
+
+def _pools(paths: dict[str, Path | None], seed: int, need_text: bool) -> dict[str, TokenPool]:
+    cache: dict[Path | None, TokenPool] = {}
+    out = {}
+    for m, p in paths.items():
+        if p not in cache:
+            if p is None:
+                print(f"{PROG}: warning: no tokenizer for model {m!r}: prompt lengths are "
+                      "approximate (give --tokenizer for exact ones)", file=sys.stderr)
+                cache[p] = approximate_pool()
+            else:
+                cache[p] = tokenizer_pool(p, seed=seed, need_text=need_text)
+        out[m] = cache[p]
+    return out
+
+
+def _context(*limits: int | None) -> int | None:
+    """The tightest of the known context limits (``--max-context``, the server's)."""
+    known = [c for c in limits if c]
+    return min(known) if known else None
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    if args.api == "chat" and args.prompt_format == "ids":
+        raise UsageError("--prompt-format ids needs --api completions")
+    slo = SLO(ttft_s=args.slo_ttft_s, ttft_per_input_token_s=args.slo_ttft_per_token_s,
+              tpot_s=args.slo_tpot_s)
+    if args.slo:
+        slo = parse_slo(args.slo, slo)
+
+    reqs = read_trace(args.trace, args.format)
+    n_trace = len(reqs)
+    if args.rate_scale != 1:
+        reqs = transforms.scale_rate(reqs, args.rate_scale, args.seed)
+    if args.time_scale != 1:
+        reqs = transforms.scale_time(reqs, args.time_scale)
+    reqs = transforms.limit(reqs, duration_s=args.duration, max_requests=args.max_requests)
+    if not reqs:
+        raise UsageError("no requests left after --duration/--max-requests/--rate-scale")
+
+    url = args.url.rstrip("/")
+    models_map = parse_models_map(args.models_map)
+    planned = plan(reqs, model=args.model, models_map=models_map)  # names only, for checks
+    served = {p.model for p in planned}
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
+    try:
+        listed = asyncio.run(list_models(url, api_key=api_key))
+    except EndpointError as e:
+        _fail(str(e), 3)
+    missing = sorted(served - set(listed))
+    if missing and listed:
+        _fail(f"{url} does not serve {', '.join(missing)} (it serves {', '.join(sorted(listed))})",
+              3)
+    max_context = {m: _context(args.max_context, listed.get(m)) for m in served}
+    planned = plan(reqs, model=args.model, models_map=models_map, max_context=max_context,
+                   max_output_tokens=args.max_output_tokens)
+    pools = _pools(_tokenizer_paths(args.tokenizer or [], served), args.seed,
+                   need_text=args.prompt_format == "text")
+    if args.prompt_format == "ids" and not all(pools[m].exact for m in served):
+        raise UsageError("--prompt-format ids needs the target's --tokenizer")
+
+    opts = SendOptions(url=url, api=args.api, prompt_format=args.prompt_format,
+                       ignore_eos=args.ignore_eos, temperature=args.temperature,
+                       api_key=api_key, seed=args.seed, timeout_s=args.timeout)
+    span = planned[-1].arrival_s
+    print(f"{PROG}: replaying {len(planned)} of {n_trace} requests over {span:.1f} s to {url} "
+          f"({', '.join(sorted(served))})", file=sys.stderr)
+    progress = Progress(len(planned), enabled=not args.quiet)
+    t0 = time.time()
+    results = asyncio.run(replay(planned, pools, opts, progress))
+
+    from loadgen.plots import plot_run
+    from loadgen.report import summarize
+    from loadgen.results import write_results
+
+    summary = summarize(results, slo, exact_prompts=all(pools[m].exact for m in served))
+    summary["run"] = {
+        "trace": str(args.trace), "trace_requests": n_trace, "url": url, "api": args.api,
+        "prompt_format": args.prompt_format, "ignore_eos": args.ignore_eos,
+        "time_scale": args.time_scale, "rate_scale": args.rate_scale,
+        "duration": args.duration, "max_requests": args.max_requests,
+        "max_output_tokens": args.max_output_tokens, "max_context": max_context,
+        "seed": args.seed, "started_at": t0, "argv": sys.argv[1:],
     }
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_results(out / "requests.jsonl", results)
+    if not args.no_plots:
+        plot_run(results, slo, out, title=f"({Path(args.trace).name})")
+    _print_summary(summary, out)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="meshserve-loadgen", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="closed-loop load with one prompt")
-    r.add_argument("--url", default="http://127.0.0.1:8080/v1")
-    r.add_argument("--model", required=True)
-    r.add_argument("--prompt", default="Tell me a story about a lighthouse keeper.")
-    r.add_argument("--requests", type=int, default=16)
-    r.add_argument("--concurrency", type=int, default=4)
-    r.add_argument("--max-tokens", type=int, default=64)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--ignore-eos", action="store_true")
-    r.add_argument("--timeout", type=float, default=600)
-    r.add_argument("--out", type=Path, help="directory for summary.json and requests.jsonl")
-    args = p.parse_args(argv)
+def _print_summary(s: dict, out: Path) -> None:
+    def p(d: dict) -> str:
+        return " / ".join("-" if d.get(k) is None else f"{d[k]:.0f}" for k in ("p50", "p90", "p99"))
 
+    att = s["slo_attainment"]
+    lines = [
+        f"requests {s['requests']}  failed {s['failed']}  clipped prompts {s['clipped_prompts']}"
+        f"  duration {s['duration_s']:.1f} s",
+        f"TTFT p50/p90/p99 ms  {p(s['ttft_ms'])}",
+        f"TPOT p50/p90/p99 ms  {p(s['tpot_ms'])}",
+        f"E2E  p50/p90/p99 ms  {p(s['e2e_ms'])}",
+        f"throughput {s['throughput_tok_s']:.1f} tok/s  goodput {s['goodput_rps']:.2f} req/s  "
+        f"SLO attainment {'-' if att is None else f'{att:.1%}'} ({s['slo']['text']})",
+        f"results in {out}/ (summary.json, requests.jsonl, *.png)",
+    ]
+    print("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- synth
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from loadgen.synth import ModelSpec, SynthSpec, parse_models, synthesize
+
+    models = parse_models(args.models) if args.models else [ModelSpec(args.model, args.rate,
+                                                                      args.cv)]
+    spec = SynthSpec(
+        models=models, duration_s=args.duration, input_mean=args.input_tokens,
+        input_cv=args.input_cv, output_mean=args.output_tokens, output_cv=args.output_cv,
+        turns_mean=args.turns, think_time_s=args.think_time,
+        system_prompt_tokens=args.system_prompt_tokens, block_size=args.block_size,
+        max_input_tokens=args.max_input_tokens, max_requests=args.max_requests,
+    )
+    reqs = synthesize(spec, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(args.out, reqs)
+    by_model: dict[str | None, int] = {}
+    for r in reqs:
+        by_model[r.model] = by_model.get(r.model, 0) + 1
+    mix = ", ".join(f"{m or '(no model)'}: {n}" for m, n in by_model.items())
+    print(f"wrote {len(reqs)} requests over {args.duration:g} s to {args.out} ({mix})")
+    return 0
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from loadgen.compare import RunError, compare
+
+    try:
+        print(compare(args.runs, args.plot))
+    except RunError as e:
+        raise UsageError(str(e)) from e
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+# --------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     records = asyncio.run(run_closed_loop(args))
     result = report(records, time.perf_counter() - t0)
@@ -88,7 +236,127 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out / "requests.jsonl", "w") as f:
             for rec in records:
                 f.write(json.dumps(dataclasses.asdict(rec)) + "\n")
-    sys.exit(1 if result["failed"] else 0)
+    return 1 if result["failed"] else 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    r = sub.add_parser("replay", formatter_class=fmt,
+                       help="replay a trace open-loop and report latencies and SLO attainment")
+    r.add_argument("trace", type=Path, help=f"trace file ({', '.join(FORMATS)}; detected)")
+    r.add_argument("--format", choices=FORMATS, help="skip detection")
+    r.add_argument("--url", required=True, help="OpenAI-compatible base URL, e.g. "
+                   "http://127.0.0.1:8080/v1")
+    r.add_argument("--model", help="send every request to this model (unless --models-map)")
+    r.add_argument("--models-map", help="TRACE_MODEL=SERVED[,...]; '*=M' maps the rest")
+    r.add_argument("--tokenizer", action="append", metavar="[MODEL=]PATH",
+                   help="the target model's tokenizer (a model directory or tokenizer.json), "
+                   "for prompts of exact token lengths; repeat as MODEL=PATH per model. "
+                   "Default: $MESHSERVE_MODELS_DIR/MODEL if it has a tokenizer.json, else "
+                   "approximate lengths from common English words (the summary says "
+                   "prompt_tokens_exact: false)")
+    r.add_argument("--api", choices=("completions", "chat"), default="completions",
+                   help="completions: exact prompt lengths; chat: the chat template's "
+                   "tokens are subtracted when the tokenizer directory has the template")
+    r.add_argument("--prompt-format", choices=("text", "ids"), default="text",
+                   help="text: words that re-encode to exactly the planned ids; ids: prompt "
+                   "as a token-id list (servers that accept it: meshserve, vLLM)")
+    r.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply inter-arrival times (0.1 = ten times faster)")
+    r.add_argument("--rate-scale", type=float, default=1.0,
+                   help="<1 thins arrivals (keeps each with this probability); >1 adds "
+                   "jittered copies with renamed prefix blocks")
+    r.add_argument("--duration", type=float, help="only requests arriving in the first S "
+                   "seconds (after scaling)")
+    r.add_argument("--max-requests", type=int, help="only the first N requests")
+    r.add_argument("--max-output-tokens", type=int, help="cap every output length")
+    r.add_argument("--max-context", type=int, help="clip prompts to this context; default: "
+                   "the server's max_model_len from /models")
+    r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (servers that reject it); outputs may then "
+                   "end before the trace's length")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--seed", type=int, default=0, help="prompt content and rate scaling")
+    r.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT floor")
+    r.add_argument("--slo-ttft-per-token-s", type=float, default=1 / 512,
+                   help="TTFT allowance per input token: TTFT <= max(floor, n * this)")
+    r.add_argument("--slo-tpot-s", type=float, default=0.25, help="TPOT limit")
+    r.add_argument("--slo", help="the same as one spec, e.g. 'ttft=1s,ttft_per_token=1/1024,"
+                   "tpot=100ms'")
+    r.add_argument("--api-key", help="bearer token; without it $OPENAI_API_KEY, else none "
+                   "that matters ('unused')")
+    r.add_argument("--timeout", type=float, default=600, help="per request, seconds")
+    r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--quiet", action="store_true", help="no progress line")
+    r.add_argument("--out", type=Path, required=True, help="directory for the results")
+    r.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("synth", formatter_class=fmt, help="write a synthetic trace")
+    s.add_argument("--rate", type=float, default=1.0, help="conversations per second")
+    s.add_argument("--cv", type=float, default=1.0,
+                   help="coefficient of variation of inter-arrival gaps (1 Poisson, >1 bursty)")
+    s.add_argument("--model", help="model name written into the trace")
+    s.add_argument("--models", help="many-model mix NAME:RATE[:CV],... (overrides "
+                   "--rate/--cv/--model): each model its own Gamma process")
+    s.add_argument("--duration", type=float, default=60.0, help="seconds")
+    s.add_argument("--max-requests", type=int)
+    s.add_argument("--input-tokens", type=float, default=512, help="mean new prompt tokens")
+    s.add_argument("--input-cv", type=float, default=1.0, help="log-normal cv; 0 = constant")
+    s.add_argument("--output-tokens", type=float, default=128, help="mean output tokens")
+    s.add_argument("--output-cv", type=float, default=1.0)
+    s.add_argument("--turns", type=float, default=1.0,
+                   help="mean turns per conversation (geometric); each turn's prompt extends "
+                   "the previous turn's prompt and output")
+    s.add_argument("--think-time", type=float, default=10.0,
+                   help="mean seconds between turns (exponential)")
+    s.add_argument("--system-prompt-tokens", type=int, default=0,
+                   help="a prefix shared by every request of a model")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per hash id")
+    s.add_argument("--max-input-tokens", type=int, default=32768,
+                   help="a conversation ends before its prompt passes this")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, required=True, help="JSONL trace to write")
+    s.set_defaults(func=cmd_synth)
+
+    c = sub.add_parser("compare", help="runs side by side, with overlaid latency CDFs")
+    c.add_argument("runs", type=Path, nargs="+", help="directories written by replay")
+    c.add_argument("--plot", type=Path, default=Path("compare.png"),
+                   help="PNG to write (default compare.png)")
+    c.set_defaults(func=cmd_compare)
+
+    o = sub.add_parser("run", help="closed-loop load with one prompt (smoke test)")
+    o.add_argument("--url", default="http://127.0.0.1:8080/v1")
+    o.add_argument("--model", required=True)
+    o.add_argument("--prompt", default="Tell me a story about a lighthouse keeper.")
+    o.add_argument("--requests", type=int, default=16)
+    o.add_argument("--concurrency", type=int, default=4)
+    o.add_argument("--max-tokens", type=int, default=64)
+    o.add_argument("--temperature", type=float, default=0.0)
+    o.add_argument("--ignore-eos", action="store_true")
+    o.add_argument("--timeout", type=float, default=600)
+    o.add_argument("--out", type=Path, help="directory for summary.json and requests.jsonl")
+    o.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except (TraceError, PromptError, PlanError, UsageError) as e:
+        _fail(str(e), 2)
+    except ValueError as e:  # option values the parser cannot check (rates, cvs, SLO specs)
+        _fail(str(e), 2)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
