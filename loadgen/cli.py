@@ -29,7 +29,7 @@ from loadgen.progress import Progress
 from loadgen.prompts import PromptError, TokenPool, approximate_pool, tokenizer_pool
 from loadgen.replay import EndpointError, SendOptions, list_models, replay
 from loadgen.slo import SLO, parse_slo
-from loadgen.traces import FORMATS, TraceError, read_trace, write_trace
+from loadgen.traces import FORMATS, TraceError, TraceRequest, read_trace, write_trace
 
 __all__ = ["main", "report"]
 
@@ -91,14 +91,15 @@ def _context(*limits: int | None) -> int | None:
     return min(known) if known else None
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    if args.api == "chat" and args.prompt_format == "ids":
-        raise UsageError("--prompt-format ids needs --api completions")
+def _slo(args: argparse.Namespace) -> SLO:
     slo = SLO(ttft_s=args.slo_ttft_s, ttft_per_input_token_s=args.slo_ttft_per_token_s,
               tpot_s=args.slo_tpot_s)
-    if args.slo:
-        slo = parse_slo(args.slo, slo)
+    return parse_slo(args.slo, slo) if args.slo else slo
 
+
+def _requests(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
+    """The trace's requests after rate and time scaling and the limits; and how many the
+    trace had."""
     reqs = read_trace(args.trace, args.format)
     n_trace = len(reqs)
     if args.rate_scale != 1:
@@ -108,6 +109,28 @@ def cmd_replay(args: argparse.Namespace) -> int:
     reqs = transforms.limit(reqs, duration_s=args.duration, max_requests=args.max_requests)
     if not reqs:
         raise UsageError("no requests left after --duration/--max-requests/--rate-scale")
+    return reqs, n_trace
+
+
+def _write_run(
+    out: Path, results: list, summary: dict, slo: SLO, title: str, plots: bool
+) -> None:
+    from loadgen.plots import plot_run
+    from loadgen.results import write_results
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_results(out / "requests.jsonl", results)
+    if plots:
+        plot_run(results, slo, out, title=title)
+    _print_summary(summary, out)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    if args.api == "chat" and args.prompt_format == "ids":
+        raise UsageError("--prompt-format ids needs --api completions")
+    slo = _slo(args)
+    reqs, n_trace = _requests(args)
 
     url = args.url.rstrip("/")
     models_map = parse_models_map(args.models_map)
@@ -140,9 +163,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     t0 = time.time()
     results = asyncio.run(replay(planned, pools, opts, progress))
 
-    from loadgen.plots import plot_run
     from loadgen.report import summarize
-    from loadgen.results import write_results
 
     summary = summarize(results, slo, exact_prompts=all(pools[m].exact for m in served))
     summary["run"] = {
@@ -153,13 +174,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "max_output_tokens": args.max_output_tokens, "max_context": max_context,
         "seed": args.seed, "started_at": t0, "argv": sys.argv[1:],
     }
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_results(out / "requests.jsonl", results)
-    if not args.no_plots:
-        plot_run(results, slo, out, title=f"({Path(args.trace).name})")
-    _print_summary(summary, out)
+    _write_run(args.out, results, summary, slo, f"({Path(args.trace).name})", not args.no_plots)
     return 0
 
 
@@ -222,6 +237,108 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- simulate
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from loadgen.costmodel import DEFAULT_PROFILE, load_profiles
+    from loadgen.report import summarize
+    from loadgen.simulator import SimConfig, simulate
+
+    slo = _slo(args)
+    reqs, n_trace = _requests(args)
+    profiles = load_profiles(args.profile or DEFAULT_PROFILE)
+    models_map = parse_models_map(args.models_map)
+    model = args.model
+    if model is None and not models_map and len(profiles) == 1:
+        model = next(iter(profiles))  # one profile: every request is for its model
+    names = {p.model for p in plan(reqs, model=model, models_map=models_map)}
+    if args.profile_for:
+        base = profiles[args.profile_for] if args.profile_for in profiles else None
+        if base is None:
+            raise UsageError(f"--profile-for {args.profile_for}: no such profile "
+                             f"(have {', '.join(sorted(profiles))})")
+        profiles = {**{m: dataclasses.replace(base, model=m) for m in names}, **profiles}
+    missing = sorted(names - set(profiles))
+    if missing:
+        raise UsageError(f"no engine profile for {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}: give --profile-for MODEL to "
+                         "use one profile for every model, or --model/--models-map")
+    max_context = {m: profiles[m].max_model_len for m in names}
+    planned = plan(reqs, model=model, models_map=models_map, max_context=max_context,
+                   max_output_tokens=args.max_output_tokens)
+    cfg = SimConfig(devices=args.devices, pool_size=args.pool_size,
+                    keep_alive_s=args.keep_alive, placement_timeout_s=args.placement_timeout,
+                    heartbeat_s=args.heartbeat, network_s=args.network_ms / 1000,
+                    record_gaps=not args.no_gaps)
+    calibration = None
+    if args.calibrate:
+        calibration = _calibrate(args.calibrate, planned, profiles, cfg)
+        profiles = {m: dataclasses.replace(p, emit_s=calibration["emit_s"])
+                    for m, p in profiles.items()}
+    print(f"{PROG}: simulating {len(planned)} of {n_trace} requests on {cfg.devices} devices "
+          f"({len(names)} model(s))", file=sys.stderr)
+    t0 = time.perf_counter()
+    results, stats = simulate(planned, profiles, cfg)
+    wall = time.perf_counter() - t0
+    summary = summarize(results, slo, exact_prompts=True)
+    summary["run"] = {
+        "simulated": True, "trace": str(args.trace), "trace_requests": n_trace,
+        "config": dataclasses.asdict(cfg),
+        "profiles": {m: profiles[m].to_json() for m in sorted(names)},
+        "time_scale": args.time_scale, "rate_scale": args.rate_scale, "seed": args.seed,
+        "stats": dataclasses.asdict(stats), "wall_s": round(wall, 3), "argv": sys.argv[1:],
+        "calibration": calibration,
+    }
+    _write_run(args.out, results, summary, slo,
+               f"(simulated, {cfg.devices} devices, {Path(args.trace).name})", not args.no_plots)
+    print(f"simulated {stats.iterations} iterations, {stats.loads} loads, {stats.unloads} "
+          f"unloads, {stats.preemptions} preemptions in {wall:.1f} s")
+    return 0
+
+
+def _calibrate(run_dir: Path, planned: list, profiles: dict, cfg) -> dict:
+    """Fit the profile's per-token serving cost to a replay of the same requests."""
+    from loadgen.results import read_results
+    from loadgen.simulator import calibrate_emit_s
+    from loadgen.stats import percentile
+
+    real = read_results(run_dir / "requests.jsonl")
+    if len(real) != len(planned):
+        raise UsageError(f"--calibrate {run_dir}: {len(real)} requests there, {len(planned)} "
+                         "here; give the same trace options as that replay")
+    models = {p.model for p in planned}
+    if len(models) != 1:
+        raise UsageError("--calibrate needs a single-model run")
+    tpots = [t for r in real if (t := r.tpot_s) is not None]
+    if not tpots:
+        raise UsageError(f"--calibrate {run_dir}: no request there streamed two tokens")
+    target = percentile(tpots, 50)
+    emit_s = calibrate_emit_s(planned, profiles[models.pop()], cfg, target)
+    print(f"{PROG}: calibrated emit_s = {emit_s * 1000:.3f} ms per streamed token "
+          f"(replay TPOT p50 {target * 1000:.2f} ms)", file=sys.stderr)
+    return {"run": str(run_dir), "target_tpot_p50_s": target, "emit_s": emit_s}
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from loadgen.costmodel import save_profiles
+    from loadgen.profiling import measure_profile
+    from shared.settings import Settings
+
+    overrides = {k: v for k, v in (("engine", args.engine), ("dtype", args.dtype),
+                                   ("device", args.device)) if v}
+    settings = Settings(**overrides)
+    name = args.name or args.model_dir.name
+    prof = measure_profile(args.model_dir, model=name, settings=settings, reps=args.reps,
+                           log=lambda m: print(m, file=sys.stderr))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_profiles(args.out, [prof])
+    print(f"wrote {args.out}: load {prof.load_s:.1f} s, decode step "
+          f"{prof.decode_s[0] * 1000:.1f} ms at batch {prof.decode_batches[0]}, "
+          f"prefill {1 / prof.prefill_s if prof.prefill_s else float('inf'):.0f} tok/s (linear term)")
+    return 0
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -240,6 +357,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+
+
+def _trace_options(p: argparse.ArgumentParser) -> None:
+    """What replay and simulate read from a trace, and how they scale it."""
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply inter-arrival times (0.1 = ten times faster)")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="<1 thins arrivals (keeps each with this probability); >1 adds "
+                   "jittered copies with renamed prefix blocks")
+    p.add_argument("--duration", type=float, help="only requests arriving in the first S "
+                   "seconds (after scaling)")
+    p.add_argument("--max-requests", type=int, help="only the first N requests")
+    p.add_argument("--max-output-tokens", type=int, help="cap every output length")
+    p.add_argument("--seed", type=int, default=0, help="prompt content and rate scaling")
+
+
+def _slo_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT floor")
+    p.add_argument("--slo-ttft-per-token-s", type=float, default=1 / 512,
+                   help="TTFT allowance per input token: TTFT <= max(floor, n * this)")
+    p.add_argument("--slo-tpot-s", type=float, default=0.25, help="TPOT limit")
+    p.add_argument("--slo", help="the same as one spec, e.g. 'ttft=1s,ttft_per_token=1/1024,"
+                   "tpot=100ms'")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -268,28 +408,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-format", choices=("text", "ids"), default="text",
                    help="text: words that re-encode to exactly the planned ids; ids: prompt "
                    "as a token-id list (servers that accept it: meshserve, vLLM)")
-    r.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply inter-arrival times (0.1 = ten times faster)")
-    r.add_argument("--rate-scale", type=float, default=1.0,
-                   help="<1 thins arrivals (keeps each with this probability); >1 adds "
-                   "jittered copies with renamed prefix blocks")
-    r.add_argument("--duration", type=float, help="only requests arriving in the first S "
-                   "seconds (after scaling)")
-    r.add_argument("--max-requests", type=int, help="only the first N requests")
-    r.add_argument("--max-output-tokens", type=int, help="cap every output length")
+    _trace_options(r)
     r.add_argument("--max-context", type=int, help="clip prompts to this context; default: "
                    "the server's max_model_len from /models")
     r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (servers that reject it); outputs may then "
                    "end before the trace's length")
     r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--seed", type=int, default=0, help="prompt content and rate scaling")
-    r.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT floor")
-    r.add_argument("--slo-ttft-per-token-s", type=float, default=1 / 512,
-                   help="TTFT allowance per input token: TTFT <= max(floor, n * this)")
-    r.add_argument("--slo-tpot-s", type=float, default=0.25, help="TPOT limit")
-    r.add_argument("--slo", help="the same as one spec, e.g. 'ttft=1s,ttft_per_token=1/1024,"
-                   "tpot=100ms'")
+    _slo_options(r)
     r.add_argument("--api-key", help="bearer token; without it $OPENAI_API_KEY, else none "
                    "that matters ('unused')")
     r.add_argument("--timeout", type=float, default=600, help="per request, seconds")
@@ -330,6 +456,50 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", type=Path, default=Path("compare.png"),
                    help="PNG to write (default compare.png)")
     c.set_defaults(func=cmd_compare)
+
+    m = sub.add_parser("simulate", formatter_class=fmt,
+                       help="replay a trace through the project's placement, scaling and "
+                       "batching policies on simulated devices with a profiled cost model")
+    m.add_argument("trace", type=Path, help=f"trace file ({', '.join(FORMATS)}; detected)")
+    m.add_argument("--format", choices=FORMATS, help="skip detection")
+    m.add_argument("--model", help="every request is for this model (default: the trace's "
+                   "names, or the only profile's model)")
+    m.add_argument("--models-map", help="TRACE_MODEL=SERVED[,...]; '*=M' maps the rest")
+    m.add_argument("--profile", type=Path, help="engine cost profile(s) written by "
+                   "`profile` (default: the Qwen2-0.5B-shaped torch bf16 profile measured "
+                   "on the 2-core dev host, in loadgen/profiles/)")
+    m.add_argument("--profile-for", metavar="MODEL", help="use this profile for every model "
+                   "without its own (many-model traces)")
+    m.add_argument("--devices", type=int, default=4, help="TEs in the fleet")
+    m.add_argument("--pool-size", type=int, default=4, help="TEs per node pool")
+    m.add_argument("--keep-alive", type=float, default=60.0,
+                   help="seconds idle before scale to zero")
+    m.add_argument("--placement-timeout", type=float, default=60.0,
+                   help="seconds a job waits for an instance before it fails (503)")
+    m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
+    m.add_argument("--network-ms", type=float, default=0.5, help="one hop")
+    m.add_argument("--calibrate", type=Path, metavar="RUN_DIR",
+                   help="fit the profile's per-token serving cost (emit_s) so that the "
+                   "simulated TPOT p50 matches this replay of the same requests")
+    m.add_argument("--no-gaps", action="store_true",
+                   help="do not keep inter-token gaps (large runs: 8 bytes per token)")
+    _trace_options(m)
+    _slo_options(m)
+    m.add_argument("--no-plots", action="store_true")
+    m.add_argument("--out", type=Path, required=True, help="directory for the results")
+    m.set_defaults(func=cmd_simulate)
+
+    f = sub.add_parser("profile", formatter_class=fmt,
+                       help="measure an engine's cost profile for simulate")
+    f.add_argument("model_dir", type=Path, help="an HF checkpoint directory")
+    f.add_argument("--name", help="model name in the profile (default: the directory name)")
+    f.add_argument("--engine", choices=("torch", "openvino", "vllm"),
+                   help="default: MESHSERVE_ENGINE or auto, as a TE would choose")
+    f.add_argument("--dtype", help="default: MESHSERVE_DTYPE")
+    f.add_argument("--device", help="default: MESHSERVE_DEVICE")
+    f.add_argument("--reps", type=int, default=3)
+    f.add_argument("--out", type=Path, required=True, help="JSON profile to write")
+    f.set_defaults(func=cmd_profile)
 
     o = sub.add_parser("run", help="closed-loop load with one prompt (smoke test)")
     o.add_argument("--url", default="http://127.0.0.1:8080/v1")

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from loadgen.traces import read_trace
+from tests.shared_traces import trace_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
-AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+AZURE = trace_path("azure_llm_2023_conv.csv")
 N = 32
 MAX_OUT = 16
 CONTEXT = 1024  # below the demo model's 8192, so that the trace's long prompts get clipped

@@ -18,8 +18,9 @@ from loadgen.traces import (
     read_trace,
     write_trace,
 )
+from tests.shared_traces import trace_path
 
-SHARED_TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+SHARED_TRACES = trace_path("azure_llm_2023_conv.csv").parent
 
 
 def write(path: Path, text: str) -> Path:

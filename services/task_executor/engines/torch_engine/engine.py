@@ -234,6 +234,7 @@ class TorchEngine:
         )
         self._torch_device = torch_device
         self.block_size = block_size
+        self.max_prefill_tokens = max_prefill_tokens
         self._sched = SchedulerConfig(
             block_size=block_size,
             max_num_seqs=max_num_seqs,

@@ -1,0 +1,125 @@
+"""How long an engine iteration takes: the simulator's stand-in for a real engine.
+
+A profile is measured on a real engine (``loadgen/profiling.py``, ``meshserve-loadgen profile``)
+and stored as JSON. An iteration of continuous batching decodes one token for each running
+request and prefills the prompts that join; its time is modelled as
+
+    step_s = decode_s(batch) + decode_ctx_s * (context tokens the decodes attend over)
+             + sum over prefills of (prefill_s * n + prefill_s2 * n**2)
+             + emit_s * (tokens the iteration produces)
+
+``decode_s`` is interpolated linearly between measured batch sizes (and extrapolated from
+the last two): a decode step streams the weights once however many requests share it, so it
+grows slowly with the batch until compute takes over. The quadratic prefill term is
+attention. ``emit_s`` is the serving path's cost per streamed token outside the engine (the
+TE publishes each token before its next iteration; the frontend shares the host's cores): it
+cannot be measured in-process, so ``profile`` leaves it 0 and ``calibrate_emit_s`` fits it
+from a replay of the same workload (see the README). Everything else (load time, KV
+capacity, context length, batch limit) is what the engine reported when it was profiled.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineProfile:
+    model: str
+    load_s: float  # LoadModel to ready
+    decode_batches: tuple[int, ...]  # measured batch sizes, ascending
+    decode_s: tuple[float, ...]  # step time at each, short context
+    decode_ctx_s: float  # extra step time per context token attended by decodes
+    prefill_s: float  # per prompt token
+    prefill_s2: float  # per prompt token squared (attention)
+    max_num_seqs: int
+    max_prefill_tokens: int
+    kv_blocks: int
+    block_size: int
+    max_model_len: int
+    emit_s: float = 0.0  # per token streamed, outside the engine
+    source: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured
+
+    def __post_init__(self) -> None:
+        if not self.decode_batches or len(self.decode_batches) != len(self.decode_s):
+            raise ValueError("a profile needs decode step times for at least one batch size")
+        if list(self.decode_batches) != sorted(set(self.decode_batches)):
+            raise ValueError("decode batch sizes must be distinct and ascending")
+
+    def decode_step_s(self, batch: int) -> float:
+        """Step time of ``batch`` decodes at short context (0 for none)."""
+        if batch <= 0:
+            return 0.0
+        xs, ys = self.decode_batches, self.decode_s
+        if len(xs) == 1:
+            return ys[0] * batch / xs[0] if batch > xs[0] else ys[0]
+        i = bisect.bisect_left(xs, batch)
+        if i < len(xs) and xs[i] == batch:
+            return ys[i]
+        if i == 0:
+            return ys[0]  # below the smallest measured batch: a step costs at least that
+        i = min(i, len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (batch - x0) / (x1 - x0))
+
+    def prefill_time_s(self, tokens: int) -> float:
+        return self.prefill_s * tokens + self.prefill_s2 * tokens * tokens
+
+    def iteration_s(self, decode_batch: int, decode_context: int, prefills: list[int]) -> float:
+        """One iteration: ``decode_batch`` decodes attending over ``decode_context`` tokens in
+        all, and prefills of the given new-token counts."""
+        t = self.decode_step_s(decode_batch) + self.decode_ctx_s * decode_context
+        t += self.emit_s * (decode_batch + len(prefills))
+        if prefills:
+            t += sum(self.prefill_time_s(n) for n in prefills)
+            if not decode_batch:
+                # A prefill-only iteration still reads every weight once (the LM head too).
+                t = max(t, self.decode_step_s(1))
+        return t
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["decode_batches"] = list(self.decode_batches)
+        d["decode_s"] = list(self.decode_s)
+        d["source"] = dict(self.source)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> EngineProfile:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown profile fields: {sorted(unknown)}")
+        kw = dict(d)
+        kw["decode_batches"] = tuple(int(b) for b in d["decode_batches"])
+        kw["decode_s"] = tuple(float(s) for s in d["decode_s"])
+        return cls(**kw)
+
+
+def load_profiles(path: Path | str) -> dict[str, EngineProfile]:
+    """A profile file: one profile object, or ``{"profiles": [...]}``; keyed by model."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a profile: {e}") from e
+    items = data["profiles"] if isinstance(data, dict) and "profiles" in data else [data]
+    try:
+        profiles = [EngineProfile.from_json(p) for p in items]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a valid profile: {e}") from e
+    return {p.model: p for p in profiles}
+
+
+def save_profiles(path: Path | str, profiles: list[EngineProfile]) -> None:
+    body = profiles[0].to_json() if len(profiles) == 1 else {
+        "profiles": [p.to_json() for p in profiles]
+    }
+    Path(path).write_text(json.dumps(body, indent=2) + "\n")
+
+
+DEFAULT_PROFILE = Path(__file__).with_name("profiles") / "bench-qwen2-0.5b-torch-cpu.json"

@@ -1,0 +1,185 @@
+"""The simulator: hand-checkable timings, the real policies' effects, and scale."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from loadgen.costmodel import EngineProfile
+from loadgen.plan import plan
+from loadgen.profiling import fit_prefill
+from loadgen.report import summarize
+from loadgen.simulator import SimConfig, simulate
+from loadgen.slo import SLO
+from loadgen.traces import TraceRequest
+from tests.shared_traces import trace_path
+
+
+def profile(model: str = "m", **kw) -> EngineProfile:
+    base = dict(
+        model=model, load_s=2.0, decode_batches=(1, 8), decode_s=(0.02, 0.04), decode_ctx_s=0.0,
+        prefill_s=0.001, prefill_s2=0.0, max_num_seqs=8, max_prefill_tokens=2048,
+        kv_blocks=1000, block_size=16, max_model_len=4096,
+    )
+    base.update(kw)
+    return EngineProfile(**base)
+
+
+def trace(*reqs: tuple[float, int, int], model: str | None = None) -> list[TraceRequest]:
+    return [TraceRequest(arrival_s=t, input_tokens=i, output_tokens=o, model=model)
+            for t, i, o in reqs]
+
+
+NO_NET = dict(network_s=0.0)
+
+
+def test_cost_model_interpolates_decode_and_adds_prefill() -> None:
+    p = profile(decode_ctx_s=1e-5, prefill_s2=1e-7)
+    assert p.decode_step_s(1) == pytest.approx(0.02)
+    assert p.decode_step_s(8) == pytest.approx(0.04)
+    assert p.decode_step_s(4) == pytest.approx(0.02 + 0.02 * 3 / 7)
+    assert p.decode_step_s(16) == pytest.approx(0.04 + 0.02 * 8 / 7)  # extrapolated
+    assert p.iteration_s(2, 100, [500]) == pytest.approx(
+        p.decode_step_s(2) + 1e-5 * 100 + 0.001 * 500 + 1e-7 * 500**2
+    )
+    # A prefill-only iteration still costs at least a weight pass.
+    assert p.iteration_s(0, 0, [1]) == pytest.approx(0.02)
+    assert EngineProfile.from_json(p.to_json()) == p
+
+
+def test_fit_prefill_recovers_linear_and_quadratic_terms() -> None:
+    lengths = [64, 256, 512, 1024]
+    a, b = fit_prefill(lengths, [1e-3 * n + 2e-7 * n * n for n in lengths])
+    assert a == pytest.approx(1e-3) and b == pytest.approx(2e-7)
+    a, b = fit_prefill([100], [0.5])
+    assert a * 100 + b * 100**2 == pytest.approx(0.5)
+
+
+def test_one_request_from_zero_pays_load_then_prefill_then_decodes() -> None:
+    planned = plan(trace((0.0, 100, 5)), model="m")
+    results, stats = simulate(planned, {"m": profile()}, SimConfig(devices=2, **NO_NET))
+    (r,) = results
+    assert r.ok and r.completion_tokens == 5
+    # Load 2 s, then a prefill-only iteration of 100 tokens (0.1 s) gives the first token.
+    assert r.ttft_s == pytest.approx(2.0 + 0.1)
+    # Four decode steps of one request follow.
+    assert r.gaps_s == pytest.approx([0.02] * 4)
+    assert r.e2e_s == pytest.approx(2.1 + 0.08)
+    assert stats.loads == 1
+
+
+def test_warm_instance_and_scale_to_zero_after_keep_alive() -> None:
+    planned = plan(trace((0.0, 10, 2), (5.0, 10, 2), (100.0, 10, 2)), model="m")
+    cfg = SimConfig(devices=1, keep_alive_s=30.0, **NO_NET)
+    results, stats = simulate(planned, {"m": profile()}, cfg)
+    cold, warm, after = results
+    assert cold.ttft_s > 2.0  # loaded first
+    assert warm.ttft_s == pytest.approx(0.02)  # already loaded: one short prefill
+    assert after.ttft_s > 2.0  # unloaded after 30 s idle, loaded again
+    assert stats.loads == 2 and stats.unloads >= 1
+
+
+def test_requests_batch_together_and_share_decode_steps() -> None:
+    # Eight requests arriving at once after the model is up decode as one batch.
+    reqs = [(0.0, 10, 2)] + [(10.0, 16, 11)] * 8
+    planned = plan(trace(*reqs), model="m")
+    results, _ = simulate(planned, {"m": profile()}, SimConfig(devices=1, **NO_NET))
+    gaps = [g for r in results[1:] for g in r.gaps_s]
+    assert gaps and max(gaps) == pytest.approx(0.04)  # batch-8 steps
+    assert all(r.ok for r in results)
+
+
+def test_models_get_their_own_instances_and_a_full_fleet_times_out() -> None:
+    reqs = trace((0.0, 10, 3), model="a") + trace((0.1, 10, 3), model="b")
+    planned = plan(reqs)
+    profiles = {"a": profile("a"), "b": profile("b")}
+    ok, _ = simulate(planned, profiles, SimConfig(devices=2, **NO_NET))
+    assert all(r.ok for r in ok)
+    # One device, keep-alive longer than the placement timeout: b waits for a TE in vain.
+    cfg = SimConfig(devices=1, keep_alive_s=100.0, placement_timeout_s=5.0, **NO_NET)
+    results, stats = simulate(planned, profiles, cfg)
+    a, b = results
+    assert a.ok
+    assert not b.ok and b.status == 503 and "no_capacity" in (b.error or "")
+    assert stats.timeouts == 1
+
+
+def test_kv_pressure_preempts_and_still_finishes_everything() -> None:
+    # 12 blocks of 16 tokens; four 40-token prompts growing to 80 tokens cannot all fit.
+    planned = plan(trace(*[(0.0, 40, 40)] * 4), model="m")
+    results, stats = simulate(
+        planned, {"m": profile(kv_blocks=12)}, SimConfig(devices=1, **NO_NET)
+    )
+    assert all(r.ok and r.completion_tokens == 40 for r in results)
+    assert stats.preemptions > 0
+
+
+def test_summary_of_a_simulated_run_uses_the_replay_report() -> None:
+    planned = plan(trace(*[(i * 0.5, 200, 20) for i in range(20)]), model="m")
+    results, _ = simulate(planned, {"m": profile()}, SimConfig(devices=1))
+    s = summarize(results, SLO())
+    assert s["requests"] == 20 and s["failed"] == 0
+    assert s["ttft_ms"]["p50"] is not None and 0 <= s["slo_attainment"] <= 1
+
+
+def test_thousands_of_devices_and_models_run_fast() -> None:
+    """2,000 devices, 500 models, 20,000 requests: the policy modules on a fleet this
+    machine could never host, in seconds."""
+    reqs = [
+        TraceRequest(arrival_s=i * 0.01, input_tokens=100 + i % 400, output_tokens=1 + i % 30,
+                     model=f"m{i % 500}")
+        for i in range(20_000)
+    ]
+    planned = plan(reqs)
+    profiles = {f"m{k}": profile(f"m{k}") for k in range(500)}
+    t = time.perf_counter()
+    results, stats = simulate(
+        planned, profiles, SimConfig(devices=2000, pool_size=8, record_gaps=False)
+    )
+    elapsed = time.perf_counter() - t
+    assert all(r.ok for r in results)
+    assert stats.loads >= 500 and stats.max_busy_devices >= 500
+    assert elapsed < 120, elapsed
+
+
+def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None:
+    """`meshserve-loadgen simulate` on the Azure trace: summary, requests and plots, in the
+    replay's format."""
+    from loadgen.cli import main
+    from loadgen.costmodel import save_profiles
+
+    trace_file = trace_path("azure_llm_2023_conv.csv")
+    if not trace_file.exists():
+        pytest.skip("the shared traces are not here")
+    prof = tmp_path / "p.json"
+    save_profiles(prof, [profile("demo")])
+    out = tmp_path / "sim"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", str(trace_file), "--profile", str(prof), "--devices", "2",
+              "--max-requests", "300", "--out", str(out)])
+    assert e.value.code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests"] == 300 and summary["run"]["simulated"] is True
+    assert summary["run"]["stats"]["loads"] == 1
+    assert summary["clipped_prompts"] > 0  # the trace has prompts beyond 4,096 tokens
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 300
+    assert (out / "latency_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibration_recovers_a_known_per_token_cost() -> None:
+    """Simulate with emit_s = 0.5 ms as the "replay", then fit emit_s from its TPOT median."""
+    from loadgen.simulator import calibrate_emit_s
+    from loadgen.stats import percentile
+
+    # Spaced out after the load: one request at a time, so TPOT = decode step + emit_s.
+    planned = plan(trace(*[(3.0 + i * 0.5, 50 + 10 * (i % 7), 10) for i in range(40)]), model="m")
+    cfg = SimConfig(devices=1, **NO_NET)
+    truth, _ = simulate(planned, {"m": profile(emit_s=0.0005)}, cfg)
+    target = percentile([t for r in truth if (t := r.tpot_s) is not None], 50)
+    fitted = calibrate_emit_s(planned, profile(), cfg, target)
+    assert fitted == pytest.approx(0.0005, rel=0.05)
+    # An engine already slower than the target needs no serving cost at all.
+    assert calibrate_emit_s(planned, profile(), cfg, 0.001) == 0.0
