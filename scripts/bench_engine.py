@@ -1,25 +1,39 @@
-"""Decode throughput of the torch engine, beside transformers ``generate`` and the bandwidth bound.
+"""Decode and prefill throughput of meshserve's CPU engines, beside their references and the
+memory-bandwidth bound, and TTFT with a cached prefix; one run prints every table.
 
-For each model and dtype, and each batch size: B requests with distinct prompts of the same
-length decode a fixed number of tokens greedily (no early stop: ignore_eos for the engine,
-min_new_tokens for transformers). Decode tok/s counts the tokens after the first, over the
-time after the first (the first comes out of the prefill):
+Decode (torch engine, per model and dtype): for each batch size, B requests with distinct
+prompts of the same length decode a fixed number of tokens greedily (no early stop: ignore_eos
+for the engine, min_new_tokens for transformers). Decode tok/s counts the tokens after the
+first, over the time after the first (the first comes out of the prefill):
 - engine: the time of every ``step()`` after the prefill step;
 - transformers: ``generate`` for N tokens minus ``generate`` for 1 token, same inputs.
 The bound is what a decode step costs if it only streams the weights once at the measured
 memory bandwidth: ``batch × bandwidth ÷ weight bytes`` tokens per second (KV reads ignored;
-they are small at these lengths).
+they are small at these lengths). The host shares its memory bandwidth with other machines
+and it drifts (±30% within minutes), so each run is paired with a bandwidth sample taken just
+before it: "bound" is at the median of those, "%bound" the median over runs of tok/s ÷ that
+run's bound.
 
-A second table (prefix caching) gives, per model and dtype, the time to first token of a request
-whose 1,024-token prefix is in the prefix cache against one whose prefix is not (both add the
-same number of fresh tokens after it), and prefill tok/s of a 512-token prompt.
+OpenVINO (per IR weight format, --ov-formats, on the Qwen2-0.5B-shaped checkpoint): the same
+decode workload and a prefill of a --prefill-len prompt through OpenVINOEngine, beside OpenVINO
+GenAI's ContinuousBatchingPipeline called directly (and LLMPipeline on SDPA at batch 1), and
+the bound for the IR's weight bytes (scripts/bench_openvino.py says how each is timed). Then,
+unless --no-ov-api, meshserve's API (a cluster started here with MESHSERVE_ENGINE=openvino)
+beside GenAI called directly, on the same request shapes, runs alternating. IRs are converted
+on first use (optimum-intel in .venv-ov-export; scripts/convert-openvino does it ahead).
 
-A third table (async scheduling) gives decode tok/s with the engine's ``async_scheduling`` on and
-off (the next iteration launched while the host finishes the current one, or not), same
-workload as the first table, runs of the two alternating. On CPU "on" is the forward-thread
-overlap (``overlap_on_cpu``, which the engine leaves off by default); ``--async-device cuda``
+Prefix caching: per engine and dtype/format, the time to first token of a request whose
+1,024-token prefix is in the prefix cache against one whose prefix is not (both add the same
+number of fresh tokens after it), and prefill tok/s of a 512-token prompt.
+
+Async scheduling (torch): decode tok/s with the engine's ``async_scheduling`` on and off (the
+next iteration launched while the host finishes the current one, or not), same workload as
+the decode table, runs of the two alternating. On CPU "on" is the forward-thread overlap
+(``overlap_on_cpu``, which the engine leaves off by default); ``--async-device cuda``
 measures it where it is meant to pay.
-``--no-decode`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip a table.
+
+A summary table and the goals close the run. ``--no-decode`` / ``--no-openvino`` /
+``--no-ov-api`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip parts.
 
 Checkpoints come from shared.modelgen and are generated under --models-dir when missing.
 
@@ -37,6 +51,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -49,10 +64,20 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.task_executor.engines.base import EngineRequest  # noqa: E402
+from bench_common import (  # noqa: E402
+    Neighbours,
+    bound_tok_s,
+    engine_decode,
+    first_token_s,
+    measure_bandwidth,
+    median,
+    prompts_for,
+    with_bandwidth,
+)
+
+from services.task_executor.engines.base import Engine  # noqa: E402
 from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
-from shared.messages.api import SamplingParams  # noqa: E402
 
 MODELS: dict[str, tuple[str, str]] = {
     # name: (directory under --models-dir, shared.modelgen function)
@@ -61,6 +86,7 @@ MODELS: dict[str, tuple[str, str]] = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_SIZE = 16
+OV_BLOCK_SIZE = 32  # GenAI's paged-attention block on CPU (openvino_engine.CPU_BLOCK_SIZE)
 
 
 def ensure_model(name: str, models_dir: Path) -> Path:
@@ -74,87 +100,15 @@ def ensure_model(name: str, models_dir: Path) -> Path:
     return path
 
 
-def measure_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
-    """Read bandwidth in GB/s: the median time to sum a tensor far larger than any cache."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
 
 
-class Neighbours:
-    """CPU time used by other processes, from /proc/stat minus this process's own."""
-
-    MAX_CORES = 0.2  # a run during which others averaged more than this is repeated
-    MAX_TRIES = 6
-
-    def __init__(self) -> None:
-        self.enabled = Path("/proc/stat").is_file()
-        self.tick = os.sysconf("SC_CLK_TCK") if self.enabled else 100
-        self.retries = 0
-
-    def _busy(self) -> tuple[int, int, float]:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:9]]
-        with open("/proc/self/stat") as f:
-            mine = f.read().rsplit(")", 1)[1].split()
-        # fields after the command: state is [0], utime [11], stime [12]
-        return sum(vals) - vals[3] - vals[4], int(mine[11]) + int(mine[12]), time.monotonic()
-
-    def cores_used(self, since: tuple[int, int, float]) -> float:
-        busy, mine, now = self._busy()
-        return ((busy - since[0]) - (mine - since[1])) / self.tick / max(now - since[2], 1e-3)
-
-    def wait_quiet(self, max_wait_s: float = 120.0) -> None:
-        deadline = time.monotonic() + max_wait_s
-        quiet = 0
-        while quiet < 2 and time.monotonic() < deadline:
-            start = self._busy()
-            time.sleep(0.5)
-            quiet = quiet + 1 if self.cores_used(start) < self.MAX_CORES else 0
-
-    def timed(self, run: Callable[..., Any], *args: Any) -> Any:
-        """``run(*args)`` from a run the neighbours left alone (or the last try)."""
-        if not self.enabled:
-            return run(*args)
-        for _ in range(self.MAX_TRIES):
-            self.wait_quiet()
-            start = self._busy()
-            result = run(*args)
-            if self.cores_used(start) < self.MAX_CORES:
-                return result
-            self.retries += 1
-        return result
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    # Ids past the first few (special tokens) and inside a small tokenizer's range, so the
-    # same prompts are plausible for both checkpoints.
-    g = torch.Generator().manual_seed(seed)
-    hi = min(vocab, 4000)
-    return torch.randint(8, hi, (batch, length), generator=g).tolist()
-
-
-def engine_decode(
-    engine: TorchEngine, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) for one batch run to completion."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"b{time.monotonic_ns()}-{i}", p, params))
-    t0 = time.perf_counter()
-    first = engine.step()
-    t1 = time.perf_counter()
-    produced = len(first)
-    while engine.has_work():
-        produced += len(engine.step())
-    t2 = time.perf_counter()
-    assert produced == len(prompts) * new_tokens, produced
-    return t1 - t0, t2 - t1
+# --- torch decode: the engine beside transformers generate and the bound ---------------------
 
 
 def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -183,16 +137,11 @@ def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[fl
     return one, max(full - one, 1e-9)
 
 
-def median_rate(samples: list[float]) -> float:
-    return statistics.median(samples) if samples else float("nan")
-
-
 def bench_model(
     name: str,
     path: Path,
     dtype: str,
     args: argparse.Namespace,
-    bandwidth: float,
     neighbours: Neighbours,
 ) -> list[dict[str, Any]]:
     max_batch = max(args.batches)
@@ -224,27 +173,38 @@ def bench_model(
 
     rows = []
     for b in args.batches:
-        eng_rates, prefill_s, hf_rates = [], [], []
+        eng_rates, prefill_s, hf_rates, bandwidths = [], [], [], []
         for rep in range(args.reps):
             prompts = prompts_for(b, args.prompt_len, vocab, seed=rep)
-            pre, dec = neighbours.timed(engine_decode, engine, prompts, args.new_tokens)
+            bw, (pre, dec) = neighbours.timed(
+                with_bandwidth, engine_decode, engine, prompts, args.new_tokens
+            )
             eng_rates.append(b * (args.new_tokens - 1) / dec)
+            bandwidths.append(bw)
             prefill_s.append(pre)
             if hf is not None:
                 with torch.inference_mode():
                     _, dec = neighbours.timed(hf_decode, hf, prompts, args.new_tokens)
                 hf_rates.append(b * (args.new_tokens - 1) / dec)
-        bound = b * bandwidth * 1e9 / weight_bytes
+        fractions = [
+            r / bound_tok_s(b, bw, weight_bytes)
+            for r, bw in zip(eng_rates, bandwidths, strict=True)
+        ]
         row = {
             "model": name,
+            "engine": "torch",
             "dtype": dtype,
             "batch": b,
-            "engine_tok_s": median_rate(eng_rates),
+            "engine_tok_s": median(eng_rates),
             "engine_prefill_ms": 1e3 * statistics.median(prefill_s),
-            "hf_tok_s": median_rate(hf_rates) if hf is not None else None,
-            "bound_tok_s": bound,
+            "hf_tok_s": median(hf_rates) if hf is not None else None,
+            # the bound of each run at the bandwidth measured next to it
+            "bound_tok_s": bound_tok_s(b, median(bandwidths), weight_bytes),
+            "pct_bound": 100 * median(fractions),
+            "bandwidth_gb_s": median(bandwidths),
             "weight_bytes": weight_bytes,
             "engine_samples": eng_rates,
+            "bandwidth_samples": bandwidths,
             "hf_samples": hf_rates,
         }
         rows.append(row)
@@ -265,65 +225,110 @@ def print_row(row: dict[str, Any], first: dict[str, Any], *, flush: bool = False
     print(
         f"{row['model']:<18} {row['dtype']:<9} {row['batch']:>5} {eng:>12.1f} "
         f"{(f'{hf:.1f}' if hf else '-'):>9} {(f'{eng / hf:.2f}' if hf else '-'):>6} "
-        f"{row['bound_tok_s']:>11.1f} {100 * eng / row['bound_tok_s']:>5.0f}% "
+        f"{row['bound_tok_s']:>11.1f} {row['pct_bound']:>5.0f}% "
         f"{eng / first['engine_tok_s']:>5.1f}x {row['engine_prefill_ms']:>10.1f}",
         flush=flush,
     )
 
 
-def goals(rows: list[dict[str, Any]], model: str, dtype: str) -> dict[str, Any]:
-    by_batch = {r["batch"]: r for r in rows if r["model"] == model and r["dtype"] == dtype}
-    out: dict[str, Any] = {"model": model, "dtype": dtype}
-    if 1 in by_batch and by_batch[1]["hf_tok_s"]:
-        out["engine_vs_hf_batch1"] = by_batch[1]["engine_tok_s"] / by_batch[1]["hf_tok_s"]
-        out["engine_ge_hf_batch1"] = out["engine_vs_hf_batch1"] >= 1.0
-    if 1 in by_batch and 8 in by_batch:
-        out["batch8_vs_batch1"] = by_batch[8]["engine_tok_s"] / by_batch[1]["engine_tok_s"]
-        out["batch8_ge_4x_batch1"] = out["batch8_vs_batch1"] >= 4.0
-    return out
+# --- OpenVINO: the engine beside GenAI direct and the bound; the API beside GenAI direct -----
+
+
+def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list[dict[str, Any]]:
+    import bench_openvino
+
+    print(
+        f"\nOpenVINO ({', '.join(args.ov_formats)} IR): engine vs GenAI ContinuousBatchingPipeline"
+        f" called directly (sdpa: LLMPipeline on SDPA), {args.prompt_len}-token prompts,"
+        f" {args.new_tokens} new tokens; prefill of {args.prefill_len} tokens; median of"
+        f" {args.reps} (goal: batch 1 >= 70% of the bound)\n"
+    )
+    print(bench_openvino.HEADER)
+    rows: list[dict[str, Any]] = []
+    for name in args.ov_models:
+        rows += bench_openvino.bench_openvino(
+            ensure_model(name, args.models_dir),
+            model_name=name,
+            weight_formats=args.ov_formats,
+            batches=args.batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            prefill_len=args.prefill_len,
+            reps=args.reps,
+            timed=neighbours.timed,
+            inference_precision=args.ov_precision,
+            direct=not args.no_ov_direct,
+            llm_pipeline=not args.no_ov_sdpa,
+            on_row=lambda r: print(bench_openvino.format_row(r), flush=True),
+        )
+    return rows
+
+
+def run_openvino_api_bench(
+    args: argparse.Namespace, neighbours: Neighbours
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    import bench_openvino
+
+    print(
+        f"\nmeshserve API (MESHSERVE_ENGINE=openvino, one TE) vs GenAI called directly on the"
+        f" TE's pipeline: per-request decode tok/s of {args.prompt_len}-token prompts +"
+        f" {args.new_tokens} tokens at concurrency {', '.join(map(str, args.ov_api_batches))};"
+        f" prefill tok/s = {args.prefill_len} / TTFT; median of {args.reps}, runs alternate"
+        " (goal: api/dir >= 0.95)\n"
+    )
+    print(bench_openvino.API_HEADER)
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    log_dir = args.out.parent / f"{args.out.stem}-logs"
+    for name in args.ov_models:
+        try:
+            rows += bench_openvino.bench_openvino_api(
+                ensure_model(name, args.models_dir),
+                log_dir=log_dir,
+                model_name=name,
+                weight_formats=args.ov_api_formats,
+                batches=args.ov_api_batches,
+                prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens,
+                prefill_len=args.prefill_len,
+                reps=args.reps,
+                neighbours=neighbours,
+                on_row=lambda r: print(bench_openvino.format_api_row(r), flush=True),
+            )
+        except (RuntimeError, OSError) as e:
+            print(f"{name}: the API benchmark failed: {e}", flush=True)
+            errors[f"openvino_api {name}"] = str(e)
+    print(f"(cluster logs: {log_dir})")
+    return rows, errors
 
 
 # --- prefix caching: time to first token with a cached prefix, and prefill speed -------------
 
 
-def _first_token_s(engine: TorchEngine, prompt: list[int]) -> float:
-    """Seconds from queueing a one-token request to its token (its TTFT on an idle engine)."""
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    t = time.perf_counter()
-    engine.add_request(EngineRequest(f"p{time.monotonic_ns()}", prompt, params))
-    while engine.has_work():
-        engine.step()
-    return time.perf_counter() - t
-
-
 def bench_prefix_cache(
-    name: str, path: Path, dtype: str, args: argparse.Namespace, neighbours: Neighbours
+    name: str,
+    engine_name: str,
+    variant: str,
+    make_engine: Callable[[int], Engine],
+    vocab: int,
+    args: argparse.Namespace,
+    neighbours: Neighbours,
 ) -> dict[str, Any]:
     """TTFT of a request whose prefix is cached vs one whose prefix is not (same lengths:
-    the prefix plus a fresh suffix), and prefill tok/s of a prompt with nothing cached."""
+    the prefix plus a fresh suffix), and prefill tok/s of a prompt with nothing cached.
+    ``make_engine(total)`` builds an engine for prompts up to ``total`` tokens with room for
+    two of them at once (caching one never evicts the other mid-run)."""
     plen, slen, flen = args.cached_prefix_len, args.suffix_len, args.prefill_len
-    total = max(plen + slen, flen) + BLOCK_SIZE
-    engine = TorchEngine(
-        path,
-        device="cpu",
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        # Room for two prompts at once, so caching one never evicts the other mid-run.
-        num_kv_blocks=3 * blocks_for(total, BLOCK_SIZE),
-        max_num_seqs=2,
-        max_model_len=total,
-        max_prefill_tokens=total,
-    )
-    vocab = engine.config.vocab_size
+    engine = make_engine(max(plen + slen, flen) + BLOCK_SIZE)
 
     def fresh(n: int, seed: int) -> list[int]:
         return prompts_for(1, n, vocab, seed=seed)[0]
 
-    # Warm-up: oneDNN builds kernels per shape; run each shape once, cached and not.
+    # Warm-up: kernels are built per shape; run each shape once, cached and not.
     warm = fresh(plen, 1000)
-    _first_token_s(engine, warm + fresh(slen, 1001))
-    _first_token_s(engine, warm + fresh(slen, 1002))
-    _first_token_s(engine, fresh(flen, 1003))
+    first_token_s(engine, warm + fresh(slen, 1001))
+    first_token_s(engine, warm + fresh(slen, 1002))
+    first_token_s(engine, fresh(flen, 1003))
 
     # Every timed run, retries included, gets tokens never seen before (a retried "uncached"
     # run would otherwise find its prefix cached by the first try).
@@ -333,29 +338,32 @@ def bench_prefix_cache(
     def uncached_run() -> float:
         nonlocal prefix
         prefix = fresh(plen, next(seeds))  # left in the cache for cached_run
-        return _first_token_s(engine, prefix + fresh(slen, next(seeds)))
+        return first_token_s(engine, prefix + fresh(slen, next(seeds)))
 
     def cached_run() -> float:
-        return _first_token_s(engine, prefix + fresh(slen, next(seeds)))
+        return first_token_s(engine, prefix + fresh(slen, next(seeds)))
+
+    def prefill_run() -> float:
+        return first_token_s(engine, fresh(flen, next(seeds)))
 
     uncached, cached, prefill = [], [], []
     for _ in range(args.reps):
         uncached.append(neighbours.timed(uncached_run))
         cached.append(neighbours.timed(cached_run))
-        prefill.append(
-            flen / neighbours.timed(lambda: _first_token_s(engine, fresh(flen, next(seeds))))
-        )
+        prefill.append(flen / neighbours.timed(prefill_run))
     stats = engine.stats()
     engine.close()
     row = {
         "model": name,
-        "dtype": dtype,
+        "engine": engine_name,
+        "dtype": variant,
         "cached_prefix_len": plen,
         "suffix_len": slen,
         "ttft_uncached_ms": 1e3 * statistics.median(uncached),
         "ttft_cached_ms": 1e3 * statistics.median(cached),
         "prefill_len": flen,
         "prefill_tok_s": statistics.median(prefill),
+        # 0 for OpenVINO: GenAI does not report its prefix-cache hits
         "cache_hit_tokens": stats.prefix_cache_hit_tokens,
         "uncached_samples_s": uncached,
         "cached_samples_s": cached,
@@ -366,18 +374,51 @@ def bench_prefix_cache(
 
 
 PREFIX_HEADER = (
-    f"{'model':<18} {'dtype':<9} {'prefix':>6} {'ttft uncached ms':>16} "
+    f"{'model':<18} {'engine':<8} {'dtype':<9} {'prefix':>6} {'ttft uncached ms':>16} "
     f"{'ttft cached ms':>14} {'ratio':>6} {'prefill tok/s':>13}"
 )
 
 
 def print_prefix_row(row: dict[str, Any], *, flush: bool = False) -> None:
     print(
-        f"{row['model']:<18} {row['dtype']:<9} {row['cached_prefix_len']:>6} "
+        f"{row['model']:<18} {row['engine']:<8} {row['dtype']:<9} {row['cached_prefix_len']:>6} "
         f"{row['ttft_uncached_ms']:>16.1f} {row['ttft_cached_ms']:>14.1f} "
         f"{row['ttft_ratio']:>6.3f} {row['prefill_tok_s']:>13.1f}",
         flush=flush,
     )
+
+
+def _torch_engine_for(path: Path, dtype: str) -> Callable[[int], Engine]:
+    def make(total: int) -> Engine:
+        return TorchEngine(
+            path,
+            device="cpu",
+            dtype=dtype,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=3 * blocks_for(total, BLOCK_SIZE),
+            max_num_seqs=2,
+            max_model_len=total,
+            max_prefill_tokens=total,
+        )
+
+    return make
+
+
+def _openvino_engine_for(path: Path, fmt: str, precision: str | None) -> Callable[[int], Engine]:
+    def make(total: int) -> Engine:
+        from services.task_executor.engines.openvino_engine import OpenVINOEngine
+
+        return OpenVINOEngine(
+            path,
+            weight_format=fmt,
+            num_kv_blocks=3 * blocks_for(total, OV_BLOCK_SIZE),
+            max_num_seqs=2,
+            max_model_len=total,
+            max_num_batched_tokens=total,
+            inference_precision=precision,
+        )
+
+    return make
 
 
 def run_prefix_cache_bench(
@@ -389,10 +430,20 @@ def run_prefix_cache_bench(
         f" prefill of {args.prefill_len} tokens; median of {args.reps}\n"
     )
     print(PREFIX_HEADER)
-    rows = []
+    runs: list[tuple[str, str, str, Callable[[int], Engine], Path]] = []
     for name, dtype in plan:
         path = ensure_model(name, args.models_dir)
-        rows.append(bench_prefix_cache(name, path, dtype, args, neighbours))
+        runs.append((name, "torch", dtype, _torch_engine_for(path, dtype), path))
+    if not args.no_openvino:
+        for name in args.ov_models:
+            path = ensure_model(name, args.models_dir)
+            for fmt in args.ov_formats:
+                make = _openvino_engine_for(path, fmt, args.ov_precision)
+                runs.append((name, "openvino", fmt, make, path))
+    rows = []
+    for name, engine_name, variant, make, path in runs:
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        rows.append(bench_prefix_cache(name, engine_name, variant, make, vocab, args, neighbours))
     return rows
 
 
@@ -491,6 +542,153 @@ def run_async_bench(
     return rows
 
 
+# --- summary and goals ------------------------------------------------------------------------
+
+
+def summary_rows(
+    rows: list[dict[str, Any]],
+    ov_rows: list[dict[str, Any]],
+    prefix_rows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """One row per (model, engine, dtype or weight format): decode tok/s by batch, % of the
+    bound and the reference (generate / GenAI direct) at batch 1, prefill tok/s, and the
+    cached/uncached TTFT ratio. Pure: built from the other tables' rows."""
+    out: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+    def entry(model: str, engine: str, variant: str) -> dict[str, Any]:
+        return out.setdefault(
+            (model, engine, variant),
+            {
+                "model": model,
+                "engine": engine,
+                "variant": variant,
+                "decode_tok_s": {},
+                "pct_bound_b1": None,
+                "ref_b1_tok_s": None,
+                "prefill_tok_s": None,
+                "ttft_cached_over_uncached": None,
+            },
+        )
+
+    for r in rows:
+        e = entry(r["model"], r.get("engine", "torch"), r["dtype"])
+        e["decode_tok_s"][r["batch"]] = r["engine_tok_s"]
+        if r["batch"] == 1:
+            e["pct_bound_b1"] = r["pct_bound"]
+            e["ref_b1_tok_s"] = r["hf_tok_s"]
+    for r in ov_rows:
+        e = entry(r["model"], "openvino", r["weight_format"])
+        if r["point"].startswith("decode"):
+            e["decode_tok_s"][r["batch"]] = r["engine_tok_s"]
+            if r["batch"] == 1:
+                e["pct_bound_b1"] = r["pct_bound"]
+                direct = r["direct_tok_s"]
+                e["ref_b1_tok_s"] = None if direct != direct else direct  # NaN: not measured
+        else:
+            e["prefill_tok_s"] = r["engine_tok_s"]
+    for r in prefix_rows:
+        e = entry(r["model"], r["engine"], r["dtype"])
+        # the prefix table's prefill (the same method for every engine) wins
+        e["prefill_tok_s"] = r["prefill_tok_s"]
+        e["ttft_cached_over_uncached"] = r["ttft_ratio"]
+    return list(out.values())
+
+
+def print_summary(summary: list[dict[str, Any]], batches: list[int]) -> None:
+    def num(v: float | None, fmt: str = ".1f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    print(
+        "\nsummary: decode tok/s by batch; % of the bandwidth bound and the reference at"
+        " batch 1 (torch: transformers generate, openvino: GenAI called directly); prefill"
+        " tok/s; cached/uncached TTFT\n"
+    )
+    cols = "".join(f"{f'b{b} tok/s':>10}" for b in batches)
+    print(
+        f"{'model':<18} {'engine':<8} {'dtype':<9}{cols} {'%bound b1':>9} {'ref b1':>7} "
+        f"{'prefill tok/s':>13} {'cached/uncached':>15}"
+    )
+    for s in summary:
+        cells = "".join(f"{num(s['decode_tok_s'].get(b)):>10}" for b in batches)
+        pct = s["pct_bound_b1"]
+        print(
+            f"{s['model']:<18} {s['engine']:<8} {s['variant']:<9}{cells} "
+            f"{(f'{pct:.0f}%' if pct is not None else '-'):>9} {num(s['ref_b1_tok_s']):>7} "
+            f"{num(s['prefill_tok_s']):>13} {num(s['ttft_cached_over_uncached'], '.3f'):>15}",
+            flush=True,
+        )
+
+
+def _goal(
+    goal: str, row: dict[str, Any], variant: str, value: float, op: str, target: float, **extra: Any
+) -> dict[str, Any]:
+    met = value >= target if op == ">=" else value <= target
+    return {
+        "goal": goal,
+        "model": row["model"],
+        "engine": row.get("engine", "torch"),
+        "variant": variant,
+        **extra,
+        "value": value,
+        "target": f"{op} {target:g}",
+        "met": bool(met),
+    }
+
+
+def goals(
+    rows: list[dict[str, Any]],
+    ov_rows: list[dict[str, Any]],
+    api_rows: list[dict[str, Any]],
+    prefix_rows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Every goal the run can check, each with its value, target and whether it is met."""
+    out: list[dict[str, Any]] = []
+    torch_runs: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        torch_runs.setdefault((r["model"], r["dtype"]), {})[r["batch"]] = r
+    for (_, dtype), by_batch in torch_runs.items():
+        b1, b8 = by_batch.get(1), by_batch.get(8)
+        if b1 and b1["hf_tok_s"]:
+            ratio = b1["engine_tok_s"] / b1["hf_tok_s"]
+            out.append(_goal("torch_engine_vs_hf_batch1", b1, dtype, ratio, ">=", 1.0))
+        if b1 and b8:
+            ratio = b8["engine_tok_s"] / b1["engine_tok_s"]
+            out.append(_goal("torch_batch8_vs_batch1", b1, dtype, ratio, ">=", 4.0))
+    for r in ov_rows:
+        if r["point"] == "decode b1":
+            frac = r["pct_bound"] / 100
+            out.append(
+                _goal("openvino_batch1_fraction_of_bound", r, r["weight_format"], frac, ">=", 0.70)
+            )
+    for r in api_rows:
+        out.append(
+            _goal(
+                "openvino_api_vs_genai_direct",
+                r,
+                r["weight_format"],
+                r["api_vs_direct"],
+                ">=",
+                0.95,
+                point=r["point"],
+            )
+        )
+    for r in prefix_rows:
+        out.append(
+            _goal("ttft_cached_prefix_over_uncached", r, r["dtype"], r["ttft_ratio"], "<=", 0.2)
+        )
+    return out
+
+
+def print_goals(goal_list: list[dict[str, Any]]) -> None:
+    print("\ngoals:")
+    for g in goal_list:
+        point = f" {g['point']}" if "point" in g else ""
+        print(
+            f"  {'met    ' if g['met'] else 'NOT MET'} {g['goal']}{point}: {g['model']}"
+            f" {g['engine']} {g['variant']} = {g['value']:.3f} (goal {g['target']})"
+        )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -503,19 +701,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--demo-dtypes", default="float32,bfloat16")
     p.add_argument(
-        "--bench-dtypes", default="bfloat16", help="dtypes for the Qwen2-0.5B-shaped model"
+        "--bench-dtypes",
+        default="float32,bfloat16",
+        help="torch dtypes for the Qwen2-0.5B-shaped model",
     )
-    p.add_argument("--batches", default="1,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--batches", default="1,8,16", type=_ints)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3, help="runs per point; medians are reported")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "engine.json")
-    p.add_argument("--no-decode", action="store_true", help="skip the decode throughput table")
+    p.add_argument(
+        "--no-decode",
+        action="store_true",
+        help="skip the decode tables (torch, and the OpenVINO engine's with its prefill rows)",
+    )
+    p.add_argument("--no-openvino", action="store_true", help="skip every OpenVINO table and row")
+    p.add_argument(
+        "--ov-formats", default="int8,fp16", type=_names, help="OpenVINO IR weight formats"
+    )
+    p.add_argument(
+        "--ov-models", default="bench-qwen2-0.5b", type=_names, help="models run on OpenVINO"
+    )
+    p.add_argument(
+        "--ov-precision",
+        default=None,
+        help="OpenVINO inference precision (f32, bf16); default: the CPU plugin's choice",
+    )
+    p.add_argument(
+        "--no-ov-direct", action="store_true", help="skip GenAI called directly beside the engine"
+    )
+    p.add_argument(
+        "--no-ov-sdpa", action="store_true", help="skip GenAI's LLMPipeline (SDPA) at batch 1"
+    )
+    p.add_argument(
+        "--no-ov-api",
+        action="store_true",
+        help="skip meshserve's API (a cluster on the OpenVINO engine) vs GenAI direct",
+    )
+    p.add_argument(
+        "--ov-api-formats",
+        default=None,
+        type=_names,
+        help="weight formats of the API table (default: --ov-formats)",
+    )
+    p.add_argument(
+        "--ov-api-batches", default="1,8", type=_ints, help="concurrencies of the API table"
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix cache table")
     p.add_argument("--no-async-ab", action="store_true", help="skip the async scheduling table")
-    p.add_argument("--async-batches", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--async-batches", default="1,8", type=_ints)
     p.add_argument("--async-device", default="cpu", help="device of the async scheduling table")
     p.add_argument("--cached-prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16, help="new tokens after the prefix")
@@ -523,72 +759,101 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2")
+    if args.ov_api_formats is None:
+        args.ov_api_formats = args.ov_formats
+    for name in _names(args.models) + args.ov_models:
+        if name not in MODELS:
+            p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return args
+
+
+def _host(args: argparse.Namespace) -> dict[str, Any]:
+    host: dict[str, Any] = {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "load_avg_start": os.getloadavg(),
+    }
+    if not args.no_openvino:
+        import openvino
+        import openvino_genai
+
+        host["openvino"] = openvino.__version__
+        host["openvino_genai"] = openvino_genai.__version__
+    return host
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so a cluster started for the API table is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    started = time.monotonic()
+    host = _host(args)
     neighbours = Neighbours()
     bandwidth = neighbours.timed(measure_bandwidth)
     print(f"torch {torch.__version__}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s")
     rows: list[dict[str, Any]] = []
     plan: list[tuple[str, str]] = []
-    for name in args.models.split(","):
-        if name not in MODELS:
-            raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    for name in _names(args.models):
         dtypes = args.demo_dtypes if name == "demo" else args.bench_dtypes
-        plan.extend((name, d) for d in dtypes.split(","))
+        plan.extend((name, d) for d in _names(dtypes))
     if not args.no_decode:
         print(
-            f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.reps}\n"
+            f"\ntorch engine: {args.prompt_len}-token prompts, {args.new_tokens} new tokens,"
+            f" median of {args.reps}\n"
         )
         print(HEADER)
         for name, dtype in plan:
             path = ensure_model(name, args.models_dir)
-            rows.extend(bench_model(name, path, dtype, args, bandwidth, neighbours))
+            rows.extend(bench_model(name, path, dtype, args, neighbours))
+    ov_rows: list[dict[str, Any]] = []
+    api_rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    if not args.no_openvino:
+        if not args.no_decode:
+            ov_rows = run_openvino_bench(args, neighbours)
+        if not args.no_ov_api:
+            api_rows, errors = run_openvino_api_bench(args, neighbours)
     prefix_rows = [] if args.no_prefix_cache else run_prefix_cache_bench(plan, args, neighbours)
     async_rows = [] if args.no_async_ab else run_async_bench(plan, args, neighbours)
 
+    summary = summary_rows(rows, ov_rows, prefix_rows)
+    goal_list = goals(rows, ov_rows, api_rows, prefix_rows)
+    host["load_avg_end"] = os.getloadavg()
     result = {
-        "host": {
-            "machine": platform.machine(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-        },
+        "host": host,
         "bandwidth_gb_s": bandwidth,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "prefill_len": args.prefill_len,
         "reps": args.reps,
+        "wall_s": round(time.monotonic() - started, 1),
         "contended_runs_repeated": neighbours.retries,
         "rows": rows,
-        "goals": [goals(rows, name, dtype) for name, dtype in plan],
+        "openvino": ov_rows,
+        "openvino_api": api_rows,
         "prefix_cache": prefix_rows,
         "async_scheduling": async_rows,
+        "summary": summary,
+        "goals": goal_list,
+        "errors": errors,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print()
-    for g in result["goals"]:
-        parts = []
-        if "engine_vs_hf_batch1" in g:
-            parts.append(f"engine/hf at batch 1 = {g['engine_vs_hf_batch1']:.2f} (goal >= 1)")
-        if "batch8_vs_batch1" in g:
-            parts.append(f"batch 8 / batch 1 = {g['batch8_vs_batch1']:.1f}x (goal >= 4)")
-        if parts:
-            print(f"{g['model']} {g['dtype']}: " + "; ".join(parts))
-    for r in prefix_rows:
-        print(
-            f"{r['model']} {r['dtype']}: cached/uncached TTFT = {r['ttft_ratio']:.3f}"
-            f" (goal <= 0.2); prefill {r['prefill_tok_s']:.0f} tok/s"
-        )
+    if summary:
+        print_summary(summary, args.batches)
     for r in async_rows:
         print(f"{r['model']} {r['dtype']} batch {r['batch']}: async/sync decode = {r['ratio']:.3f}")
-    print(f"\nwrote {args.out}")
-    return 0
+    print_goals(goal_list)
+    print(
+        f"\n{result['wall_s']:.0f} s; {neighbours.retries} runs repeated for a busy neighbour;"
+        f" wrote {args.out}"
+    )
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

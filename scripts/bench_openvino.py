@@ -1,43 +1,72 @@
-"""OpenVINO throughput, through OpenVINOEngine and through OpenVINO GenAI directly.
+"""OpenVINO throughput: through OpenVINOEngine, through meshserve's API, and through OpenVINO
+GenAI called directly.
 
-Helpers for ``scripts/bench_engine.py`` (no CLI of its own): ``bench_openvino`` returns one
-row per (weight format, point), where a point is a decode batch size or a prefill.
+Helpers for ``scripts/bench_engine.py`` (no CLI of its own).
 
+``bench_openvino`` returns one row per (weight format, point), where a point is a decode batch
+size or a prefill:
 - decode: B requests with distinct prompts of the same length decode a fixed number of
   tokens greedily (ignore_eos). tok/s counts the tokens after the first over the time after
   the first, as bench_engine does for the torch engine. Engine: the time of every ``step()``
   after the prefill step. Direct: ``ContinuousBatchingPipeline.generate``, timed by GenAI's
-  own per-token timestamps, with the same prompts and the same scheduler and plugin
-  settings, so the difference is our wrapper's cost (per-step handle polling and Python). ``llm_sdpa_tok_s`` (batch 1
-  only) is ``LLMPipeline`` on the stateful SDPA backend, GenAI's single-request fast path.
+  own per-token timestamps, with the same scheduler and plugin settings, so the difference is
+  our wrapper's cost (per-step handle polling and Python). ``llm_sdpa_tok_s`` (batch 1 only)
+  is ``LLMPipeline`` on the stateful SDPA backend, GenAI's single-request fast path.
 - prefill: one prompt of ``prefill_len`` tokens, prefilled in one step; tok/s = prompt
   tokens / time to the first token (engine: the first ``step()``; direct: from the call to
   GenAI's first token timestamp).
-- bound: what a decode step costs if it only streams the IR's weights once at the measured
-  bandwidth, ``batch × bandwidth ÷ weight bytes``. Weight bytes are every constant of the IR
+- bound: what a decode step costs if it only streams the IR's weights once at the read
+  bandwidth measured just before the run (the host's drifts), ``batch × bandwidth ÷ weight
+  bytes``. Weight bytes are every constant of the IR
   except those only an embedding lookup (Gather) reads; a tied embedding counts, since the
-  LM head reads it whole each step. ``pct_bound`` = engine tok/s ÷ bound.
+  LM head reads it whole each step. ``pct_bound``: the median over runs of engine tok/s ÷
+  that run's bound.
 
-Timings go through ``timed(fn, *args)`` when given (bench_engine's ``Neighbours.timed``, which
-retries runs a busy neighbour disturbed).
+``bench_openvino_api`` starts a meshserve cluster (``meshserve up``, one TE,
+``MESHSERVE_ENGINE=openvino``, ``MESHSERVE_OPENVINO_WEIGHT_FORMAT`` = the format) and compares
+streamed ``/v1/completions`` requests (token-id prompts, greedy, ignore_eos) with GenAI's
+``ContinuousBatchingPipeline.generate`` on prompts of the same shape, in this process, on the
+pipeline the TE's engine builds (same factory, same settings, same IR). The two alternate
+within each repetition and never overlap: the direct runs execute while the cluster is idle
+(its CPU during them is recorded). Per point: decode bB, B concurrent requests, per-request
+decode tok/s (API: completion tokens after the first ÷ time from the first streamed token to
+the last) and TTFT; prefill, one prompt of ``prefill_len`` tokens, prompt tokens ÷ TTFT.
+
+Every timed run gets prompts never seen before (a retried run would otherwise hit the prefix
+cache). Timings go through ``timed(fn, *args)`` when given (``bench_common.Neighbours.timed``,
+which retries runs a busy neighbour disturbed).
 """
 
 from __future__ import annotations
 
-import statistics
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
+from bench_common import (
+    Neighbours,
+    bound_tok_s,
+    call,
+    cpu_ticks,
+    engine_decode,
+    median,
+    prompts_for,
+    with_bandwidth,
+)
 
-from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.openvino_engine import OpenVINOEngine
 from services.task_executor.engines.openvino_engine.engine import CPU_BLOCK_SIZE
-from shared.messages.api import SamplingParams
 
 Timed = Callable[..., Any]
 
@@ -81,46 +110,7 @@ def ir_decode_bytes(ir_dir: Path) -> int:
     return total
 
 
-def measure_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
-    """Read bandwidth in GB/s, measured as bench_engine measures it (torch, all threads)."""
-    import torch
-
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
-
-
-def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    # As bench_engine: ids past the special tokens and inside a small tokenizer's range.
-    rng = np.random.default_rng(seed)
-    return rng.integers(8, min(vocab, 4000), size=(batch, length)).tolist()
-
-
 # --- one run each ---------------------------------------------------------------------------
-
-
-def engine_decode(
-    engine: OpenVINOEngine, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) for one batch run to completion."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"b{time.monotonic_ns()}-{i}", p, params))
-    t0 = time.perf_counter()
-    first = engine.step()
-    t1 = time.perf_counter()
-    produced = sum(len(o.new_token_ids) for o in first)
-    while engine.has_work():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    t2 = time.perf_counter()
-    assert len(first) == len(prompts), "the prefill step did not cover every prompt"
-    assert produced == len(prompts) * new_tokens, produced
-    return t1 - t0, t2 - t1
 
 
 def _greedy_config(new_tokens: int) -> ov_genai.GenerationConfig:
@@ -163,7 +153,7 @@ def _clock_offset() -> float:
     return time.perf_counter() - time.clock_gettime(time.CLOCK_MONOTONIC)
 
 
-# --- the benchmark ----------------------------------------------------------------------------
+# --- the engine beside GenAI ------------------------------------------------------------------
 
 
 def bench_openvino(
@@ -176,7 +166,6 @@ def bench_openvino(
     new_tokens: int = 64,
     prefill_len: int = 512,
     reps: int = 3,
-    bandwidth_gb_s: float | None = None,
     timed: Timed | None = None,
     inference_precision: str | None = None,
     direct: bool = True,
@@ -186,8 +175,7 @@ def bench_openvino(
     """Rows of decode and prefill throughput for each weight format (IRs converted first if
     missing). ``on_row`` sees each row as soon as it is measured."""
     model_dir = Path(model_dir)
-    run = timed or _call
-    bandwidth = bandwidth_gb_s if bandwidth_gb_s is not None else run(measure_bandwidth)
+    run = timed or call
     max_batch = max(batches)
     blocks = max(
         max_batch * -(-(prompt_len + new_tokens) // CPU_BLOCK_SIZE),
@@ -227,22 +215,26 @@ def bench_openvino(
         for point, s in samples.items():
             decode = point.startswith("decode")
             b = int(point.removeprefix("decode b")) if decode else 1
-            bound = b * bandwidth * 1e9 / runners.weight_bytes if decode else None
-            e = _median(s["engine"])
+            wb = runners.weight_bytes
+            # each run's bound at the bandwidth measured next to it
+            bounds = [bound_tok_s(b, bw, wb) for bw in s["bandwidth"]] if decode else []
+            fractions = [x / y for x, y in zip(s["engine"], bounds, strict=False)]
+            e = median(s["engine"])
             row = base | {
                 "point": point,
                 "batch": b,
                 "engine_tok_s": e,
                 "engine_best_tok_s": max(s["engine"]),
-                "direct_tok_s": _median(s["direct"]),
+                "direct_tok_s": median(s["direct"]),
                 "direct_best_tok_s": max(s["direct"], default=None),
-                "engine_vs_direct": _median(
+                "engine_vs_direct": median(
                     [x / y for x, y in zip(s["engine"], s["direct"], strict=False)]
                 ),
-                "llm_sdpa_tok_s": _median(s["sdpa"]) if s["sdpa"] else None,
-                "bound_tok_s": bound,
-                "pct_bound": 100 * e / bound if bound else None,
-                "pct_bound_best": 100 * max(s["engine"]) / bound if bound else None,
+                "llm_sdpa_tok_s": median(s["sdpa"]) if s["sdpa"] else None,
+                "bound_tok_s": median(bounds) if decode else None,
+                "pct_bound": 100 * median(fractions) if decode else None,
+                "pct_bound_best": 100 * max(fractions) if decode else None,
+                "bandwidth_gb_s": median(s["bandwidth"]) if decode else None,
                 "samples": s,
             }
             rows.append(row)
@@ -285,13 +277,29 @@ class _Runners:
             if sdpa
             else None
         )
+        self._seeds = itertools.count(10_000)
 
-    def runs(self, run: Timed, prompts: list[list[int]], n: int) -> dict[str, tuple[float, float]]:
-        out = {"engine": run(engine_decode, self.engine, prompts, n)}
+    def _fresh(self, batch: int, length: int) -> list[list[int]]:
+        return prompts_for(batch, length, self.vocab, next(self._seeds))
+
+    def _engine(self, batch: int, length: int, n: int) -> tuple[float, float]:
+        return engine_decode(self.engine, self._fresh(batch, length), n, one_step_prefill=True)
+
+    def _direct(self, batch: int, length: int, n: int) -> tuple[float, float]:
+        return direct_decode(self.pipe, self._fresh(batch, length), n)
+
+    def _sdpa(self, batch: int, length: int, n: int) -> tuple[float, float]:
+        return llm_pipeline_decode(self.sdpa, self._fresh(1, length)[0], n)
+
+    def runs(self, run: Timed, batch: int, length: int, n: int) -> dict[str, Any]:
+        """One run of each way, each on prompts of its own (fresh on every try), and the
+        bandwidth measured just before the engine's."""
+        bw, engine = run(with_bandwidth, self._engine, batch, length, n)
+        out = {"bandwidth": bw, "engine": engine}
         if self.pipe is not None:
-            out["direct"] = run(direct_decode, self.pipe, prompts, n)
-        if self.sdpa is not None and len(prompts) == 1 and n > 2:
-            out["sdpa"] = run(llm_pipeline_decode, self.sdpa, prompts[0], n)
+            out["direct"] = run(self._direct, batch, length, n)
+        if self.sdpa is not None and batch == 1 and n > 2:
+            out["sdpa"] = run(self._sdpa, batch, length, n)
         return out
 
     def measure(
@@ -306,20 +314,21 @@ class _Runners:
     ) -> dict[str, dict[str, list[float]]]:
         # Warm-up: the plugin compiles kernels for each new shape on first use.
         for b in batches:
-            self.runs(_call, prompts_for(b, prompt_len, self.vocab, 99), 4)
-        self.runs(_call, prompts_for(1, prefill_len, self.vocab, 98), 2)
+            self.runs(call, b, prompt_len, 4)
+        self.runs(call, 1, prefill_len, 2)
 
         prefill = f"prefill {prefill_len}"
         points = [f"decode b{b}" for b in batches] + [prefill]
-        samples = {p: {"engine": [], "direct": [], "sdpa": []} for p in points}
-        for rep in range(reps):
+        samples: dict[str, dict[str, list[float]]] = {
+            p: {"engine": [], "direct": [], "sdpa": [], "bandwidth": []} for p in points
+        }
+        for _ in range(reps):
             for b in batches:
-                prompts = prompts_for(b, prompt_len, self.vocab, rep)
-                for how, (_, dec) in self.runs(run, prompts, new_tokens).items():
-                    samples[f"decode b{b}"][how].append(b * (new_tokens - 1) / dec)
-            prompts = prompts_for(1, prefill_len, self.vocab, 1000 + rep)
-            for how, (pre, _) in self.runs(run, prompts, 2).items():
-                samples[prefill][how].append(prefill_len / pre)
+                s = samples[f"decode b{b}"]
+                for how, got in self.runs(run, b, prompt_len, new_tokens).items():
+                    s[how].append(got if how == "bandwidth" else b * (new_tokens - 1) / got[1])
+            for how, got in self.runs(run, 1, prefill_len, 2).items():
+                samples[prefill][how].append(got if how == "bandwidth" else prefill_len / got[0])
         return samples
 
     def close(self) -> None:
@@ -343,14 +352,6 @@ def _direct_pipeline(
     return ov_genai.ContinuousBatchingPipeline(str(ir), sched, "CPU", props)
 
 
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
-
-
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples) if samples else float("nan")
-
-
 HEADER = (
     f"{'model':<18} {'weights':<7} {'point':<12} {'engine tok/s':>12} {'(best)':>7} "
     f"{'direct tok/s':>12} {'eng/dir':>7} {'sdpa tok/s':>10} {'bound tok/s':>11} "
@@ -358,18 +359,248 @@ HEADER = (
 )
 
 
-def format_row(row: dict[str, Any]) -> str:
-    def num(v: float | None, fmt: str = ".1f") -> str:
-        return "-" if v is None or v != v else format(v, fmt)
+def _num(v: float | None, fmt: str = ".1f") -> str:
+    return "-" if v is None or v != v else format(v, fmt)
 
+
+def format_row(row: dict[str, Any]) -> str:
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}%"
 
     return (
         f"{row['model']:<18} {row['weight_format']:<7} {row['point']:<12} "
-        f"{num(row['engine_tok_s']):>12} {num(row['engine_best_tok_s']):>7} "
-        f"{num(row['direct_tok_s']):>12} {num(row['engine_vs_direct'], '.2f'):>7} "
-        f"{num(row['llm_sdpa_tok_s']):>10} {num(row['bound_tok_s']):>11} "
+        f"{_num(row['engine_tok_s']):>12} {_num(row['engine_best_tok_s']):>7} "
+        f"{_num(row['direct_tok_s']):>12} {_num(row['engine_vs_direct'], '.2f'):>7} "
+        f"{_num(row['llm_sdpa_tok_s']):>10} {_num(row['bound_tok_s']):>11} "
         f"{pct(row['pct_bound']):>6} {pct(row['pct_bound_best']):>6} "
         f"{row['weight_bytes'] / 1e6:>9.0f}"
+    )
+
+
+# --- through meshserve's API, beside GenAI called directly ------------------------------------
+
+
+class _Api:
+    """Streamed /v1/completions requests on one keep-alive session and one event loop, so
+    that every run after the first reuses its connections."""
+
+    def __init__(self, url: str, model: str) -> None:
+        from loadgen.client import stream_completion
+
+        self.url, self.model, self._stream = url, model, stream_completion
+        self.loop = asyncio.new_event_loop()
+        self.session = self.loop.run_until_complete(self._open())
+
+    @staticmethod
+    async def _open() -> Any:
+        import aiohttp
+
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900))
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+        """The records of ``len(prompts)`` requests sent at once; raises on any failure."""
+
+        async def send() -> list[Any]:
+            bodies = [
+                {
+                    "model": self.model,
+                    "prompt": p,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                for p in prompts
+            ]
+            return await asyncio.gather(*(self._stream(self.session, self.url, b) for b in bodies))
+
+        records = self.loop.run_until_complete(send())
+        for rec, p in zip(records, prompts, strict=True):
+            if rec.error is not None:
+                raise RuntimeError(f"API request failed ({rec.status}): {rec.error}")
+            if (rec.prompt_tokens, rec.completion_tokens) != (len(p), max_tokens):
+                raise RuntimeError(
+                    f"expected {len(p)} prompt / {max_tokens} completion tokens, "
+                    f"got {rec.prompt_tokens} / {rec.completion_tokens}"
+                )
+        return records
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.session.close())
+        self.loop.close()
+
+
+def api_point(
+    api: _Api, batch: int, length: int, n: int, vocab: int, seeds: Iterator[int]
+) -> tuple[float, float | None]:
+    """(median TTFT s, median per-request decode tok/s) of ``batch`` concurrent requests."""
+    records = api.run(prompts_for(batch, length, vocab, next(seeds)), n)
+    rates = [r.decode_tok_s for r in records if r.decode_tok_s is not None]
+    return median([r.ttft_s for r in records]), median(rates) if n > 1 else None
+
+
+def direct_point(
+    pipe: Any, batch: int, length: int, n: int, vocab: int, seeds: Iterator[int], watch: list[int]
+) -> tuple[float, float | None, float]:
+    """(TTFT s, per-request decode tok/s, cores the processes ``watch`` used meanwhile) of one
+    ``generate`` of ``batch`` prompts."""
+    prompts = prompts_for(batch, length, vocab, next(seeds))
+    ticks, t = cpu_ticks(watch), time.monotonic()
+    ttft, dec = direct_decode(pipe, prompts, n)
+    cores = (cpu_ticks(watch) - ticks) / os.sysconf("SC_CLK_TCK") / max(time.monotonic() - t, 1e-3)
+    return ttft, (n - 1) / dec if n > 1 else None, cores
+
+
+def serving_te(url: str, model: str, ir_dir: Path) -> dict[str, Any]:
+    """The TE serving ``model``, from the cluster's /health, checked to run the OpenVINO
+    engine on the IR in ``ir_dir`` (the IR's weights file is memory-mapped by the runtime, so
+    the TE's /proc/<pid>/maps names the IR it loaded)."""
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=5) as r:
+        health = json.loads(r.read())
+    tes = [te for te in health.get("task_executors", []) if te.get("model") == model]
+    if len(tes) != 1 or tes[0].get("engine") != "openvino":
+        raise RuntimeError(f"expected one OpenVINO TE serving {model}, /health says {tes}")
+    te = tes[0]
+    mapped: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{te['pid']}/maps").read_text().splitlines():
+            path = line.split(maxsplit=5)[5:]
+            if path and path[0].endswith("openvino_model.bin"):
+                mapped.add(path[0])
+    want = str((ir_dir / "openvino_model.bin").resolve())
+    if mapped and want not in {str(Path(m).resolve()) for m in mapped}:
+        raise RuntimeError(f"the TE serves {sorted(mapped)}, not {want}")
+    return {"pid": te["pid"], "engine": te["engine"], "ir_weights_mapped": sorted(mapped)}
+
+
+def bench_openvino_api(
+    model_dir: Path,
+    *,
+    log_dir: Path,
+    model_name: str | None = None,
+    weight_formats: Sequence[str] = ("int8",),
+    batches: Sequence[int] = (1, 8),
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    prefill_len: int = 512,
+    reps: int = 3,
+    neighbours: Neighbours | None = None,
+    startup_timeout: float = 600.0,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Rows of meshserve's API beside GenAI called directly, per weight format and point.
+    The servers' logs go to ``log_dir``."""
+    import bench_vs_vllm as vs
+
+    from services.task_executor.engines.factory import create_engine
+    from shared.settings import Settings
+
+    model_dir = Path(model_dir).resolve()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prefill = f"prefill {prefill_len}"
+    # (batch, prompt length, new tokens) of each point
+    shapes = {f"decode b{b}": (b, prompt_len, new_tokens) for b in batches}
+    shapes[prefill] = (1, prefill_len, 2)
+    seeds = itertools.count(20_000)
+    rows: list[dict[str, Any]] = []
+    for fmt in weight_formats:
+        env = {"MESHSERVE_ENGINE": "openvino", "MESHSERVE_OPENVINO_WEIGHT_FORMAT": fmt}
+        api: _Api | None = None
+        engine: Any = None
+        saved_ours = neighbours.ours if neighbours else None
+        with tempfile.TemporaryDirectory(prefix="bench-ov-api-") as tmp:
+            server, _ = vs.start_meshserve("openvino", model_dir, Path(tmp), log_dir, env)
+            try:
+                url = vs.meshserve_url(server, startup_timeout)
+                vs.wait_for_model(server, url, startup_timeout)
+                api = _Api(url, vs.MODEL_ID)
+                # Warm-up: the first request loads the model onto the TE; then every shape
+                # once, as the plugin compiles kernels per shape.
+                api.run(prompts_for(1, prompt_len, vocab, 99), 4)
+                for b, length, _ in shapes.values():
+                    api.run(prompts_for(b, length, vocab, 98), 4)
+                pids = server.pids()  # the cluster's processes: ours while it serves
+                if neighbours is not None:
+                    neighbours.ours = pids.copy
+                # GenAI called directly: the very pipeline the TE's engine builds (same factory,
+                # same settings, same IR), driven by generate() instead of the engine's
+                # add_request/step/handle polling, HTTP, NATS and the frontend.
+                settings = Settings(engine="openvino", openvino_weight_format=fmt)
+                engine = create_engine(vs.MODEL_ID, model_dir, settings)
+                pipe = engine._pipe
+                te = serving_te(url, vs.MODEL_ID, engine.ir_dir)
+                for b, length, _ in shapes.values():
+                    direct_decode(pipe, prompts_for(b, length, vocab, 97), 4)
+                run = neighbours.timed if neighbours is not None else call
+                samples = {
+                    p: {"api_tok_s": [], "direct_tok_s": [], "api_ttft_s": [],
+                        "direct_ttft_s": [], "cluster_cores": []}
+                    for p in shapes
+                }  # fmt: skip
+                for rep in range(reps):
+                    for point, (b, length, n) in shapes.items():
+                        s = samples[point]
+                        # Alternate which goes first, so a drift of the host hits both alike.
+                        for how in ("api", "direct") if rep % 2 == 0 else ("direct", "api"):
+                            if how == "api":
+                                ttft, rate = run(api_point, api, b, length, n, vocab, seeds)
+                            else:
+                                ttft, rate, cores = run(
+                                    direct_point, pipe, b, length, n, vocab, seeds, pids
+                                )
+                                s["cluster_cores"].append(cores)
+                            s[f"{how}_ttft_s"].append(ttft)
+                            s[f"{how}_tok_s"].append(length / ttft if point == prefill else rate)
+                base = {
+                    "model": model_name or model_dir.name,
+                    "engine": "openvino",
+                    "weight_format": fmt,
+                    "inference_precision": engine.inference_precision,
+                    "kv_cache_precision": engine.kv_cache_precision,
+                    "num_kv_blocks": engine.num_kv_blocks,
+                    "te": te,
+                }
+                for point, s in samples.items():
+                    b, length, n = shapes[point]
+                    row = base | {
+                        "point": point,
+                        "batch": b,
+                        "prompt_len": length,
+                        "new_tokens": n,
+                        "api_tok_s": median(s["api_tok_s"]),
+                        "direct_tok_s": median(s["direct_tok_s"]),
+                        "api_vs_direct": median(
+                            [a / d for a, d in zip(s["api_tok_s"], s["direct_tok_s"], strict=True)]
+                        ),
+                        "api_ttft_ms": 1e3 * median(s["api_ttft_s"]),
+                        "direct_ttft_ms": 1e3 * median(s["direct_ttft_s"]),
+                        "cluster_cores_during_direct": max(s["cluster_cores"]),
+                        "samples": s,
+                    }
+                    rows.append(row)
+                    if on_row:
+                        on_row(row)
+            finally:
+                if neighbours is not None:
+                    neighbours.ours = saved_ours
+                if api is not None:
+                    api.close()
+                if engine is not None:
+                    engine.close()
+                server.stop(grace=45)
+    return rows
+
+
+API_HEADER = (
+    f"{'model':<18} {'weights':<7} {'point':<12} {'api tok/s':>9} {'direct tok/s':>12} "
+    f"{'api/dir':>7} {'api TTFT ms':>11} {'dir TTFT ms':>11} {'idle cluster cores':>18}"
+)
+
+
+def format_api_row(row: dict[str, Any]) -> str:
+    return (
+        f"{row['model']:<18} {row['weight_format']:<7} {row['point']:<12} "
+        f"{_num(row['api_tok_s']):>9} {_num(row['direct_tok_s']):>12} "
+        f"{_num(row['api_vs_direct'], '.3f'):>7} {_num(row['api_ttft_ms']):>11} "
+        f"{_num(row['direct_ttft_ms']):>11} {_num(row['cluster_cores_during_direct'], '.3f'):>18}"
     )

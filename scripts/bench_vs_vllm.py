@@ -331,7 +331,11 @@ def start_vllm(
     return Server("vllm", argv, env, log_dir, signal_group=True), f"http://127.0.0.1:{port}/v1"
 
 
-def start_meshserve(engine: str, model_dir: Path, tmp: Path, log_dir: Path) -> tuple[Server, None]:
+def start_meshserve(
+    engine: str, model_dir: Path, tmp: Path, log_dir: Path, env_extra: dict[str, str] | None = None
+) -> tuple[Server, None]:
+    """`meshserve up` serving ``model_dir`` as MODEL_ID on one TE; ``env_extra`` overrides
+    its environment (e.g. MESHSERVE_OPENVINO_WEIGHT_FORMAT)."""
     models = tmp / "meshserve-models"
     models.mkdir()
     (models / MODEL_ID).symlink_to(model_dir.resolve())
@@ -349,6 +353,7 @@ def start_meshserve(engine: str, model_dir: Path, tmp: Path, log_dir: Path) -> t
         MESHSERVE_KEEP_ALIVE="3600",
         MESHSERVE_PLACEMENT_TIMEOUT="900",
     )
+    env.update(env_extra or {})
     meshserve = Path(sys.executable).parent / "meshserve"
     return Server("meshserve", [str(meshserve), "up"], env, log_dir, signal_group=False), None
 
