@@ -49,7 +49,10 @@ def _chat_token(choice: dict) -> bool:
 
 
 def _completion_token(choice: dict) -> bool:
-    return True
+    # A chunk with text, or one without text that is not the closing chunk (a token whose
+    # text the detokenizer holds back); not an empty closing chunk that only carries
+    # finish_reason (meshserve sends one), which would count a gap too many.
+    return bool(choice.get("text")) or choice.get("finish_reason") is None
 
 
 async def _stream(
