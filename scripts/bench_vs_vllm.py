@@ -690,30 +690,42 @@ def _get(d: dict | None, path: Sequence[str]) -> float | None:
     return d if isinstance(d, int | float) else None
 
 
-def ratios(results: dict) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for label, path, higher in METRICS:
-        m, v = _get(results.get("meshserve"), path), _get(results.get("vllm"), path)
-        if higher is not None and m is not None and v:
-            out[label] = round(m / v, 3)
+def ratios(results: dict) -> dict[str, dict[str, float]]:
+    """Per meshserve server (``meshserve``, ``meshserve-openvino``, ...): metric -> its
+    value over vLLM's."""
+    out: dict[str, dict[str, float]] = {}
+    for name in results:
+        if name == "vllm":
+            continue
+        r = out.setdefault(name, {})
+        for label, path, higher in METRICS:
+            m, v = _get(results.get(name), path), _get(results.get("vllm"), path)
+            if higher is not None and m is not None and v:
+                r[label] = round(m / v, 3)
     return out
 
 
 def table(results: dict) -> str:
-    servers = [s for s in ("vllm", "meshserve") if s in results]
-    both = len(servers) == 2
-    head = ["metric", *servers] + (["meshserve/vLLM", "better"] if both else [])
+    servers = sorted(results, key=lambda s: (s != "vllm", s))
+    ours = [s for s in servers if s != "vllm"] if "vllm" in results else []
+    head = ["metric", *servers] + [f"{s}/vLLM" for s in ours] + (["better"] if ours else [])
     rows = [head, ["---"] * len(head)]
-    r = ratios(results) if both else {}
+    r = ratios(results)
     for label, path, higher in METRICS:
         vals = [_get(results[s], path) for s in servers]
         cells = [label] + ["–" if v is None else f"{v:g}" for v in vals]
-        if both:
-            ratio = r.get(label)
+        for s in ours:
+            ratio = r.get(s, {}).get(label)
             cells.append("–" if ratio is None else f"{ratio:.2f}×")
+        if ours:
             cells.append({True: "higher", False: "lower", None: ""}[higher])
         rows.append(cells)
     return "\n".join("| " + " | ".join(c) + " |" for c in rows)
+
+
+def meshserve_engine(name: str, default: str) -> str:
+    """``meshserve`` runs --engine; ``meshserve-openvino`` runs the OpenVINO engine."""
+    return name.partition("-")[2] or default
 
 
 # --------------------------------------------------------------------------- main
@@ -743,7 +755,11 @@ def bench_one(
             server, url = start_vllm(vllm_py, args.model_dir, log_dir, preload)
             wait_for_model(server, url, args.startup_timeout)
         else:
-            server, _ = start_meshserve(args.engine, args.model_dir, tmp, log_dir)
+            own = tmp / name
+            own.mkdir()
+            server, _ = start_meshserve(
+                meshserve_engine(name, args.engine), args.model_dir, own, log_dir
+            )
             url = meshserve_url(server, args.startup_timeout)
             wait_for_model(server, url, args.startup_timeout)
         startup_s = time.monotonic() - server.started
@@ -773,7 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--servers",
         default="vllm,meshserve",
-        help="comma-separated, run in this order: vllm, meshserve",
+        help="comma-separated, run in this order: vllm, meshserve (with --engine), "
+        "meshserve-torch, meshserve-openvino (several engines in one run)",
     )
     p.add_argument(
         "--requests",
@@ -823,8 +840,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.model_dir = args.model_dir.resolve()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    if not servers or set(servers) - {"vllm", "meshserve"} or len(set(servers)) < len(servers):
-        p.error("--servers takes vllm and/or meshserve")
+    known = {"vllm", "meshserve", "meshserve-torch", "meshserve-openvino"}
+    if not servers or set(servers) - known or len(set(servers)) < len(servers):
+        p.error(f"--servers takes some of {', '.join(sorted(known))}")
     if args.requests < 1:
         p.error("--requests must be at least 1")
 
