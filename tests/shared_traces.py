@@ -10,6 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+AZURE_HEAD = ROOT / "tests" / "data" / "azure_llm_2023_conv_head300.csv"
+
+
 def trace_path(name: str) -> Path:
     """The first place that has ``name``; the documented one when none has it (callers skip
     on ``not path.is_file()``)."""
@@ -18,3 +21,10 @@ def trace_path(name: str) -> Path:
         candidates.insert(0, Path(env) / name)
     candidates.append(Path("/work/shared/traces") / name)
     return next((p for p in candidates if p.is_file()), candidates[0])
+
+
+def azure_slice() -> Path:
+    """The Azure conversation trace, or its first 300 requests kept in tests/data: enough for
+    a replay or a simulation of a few hundred requests, wherever the checkout is."""
+    full = trace_path("azure_llm_2023_conv.csv")
+    return full if full.is_file() else AZURE_HEAD

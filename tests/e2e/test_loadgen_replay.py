@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from loadgen.traces import read_trace
-from tests.shared_traces import trace_path
+from tests.shared_traces import azure_slice
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
-AZURE = trace_path("azure_llm_2023_conv.csv")
+AZURE = azure_slice()
 N = 32
 MAX_OUT = 16
 CONTEXT = 1024  # below the demo model's 8192, so that the trace's long prompts get clipped
@@ -28,7 +28,6 @@ def loadgen(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
                           capture_output=True, timeout=timeout)
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason="../shared/traces/azure_llm_2023_conv.csv absent")
 def test_replay_azure_slice(cluster_up, demo_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "azure"
     p = loadgen("replay", str(AZURE), "--url", cluster_up.url, "--model", "demo",

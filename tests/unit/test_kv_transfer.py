@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from services.task_executor.engines.base import EngineRequest
-from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from shared.messages.api import SamplingParams
-from tests.unit.test_torch_engine import _drain, _tokens, _write_tiny_llama, greedy
+from tests.engines import drain, tokens
+from tests.unit.test_torch_engine import _engine, _write_tiny_llama, greedy
 
 PROMPT = [5, 17, 42, 8, 61, 3, 29, 11, 2, 7, 70, 33, 12, 90]  # 14 tokens: 3 full blocks of 4
 
@@ -23,22 +23,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _engine(model_dir: Path, **kwargs: object) -> TorchEngine:
-    kwargs = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64} | kwargs
-    return TorchEngine(model_dir, **kwargs)  # type: ignore[arg-type]
-
-
 def _uninterrupted(model_dir: Path, params: SamplingParams) -> list[int]:
     engine = _engine(model_dir)
     engine.add_request(EngineRequest("r", PROMPT, params))
-    return _tokens(_drain(engine)["r"])
+    return tokens(drain(engine)["r"])
 
 
 def _prefill_and_export(model_dir: Path, params: SamplingParams) -> tuple[list[int], KvExport]:
     prefill = _engine(model_dir)
     one = msgspec.structs.replace(params, max_tokens=1)
     prefill.add_request(EngineRequest("r", PROMPT, one), retain_kv=True)
-    out = _tokens(_drain(prefill)["r"])
+    out = tokens(drain(prefill)["r"])
     assert prefill.stats().free_kv_blocks < prefill.stats().total_kv_blocks  # retained
     export = prefill.export_kv("r", release=True)
     assert prefill.stats().free_kv_blocks == prefill.stats().total_kv_blocks
@@ -62,8 +57,8 @@ def test_export_after_prefill_continues_identically_on_another_engine(
     scheduled = decode._schedule()
     # Nothing of the prompt is recomputed: the first iteration is a one-token decode.
     assert [len(r.token_ids) - r.num_computed for r in scheduled] == [1]
-    outs = decode._advance(scheduled, decode._forward(scheduled)) + _drain(decode)["r"]
-    assert first + _tokens(outs) == _uninterrupted(model_dir, params)
+    outs = decode._advance(scheduled, decode._forward(scheduled)) + drain(decode)["r"]
+    assert first + tokens(outs) == _uninterrupted(model_dir, params)
     assert outs[-1].finish_reason == "length" and len(outs) == 9  # one token came from prefill
     assert decode.stats().free_kv_blocks == decode.stats().total_kv_blocks
 
@@ -72,11 +67,11 @@ def test_import_reuses_blocks_the_target_already_caches(model_dir: Path) -> None
     first, export = _prefill_and_export(model_dir, greedy(6))
     decode = _engine(model_dir)
     decode.add_request(EngineRequest("warm", PROMPT[:8], greedy(1)))
-    _drain(decode)
+    drain(decode)
     decode.drain_kv_events()
     decode.import_kv(export, EngineRequest("r", PROMPT, greedy(6)))
-    outs = _drain(decode)["r"]
-    assert first + _tokens(outs) == _uninterrupted(model_dir, greedy(6))
+    outs = drain(decode)["r"]
+    assert first + tokens(outs) == _uninterrupted(model_dir, greedy(6))
     # Two blocks were cached already; only the third came from the import.
     stored = [h for e in decode.drain_kv_events() for h in getattr(e, "block_hashes", [])]
     prompt_hashes = decode.block_hashes(PROMPT)
@@ -96,7 +91,7 @@ def test_a_running_seeded_request_moves_mid_decode(model_dir: Path) -> None:
 
     target = _engine(model_dir)
     target.import_kv(export, EngineRequest("r", PROMPT, params))
-    assert produced + _tokens(_drain(target)["r"]) == expected
+    assert produced + tokens(drain(target)["r"]) == expected
 
 
 def test_export_round_trips_through_bytes() -> None:
@@ -144,7 +139,7 @@ def test_import_is_refused_for_another_model_or_another_prompt(
 def test_retained_kv_is_freed_by_abort_and_unknown_requests_are_refused(model_dir: Path) -> None:
     engine = _engine(model_dir)
     engine.add_request(EngineRequest("r", PROMPT, greedy(1)), retain_kv=True)
-    _drain(engine)
+    drain(engine)
     assert not engine.has_work()
     engine.export_kv("r")  # without release: still there
     engine.export_kv("r")

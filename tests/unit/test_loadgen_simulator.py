@@ -14,7 +14,7 @@ from loadgen.report import summarize
 from loadgen.simulator import SimConfig, simulate
 from loadgen.slo import SLO
 from loadgen.traces import TraceRequest
-from tests.shared_traces import trace_path
+from tests.shared_traces import azure_slice
 
 
 def profile(model: str = "m", **kw) -> EngineProfile:
@@ -150,9 +150,7 @@ def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None
     from loadgen.cli import main
     from loadgen.costmodel import save_profiles
 
-    trace_file = trace_path("azure_llm_2023_conv.csv")
-    if not trace_file.exists():
-        pytest.skip("the shared traces are not here")
+    trace_file = azure_slice()
     prof = tmp_path / "p.json"
     save_profiles(prof, [profile("demo")])
     out = tmp_path / "sim"

@@ -26,6 +26,7 @@ from services.task_executor.engines.openvino_engine.convert import (
 )
 from services.task_executor.engines.openvino_engine.engine import load_ir_config
 from shared.messages.api import SamplingParams
+from tests.engines import drain, tokens
 
 EXACT = {"inference_precision": "f32", "kv_cache_precision": "f32"}
 
@@ -54,27 +55,13 @@ def _prompts(
     ]
 
 
-def _drain(engine: OpenVINOEngine, max_steps: int = 1000) -> dict[str, list[EngineOutput]]:
-    outs: dict[str, list[EngineOutput]] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outs
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("the engine did not finish its requests")
-
-
-def _tokens(outs: list[EngineOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
-
-
 def _run_alone(
     ir: Path, prompt: list[int], params: SamplingParams, **kwargs: object
 ) -> list[EngineOutput]:
     engine = _engine(ir, **kwargs)
     engine.add_request(EngineRequest("r", prompt, params))
     try:
-        return _drain(engine)["r"]
+        return drain(engine)["r"]
     finally:
         engine.close()
 
@@ -118,9 +105,9 @@ def test_greedy_tokens_equal_transformers_in_a_continuous_batch(ov_ir: Path) -> 
             outs.setdefault(o.request_id, []).append(o)
     for i, p in enumerate(prompts[3:], start=3):
         engine.add_request(EngineRequest(str(i), p, greedy(n_new)))
-    for rid, seq in _drain(engine).items():
+    for rid, seq in drain(engine).items():
         outs.setdefault(rid, []).extend(seq)
-    assert [_tokens(outs[str(i)]) for i in range(len(prompts))] == expected
+    assert [tokens(outs[str(i)]) for i in range(len(prompts))] == expected
     assert all(outs[str(i)][-1].finish_reason == "length" for i in range(len(prompts)))
     engine.close()
 
@@ -146,7 +133,7 @@ def test_tokens_stream_one_per_step_after_the_prefill(ov_ir: Path) -> None:
 def test_seeded_sampling_is_reproducible_alone_or_batched(ov_ir: Path) -> None:
     prompt = _prompts(1, seed=2)[0]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    alone = _tokens(_run_alone(ov_ir, prompt, params))
+    alone = tokens(_run_alone(ov_ir, prompt, params))
 
     engine = _engine(ov_ir)
     for i, p in enumerate(_prompts(3, seed=3)):
@@ -154,11 +141,11 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(ov_ir: Path) -> None:
             EngineRequest(f"other{i}", p, SamplingParams(max_tokens=12, temperature=1.0, seed=i))
         )
     engine.add_request(EngineRequest("r", prompt, params))
-    batched = _tokens(_drain(engine)["r"])
+    batched = tokens(drain(engine)["r"])
     engine.close()
     assert batched == alone
     other_seed = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
-    assert _tokens(_run_alone(ov_ir, prompt, other_seed)) != alone
+    assert tokens(_run_alone(ov_ir, prompt, other_seed)) != alone
 
 
 # --- stop rules ----------------------------------------------------------------------------
@@ -166,7 +153,7 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(ov_ir: Path) -> None:
 
 def test_max_tokens_finishes_with_length(ov_ir: Path) -> None:
     outs = _run_alone(ov_ir, _prompts(1)[0], greedy(5))
-    assert len(_tokens(outs)) == 5
+    assert len(tokens(outs)) == 5
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert not any(o.finished for o in outs[:-1])
 
@@ -174,27 +161,27 @@ def test_max_tokens_finishes_with_length(ov_ir: Path) -> None:
 def test_generation_is_clipped_at_max_model_len(ov_ir: Path) -> None:
     engine = _engine(ov_ir, max_model_len=40)
     engine.add_request(EngineRequest("a", _prompts(1)[0][:5] * 6, greedy(100)))  # 30 tokens
-    outs = _drain(engine)["a"]
-    assert len(_tokens(outs)) == 10
+    outs = drain(engine)["a"]
+    assert len(tokens(outs)) == 10
     assert outs[-1].finish_reason == "length"
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_stop_token_ids_finish_with_stop(ov_ir: Path, ignore_eos: bool) -> None:
     prompt = _prompts(1, seed=4)[0]
-    free_run = _tokens(_run_alone(ov_ir, prompt, greedy(12)))
+    free_run = tokens(_run_alone(ov_ir, prompt, greedy(12)))
     i = _first_new(free_run)
     params = SamplingParams(
         max_tokens=12, temperature=0, stop_token_ids=[free_run[i]], ignore_eos=ignore_eos
     )
     outs = _run_alone(ov_ir, prompt, params)
-    assert _tokens(outs) == free_run[: i + 1]
+    assert tokens(outs) == free_run[: i + 1]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
 
 
 def test_eos_finishes_with_stop_unless_ignored(ov_ir: Path, tmp_path: Path) -> None:
     prompt = _prompts(1, seed=5)[0]
-    free_run = _tokens(_run_alone(ov_ir, prompt, greedy(12)))
+    free_run = tokens(_run_alone(ov_ir, prompt, greedy(12)))
     i = _first_new(free_run)
     # The same IR, with the token greedy decoding reaches at step i declared EOS.
     eos_ir = tmp_path / "openvino" / "fp16"
@@ -208,11 +195,11 @@ def test_eos_finishes_with_stop_unless_ignored(ov_ir: Path, tmp_path: Path) -> N
     engine = _engine(eos_ir)
     engine.add_request(EngineRequest("a", prompt, SamplingParams(max_tokens=12, temperature=0)))
     engine.add_request(EngineRequest("x", prompt, greedy(12)))
-    outs = _drain(engine)
+    outs = drain(engine)
     engine.close()
-    assert _tokens(outs["a"]) == free_run[: i + 1]
+    assert tokens(outs["a"]) == free_run[: i + 1]
     assert outs["a"][-1].finish_reason == "stop"
-    assert _tokens(outs["x"]) == free_run
+    assert tokens(outs["x"]) == free_run
     assert outs["x"][-1].finish_reason == "length"
 
 
@@ -230,7 +217,7 @@ def test_abort_stops_a_request_and_frees_its_blocks(ov_ir: Path) -> None:
     assert engine.stats().free_kv_blocks < total
     engine.abort("a")
     engine.abort("never-added")  # ignored
-    outs = _drain(engine)
+    outs = drain(engine)
     assert set(outs) == {"b"} and outs["b"][-1].finish_reason == "length"
     assert engine.stats().free_kv_blocks == total  # a's blocks came back
 
@@ -300,7 +287,7 @@ def test_kv_cache_takes_the_budget_it_is_given(
         ov_ir, kv_cache_bytes=budget, inference_precision=inference, kv_cache_precision=kv
     )
     engine.add_request(EngineRequest("a", [5, 6, 7], greedy(1)))
-    _drain(engine)
+    drain(engine)
     allocated = engine.kv_cache_bytes_allocated()
     assert allocated == engine.num_kv_blocks * engine.block_bytes
     assert budget - engine.block_bytes < allocated <= budget

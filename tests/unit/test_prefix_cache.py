@@ -28,7 +28,8 @@ from services.task_executor.engines.torch_engine.scheduler import (
     SeqView,
     schedule,
 )
-from tests.unit.test_torch_engine import _drain, _tokens, _write_tiny_llama, greedy
+from tests.engines import drain, tokens
+from tests.unit.test_torch_engine import _write_tiny_llama, greedy
 
 BS = 4
 PREFIX = [5, 17, 42, 8, 61, 3, 29, 11, 2, 7, 70, 33]  # three full blocks
@@ -50,15 +51,15 @@ def _step(engine: TorchEngine, outs: dict[str, list[EngineOutput]]) -> None:
 
 
 def _finish(engine: TorchEngine, outs: dict[str, list[EngineOutput]]) -> dict[str, list[int]]:
-    for rid, more in _drain(engine).items():
+    for rid, more in drain(engine).items():
         outs.setdefault(rid, []).extend(more)
-    return {rid: _tokens(o) for rid, o in outs.items()}
+    return {rid: tokens(o) for rid, o in outs.items()}
 
 
 def _run_alone(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
     engine = _engine(model_dir, enable_prefix_caching=False)
     engine.add_request(EngineRequest("x", prompt, greedy(max_tokens)))
-    return _tokens(_drain(engine)["x"])
+    return tokens(drain(engine)["x"])
 
 
 def _stored(events: list[KvEvent], tier: str = DEVICE) -> list[int]:
@@ -126,7 +127,7 @@ def test_disabled_caching_shares_nothing_and_reports_nothing(model_dir: Path) ->
     assert not engine.capabilities.prefix_cache
     for rid in ("a", "b"):
         engine.add_request(EngineRequest(rid, PREFIX, greedy(3)))
-        _drain(engine)
+        drain(engine)
     stats = engine.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hit_tokens) == (0, 0)
     assert engine.drain_kv_events() == []
@@ -146,14 +147,14 @@ def test_cached_blocks_are_evicted_least_recently_used_first(model_dir: Path) ->
     }
     for rid in ("x", "y", "z", "x"):
         engine.add_request(EngineRequest(rid, prompts[rid], greedy(1)))
-        _drain(engine)
+        drain(engine)
     assert engine.stats().prefix_cache_hit_tokens == 2 * BS  # x, the second time
     engine.drain_kv_events()
     hashes = {rid: engine.block_hashes(p) for rid, p in prompts.items()}
 
     # 9 blocks wanted, 6 never used: three cached blocks go, a sequence's tail before its head.
     engine.add_request(EngineRequest("w", list(range(40, 73)), greedy(1)))
-    _drain(engine)
+    drain(engine)
     y0, y1 = hashes["y"]
     z1 = hashes["z"][1]
     assert _removed(engine.drain_kv_events()) == [y1, y0, z1]
@@ -162,7 +163,7 @@ def test_cached_blocks_are_evicted_least_recently_used_first(model_dir: Path) ->
     found = {rid: engine.prefix_cache.probe(h)[0] for rid, h in hashes.items()}
     assert found == {"x": 2, "y": 0, "z": 1}
     engine.add_request(EngineRequest("z2", prompts["z"], greedy(1)))
-    assert _drain(engine)["z2"][0].num_cached_tokens == BS
+    assert drain(engine)["z2"][0].num_cached_tokens == BS
     _assert_nothing_held(engine)
 
 
@@ -203,7 +204,7 @@ def test_a_pinned_prefix_survives_memory_pressure_and_is_found_by_its_id(model_d
     context = [*PREFIX[:10]]  # two full blocks and a partial one
     engine = _engine(model_dir, num_kv_blocks=10)
     engine.add_request(EngineRequest("ctx", context, greedy(1)))
-    _drain(engine)
+    drain(engine)
     assert engine.pin_prefix("ctx-1", context) == 2 * BS
     assert engine.pinned_prefix("ctx-1") == (context, 2 * BS)
     assert engine.pinned_prefix("other") is None
@@ -213,7 +214,7 @@ def test_a_pinned_prefix_survives_memory_pressure_and_is_found_by_its_id(model_d
     engine.drain_kv_events()
     for i in range(2):
         engine.add_request(EngineRequest(f"fill{i}", list(range(i * 40, i * 40 + 29)), greedy(1)))
-        _drain(engine)
+        drain(engine)
     removed = _removed(engine.drain_kv_events())
     assert removed and not set(removed) & set(engine.block_hashes(context))
 
@@ -223,9 +224,9 @@ def test_a_pinned_prefix_survives_memory_pressure_and_is_found_by_its_id(model_d
 
     question = [*context, 80, 81, 82]
     engine.add_request(EngineRequest("q", question, greedy(4)))
-    outs = _drain(engine)["q"]
+    outs = drain(engine)["q"]
     assert outs[0].num_cached_tokens == 2 * BS
-    assert _tokens(outs) == _run_alone(model_dir, question, 4)
+    assert tokens(outs) == _run_alone(model_dir, question, 4)
 
     assert engine.unpin_prefix("ctx-1") and not engine.unpin_prefix("ctx-1")
     assert engine.pinned_prefix("ctx-1") is None
@@ -242,7 +243,7 @@ def test_blocks_offloaded_to_the_host_tier_come_back_with_identical_outputs(
     alone = _run_alone(model_dir, prompt, 4)
     engine = _engine(model_dir, num_kv_blocks=10, num_host_kv_blocks=8)
     engine.add_request(EngineRequest("p", prompt, greedy(4)))
-    assert _tokens(_drain(engine)["p"]) == alone
+    assert tokens(drain(engine)["p"]) == alone
     hashes = engine.block_hashes(PREFIX)
     engine.drain_kv_events()
 
@@ -252,7 +253,7 @@ def test_blocks_offloaded_to_the_host_tier_come_back_with_identical_outputs(
 
     # A request that needs the whole device evicts them there.
     engine.add_request(EngineRequest("w", list(range(40, 77)), greedy(1)))
-    _drain(engine)
+    drain(engine)
     events = engine.drain_kv_events()
     assert set(hashes) <= set(_removed(events, DEVICE))
     assert not set(hashes) & set(_stored(events, HOST))  # no second copy
@@ -260,14 +261,14 @@ def test_blocks_offloaded_to_the_host_tier_come_back_with_identical_outputs(
 
     # A match finds them only on the host and populates them back.
     engine.add_request(EngineRequest("p2", prompt, greedy(4)))
-    outs = _drain(engine)["p2"]
+    outs = drain(engine)["p2"]
     assert outs[0].num_cached_tokens == 3 * BS
-    assert _tokens(outs) == alone
+    assert tokens(outs) == alone
     assert _stored(engine.drain_kv_events(), DEVICE)[:3] == hashes
 
     # populate on its own, after another eviction.
     engine.add_request(EngineRequest("w2", list(range(40, 77)), greedy(1)))
-    _drain(engine)
+    drain(engine)
     assert engine.prefix_cache.cached_block(hashes[0]) is None
     assert engine.populate_kv(hashes) == 3
     assert all(engine.prefix_cache.cached_block(h) is not None for h in hashes)
@@ -371,7 +372,7 @@ def test_blocks_all_come_back_after_finishing_aborting_and_preempting(model_dir:
         saw_preemption |= engine.stats().waiting > 0 and "d" in outs
     assert saw_preemption
     for rid in ("a", "b", "c", "d"):
-        assert _tokens(outs[rid]) == _run_alone(model_dir, prompts[rid], 14), rid
+        assert tokens(outs[rid]) == _run_alone(model_dir, prompts[rid], 14), rid
     _assert_nothing_held(engine)
 
     engine.add_request(EngineRequest("f", prompts["a"], greedy(30)))

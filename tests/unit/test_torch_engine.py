@@ -20,6 +20,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     schedule,
 )
 from shared.messages.api import SamplingParams
+from tests.engines import drain, tokens
 
 VOCAB = 96
 EOS = 95
@@ -94,31 +95,17 @@ PROMPTS = {
 }
 
 
-def _drain(engine: TorchEngine, max_steps: int = 500) -> dict[str, list[EngineOutput]]:
-    outs: dict[str, list[EngineOutput]] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outs
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    raise AssertionError("the engine did not finish its requests")
-
-
-def _tokens(outs: list[EngineOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
-
-
 def _run_alone(model_dir: Path, rid: str, params: SamplingParams) -> list[EngineOutput]:
     engine = _engine(model_dir)
     engine.add_request(EngineRequest(rid, PROMPTS[rid], params))
-    return _drain(engine)[rid]
+    return drain(engine)[rid]
 
 
 # --- continuous batching -------------------------------------------------------------------
 
 
 def test_request_joining_mid_generation_finishes_and_matches_running_alone(model_dir: Path) -> None:
-    alone = {rid: _tokens(_run_alone(model_dir, rid, greedy(12))) for rid in PROMPTS}
+    alone = {rid: tokens(_run_alone(model_dir, rid, greedy(12))) for rid in PROMPTS}
 
     engine = _engine(model_dir)
     engine.add_request(EngineRequest("a", PROMPTS["a"], greedy(12)))
@@ -133,11 +120,11 @@ def test_request_joining_mid_generation_finishes_and_matches_running_alone(model
     assert {o.request_id for o in joined} == {"a", "b", "c"}  # c joined at the iteration boundary
     for o in joined:
         outs.setdefault(o.request_id, []).append(o)
-    for rid, more in _drain(engine).items():
+    for rid, more in drain(engine).items():
         outs.setdefault(rid, []).extend(more)
 
     for rid in PROMPTS:
-        assert _tokens(outs[rid]) == alone[rid], rid
+        assert tokens(outs[rid]) == alone[rid], rid
         assert outs[rid][-1].finished and outs[rid][-1].finish_reason == "length"
         assert all(o.num_prompt_tokens == len(PROMPTS[rid]) for o in outs[rid])
     assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
@@ -148,18 +135,18 @@ def test_request_joining_mid_generation_finishes_and_matches_running_alone(model
 
 def test_seeded_sampling_is_reproducible_alone_or_batched(model_dir: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    alone = _tokens(_run_alone(model_dir, "a", params))
-    assert _tokens(_run_alone(model_dir, "a", params)) == alone
+    alone = tokens(_run_alone(model_dir, "a", params))
+    assert tokens(_run_alone(model_dir, "a", params)) == alone
 
     engine = _engine(model_dir)
     engine.add_request(EngineRequest("b", PROMPTS["b"], SamplingParams(max_tokens=16, seed=7)))
     engine.add_request(EngineRequest("c", PROMPTS["c"], greedy(5)))
     engine.step()
     engine.add_request(EngineRequest("a", PROMPTS["a"], params))
-    assert _tokens(_drain(engine)["a"]) == alone
+    assert tokens(drain(engine)["a"]) == alone
 
     other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
-    assert _tokens(_run_alone(model_dir, "a", other_seed)) != alone
+    assert tokens(_run_alone(model_dir, "a", other_seed)) != alone
 
 
 def test_a_seeded_row_samples_the_same_token_whatever_shares_its_batch() -> None:
@@ -201,7 +188,7 @@ def test_sampling_follows_the_distribution_and_top_p_cuts_its_tail() -> None:
 
 def test_max_tokens_finishes_with_length(model_dir: Path) -> None:
     outs = _run_alone(model_dir, "a", greedy(5))
-    assert len(_tokens(outs)) == 5
+    assert len(tokens(outs)) == 5
     assert [o.finished for o in outs] == [False] * 4 + [True]
     assert outs[-1].finish_reason == "length"
 
@@ -212,7 +199,7 @@ def _first_new_token(tokens: list[int]) -> int:
 
 
 def test_eos_finishes_with_stop_unless_ignored(model_dir: Path, tmp_path: Path) -> None:
-    free_run = _tokens(_run_alone(model_dir, "a", greedy(10)))
+    free_run = tokens(_run_alone(model_dir, "a", greedy(10)))
     i = _first_new_token(free_run)
     # Same weights, but the token greedy decoding reaches at step i is declared EOS, as a
     # list in generation_config.json (config.json's own eos is kept as well).
@@ -228,18 +215,18 @@ def test_eos_finishes_with_stop_unless_ignored(model_dir: Path, tmp_path: Path) 
         EngineRequest("a", PROMPTS["a"], SamplingParams(max_tokens=10, temperature=0))
     )
     engine.add_request(EngineRequest("x", PROMPTS["a"], greedy(10)))  # ignore_eos
-    outs = _drain(engine)
-    assert _tokens(outs["a"]) == free_run[: i + 1]
+    outs = drain(engine)
+    assert tokens(outs["a"]) == free_run[: i + 1]
     assert outs["a"][-1].finish_reason == "stop"
-    assert _tokens(outs["x"]) == free_run
+    assert tokens(outs["x"]) == free_run
     assert outs["x"][-1].finish_reason == "length"
 
 
 def test_stop_token_ids_finish_with_stop(model_dir: Path) -> None:
-    free_run = _tokens(_run_alone(model_dir, "c", greedy(10)))
+    free_run = tokens(_run_alone(model_dir, "c", greedy(10)))
     i = _first_new_token(free_run)
     outs = _run_alone(model_dir, "c", greedy(10, stop_token_ids=[free_run[i]]))
-    assert _tokens(outs) == free_run[: i + 1]
+    assert tokens(outs) == free_run[: i + 1]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
 
 
@@ -247,8 +234,8 @@ def test_generation_is_clipped_at_max_model_len(model_dir: Path) -> None:
     engine = _engine(model_dir, max_model_len=12)
     assert engine.max_model_len == 12
     engine.add_request(EngineRequest("a", PROMPTS["a"], greedy(100)))  # 7 prompt tokens
-    outs = _drain(engine)["a"]
-    assert len(_tokens(outs)) == 12 - 7
+    outs = drain(engine)["a"]
+    assert len(tokens(outs)) == 12 - 7
     assert outs[-1].finish_reason == "length"
 
 
@@ -293,7 +280,7 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(model_dir: Path) -> 
 
 
 def test_full_cache_preempts_and_recomputes_without_changing_outputs(model_dir: Path) -> None:
-    alone = {rid: _tokens(_run_alone(model_dir, rid, greedy(14))) for rid in PROMPTS}
+    alone = {rid: tokens(_run_alone(model_dir, rid, greedy(14))) for rid in PROMPTS}
     # 10 blocks of 4 tokens: each request ends holding 4-7 blocks, so the three cannot all
     # stay resident; the newest is preempted and recomputed later.
     engine = _engine(model_dir, num_kv_blocks=10)
@@ -312,7 +299,7 @@ def test_full_cache_preempts_and_recomputes_without_changing_outputs(model_dir: 
     assert not engine.has_work()
     assert saw_preemption
     for rid in PROMPTS:
-        assert _tokens(outs[rid]) == alone[rid], rid
+        assert tokens(outs[rid]) == alone[rid], rid
         assert outs[rid][-1].finish_reason == "length"
     assert engine.stats().free_kv_blocks == 10
 

@@ -18,7 +18,8 @@ from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine, overlap
 from services.task_executor.engines.torch_engine import engine as engine_module
 from shared.messages.api import SamplingParams
-from tests.unit.test_torch_engine import VOCAB, _drain, _tokens, _write_tiny_llama, greedy
+from tests.engines import drain, tokens
+from tests.unit.test_torch_engine import VOCAB, _write_tiny_llama, greedy
 
 STOPS = list(range(3, VOCAB, 9))  # about one token in nine ends a request that stops on them
 
@@ -152,7 +153,7 @@ def test_kv_export_mid_decode_matches_the_synchronous_engine(
         assert engine._ahead is not None or not on
         exports.append(engine.export_kv("r"))
         engine.abort("r")
-        rest = _tokens(_drain(engine)["other"])
+        rest = tokens(drain(engine)["other"])
         exports.append(rest)
     (sync_export, sync_rest), (async_export, async_rest) = exports[:2], exports[2:]
     assert async_export.token_ids == sync_export.token_ids
@@ -164,7 +165,7 @@ def test_kv_export_mid_decode_matches_the_synchronous_engine(
 def test_a_failing_forward_surfaces_from_step_and_the_engine_recovers(
     model_dir: Path, launcher: str
 ) -> None:
-    expected = _tokens(_drain(_seeded(model_dir, False))["b"])
+    expected = tokens(drain(_seeded(model_dir, False))["b"])
     engine = _seeded(model_dir, True)
     forward, calls = engine.runner.forward, []
 
@@ -183,7 +184,7 @@ def test_a_failing_forward_surfaces_from_step_and_the_engine_recovers(
     assert not engine.has_work()
     assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
     engine.add_request(EngineRequest("b", [11, 2, 9], _seeded_params()))
-    assert _tokens(_drain(engine)["b"]) == expected
+    assert tokens(drain(engine)["b"]) == expected
 
 
 def _seeded_params() -> SamplingParams:
@@ -213,5 +214,5 @@ def test_cpu_runs_synchronously_unless_asked(model_dir: Path) -> None:
     # async_scheduling only changes CUDA engines.
     engine = TorchEngine(model_dir, device="cpu", block_size=4, num_kv_blocks=64)
     engine.add_request(EngineRequest("a", [5, 17, 42], greedy(8)))
-    _drain(engine)
+    drain(engine)
     assert engine.overlap.launched == 0

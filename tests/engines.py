@@ -1,0 +1,20 @@
+"""Driving an engine in tests: step it until its requests are done, collect what it said."""
+
+from __future__ import annotations
+
+from services.task_executor.engines.base import Engine, EngineOutput
+
+
+def drain(engine: Engine, max_steps: int = 1000) -> dict[str, list[EngineOutput]]:
+    """Each request's outputs, in order, once the engine has no work left."""
+    outs: dict[str, list[EngineOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("the engine did not finish its requests")
+
+
+def tokens(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
