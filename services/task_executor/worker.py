@@ -268,6 +268,9 @@ class TaskExecutor:
         while not self._closing:
             await self._work.wait()
             self._work.clear()
+            # An iteration's tokens are published while the next iteration runs on the
+            # engine thread (in order: each publish waits for the previous one).
+            emitting: asyncio.Task[None] | None = None
             while not self._closing and (engine := self.engine) is not None:
                 try:
                     # The whole iteration holds the lock: an unload waits for it to end
@@ -280,14 +283,20 @@ class TaskExecutor:
                             break
                         outputs = await self._on_engine_thread(engine.step)
                         self._collect_kv_events(engine)
-                    await self._emit(outputs)
+                    previous, emitting = emitting, None
+                    if previous is not None:
+                        await previous
+                    emitting = asyncio.create_task(self._emit(outputs))
                 except Exception as e:
                     log.exception("engine iteration failed")
+                    await _settle(emitting)  # the last good tokens go out first
+                    emitting = None
                     for request_id in list(self._streams):
                         with contextlib.suppress(Exception):
                             engine.abort(request_id)
                         await self._finish(request_id, "error", error=f"engine failure: {e}")
                     break
+            await _settle(emitting)
             if not self._streams:
                 self._idle.set()
 
@@ -363,6 +372,16 @@ class TaskExecutor:
         )
         with contextlib.suppress(Unavailable):
             await self._bus.publish(stream.reply_to, chunk, request_id=request_id)
+
+
+async def _settle(task: asyncio.Task[None] | None) -> None:
+    """Wait for a publishing task; its failure is logged, not raised (the engine loop goes on)."""
+    if task is None:
+        return
+    try:
+        await task
+    except Exception:
+        log.exception("publishing tokens failed")
 
 
 def main() -> None:
