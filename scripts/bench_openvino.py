@@ -509,7 +509,9 @@ def bench_openvino_api(
         engine: Any = None
         saved_ours = neighbours.ours if neighbours else None
         with tempfile.TemporaryDirectory(prefix="bench-ov-api-") as tmp:
-            server, _ = vs.start_meshserve("openvino", model_dir, Path(tmp), log_dir, env)
+            server, _ = vs.start_meshserve(
+                "openvino", model_dir, Path(tmp), log_dir, "bfloat16", env
+            )
             try:
                 url = vs.meshserve_url(server, startup_timeout)
                 vs.wait_for_model(server, url, startup_timeout)

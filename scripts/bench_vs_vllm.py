@@ -291,7 +291,7 @@ def vllm_preload(venv: Path) -> list[str]:
 
 
 def start_vllm(
-    py: Path, model_dir: Path, log_dir: Path, preload: Sequence[str]
+    py: Path, model_dir: Path, log_dir: Path, preload: Sequence[str], dtype: str
 ) -> tuple[Server, str]:
     port = free_port()
     # A stable path: vLLM keys its torch.compile cache on it, and a cache hit saves about a
@@ -319,7 +319,7 @@ def start_vllm(
         "--max-model-len",
         "4096",
         "--dtype",
-        "bfloat16",
+        dtype,
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
@@ -332,7 +332,12 @@ def start_vllm(
 
 
 def start_meshserve(
-    engine: str, model_dir: Path, tmp: Path, log_dir: Path, env_extra: dict[str, str] | None = None
+    engine: str,
+    model_dir: Path,
+    tmp: Path,
+    log_dir: Path,
+    dtype: str,
+    env_extra: dict[str, str] | None = None,
 ) -> tuple[Server, None]:
     """`meshserve up` serving ``model_dir`` as MODEL_ID on one TE; ``env_extra`` overrides
     its environment (e.g. MESHSERVE_OPENVINO_WEIGHT_FORMAT)."""
@@ -345,7 +350,7 @@ def start_meshserve(
         MESHSERVE_HTTP_PORT=str(free_port()),
         MESHSERVE_HTTP_HOST="127.0.0.1",
         MESHSERVE_POOL_SIZE="1",
-        MESHSERVE_DTYPE="bfloat16",
+        MESHSERVE_DTYPE=dtype,
         MESHSERVE_CLUSTER=f"benchvs-{os.getpid()}-{random.randrange(1 << 30):x}",
         MESHSERVE_LOG_LEVEL="warning",
         MESHSERVE_ENGINE=engine,
@@ -752,13 +757,13 @@ def bench_one(
         if name == "vllm":
             assert vllm_py is not None
             preload = vllm_preload(args.vllm_venv) if args.vllm_preload else []
-            server, url = start_vllm(vllm_py, args.model_dir, log_dir, preload)
+            server, url = start_vllm(vllm_py, args.model_dir, log_dir, preload, args.dtype)
             wait_for_model(server, url, args.startup_timeout)
         else:
             own = tmp / name
             own.mkdir()
             server, _ = start_meshserve(
-                meshserve_engine(name, args.engine), args.model_dir, own, log_dir
+                meshserve_engine(name, args.engine), args.model_dir, own, log_dir, args.dtype
             )
             url = meshserve_url(server, args.startup_timeout)
             wait_for_model(server, url, args.startup_timeout)
@@ -808,6 +813,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--skip-install",
         action="store_true",
         help="use .venv-vllm-cpu as it is; fail if vLLM does not import there",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="both servers' dtype; float32 on CPUs without bf16 matrix support (AVX2 only), "
+        "where bf16 matmuls fall back to slow paths in both",
     )
     p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm-cpu")
     p.add_argument(
@@ -874,7 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefix_tokens": PREFIX_TOKENS,
             "suffix_tokens": SUFFIX_TOKENS,
             "ttft_output_tokens": TTFT_OUTPUT_TOKENS,
-            "dtype": "bfloat16",
+            "dtype": args.dtype,
             "temperature": 0,
             "ignore_eos": True,
         },

@@ -112,6 +112,11 @@ class Settings(BaseSettings):
         0, ge=0, description="KV blocks of the torch engine's host-memory tier (0: none)."
     )
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
+    cpu_kernels: bool = Field(
+        True,
+        description="Torch engine on CPU: decode attention in a C kernel compiled for the host "
+        "on first use (needs a C compiler; without one, torch's ops run).",
+    )
 
     @field_validator(
         "heartbeat_interval", "liveness_timeout", "keep_alive", "placement_timeout",

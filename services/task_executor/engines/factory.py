@@ -41,6 +41,7 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             max_num_seqs=settings.max_num_seqs,
             enable_prefix_caching=settings.prefix_caching,
             num_host_kv_blocks=settings.host_kv_blocks,
+            cpu_kernels=settings.cpu_kernels,
         )
     if kind == "openvino":
         from services.task_executor.engines.openvino_engine import OpenVINOEngine

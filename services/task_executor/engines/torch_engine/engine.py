@@ -162,6 +162,7 @@ class TorchEngine:
         num_host_kv_blocks: int = 0,
         async_scheduling: bool = True,
         overlap_on_cpu: bool = False,
+        cpu_kernels: bool = True,
     ) -> None:
         """``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
         one, blocks evicted from the device are copied there, and ``offload_kv`` works.
@@ -171,7 +172,10 @@ class TorchEngine:
         every iteration to completion before the next is scheduled (same outputs; for A/B
         comparison and debugging). On CPU iterations run synchronously unless
         ``overlap_on_cpu``, which runs the forward on a worker thread (no gain measured on a
-        2-core host: see ``overlap.make_launcher``)."""
+        2-core host: see ``overlap.make_launcher``).
+
+        ``cpu_kernels``: on CPU, decode attention runs in a C kernel compiled for the host on
+        first use (``cpu_kernels.py``); False, or no C compiler, keeps torch's ops."""
         torch_device = resolve_device(device)
         self.device = str(torch_device)
         self.config = load_model_config(model_dir)
@@ -231,6 +235,7 @@ class TorchEngine:
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=torch_device,
+            cpu_kernels=cpu_kernels,
         )
         self._torch_device = torch_device
         self.block_size = block_size

@@ -3,7 +3,8 @@
 One forward runs a whole iteration: the new tokens of every scheduled request are flattened into
 one ``[num_tokens, hidden]`` batch, so each weight matrix is read once per iteration however many
 requests share it. Only attention is per request:
-- decode requests (one new token each) attend together: their blocks are gathered into a padded
+- decode requests (one new token each) attend together: on CPU a C kernel reads their blocks
+  in place (``cpu_kernels.py``); elsewhere their blocks are gathered into a padded
   ``[batch, kv_heads, max_len, head_dim]`` K/V and the query heads that share a K/V head are
   laid out as that head's query rows, so GQA needs no K/V repetition;
 - prefill requests attend one at a time, causally (``attention.py``), over their own fresh K/V
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from services.task_executor.engines.torch_engine.attention import causal_attention
 from services.task_executor.engines.torch_engine.config import ModelConfig
+from services.task_executor.engines.torch_engine.cpu_kernels import decode_attention
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.linear import linear
 from services.task_executor.engines.torch_engine.rope import cos_sin_tables
@@ -52,6 +54,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] last token of each request, in the caller's order
     num_decode: int  # the first num_decode tokens (and requests) are single-token decodes
     decode_block_tables: torch.Tensor | None  # [D, max_blocks]
+    decode_lens: torch.Tensor | None  # [D] tokens each decode request attends to
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], True = attend
     prefills: tuple[_Prefill, ...]
 
@@ -122,7 +125,7 @@ def build_batch(
     t_ids, t_pos, t_slots, t_last = flat[:n_head].split([len(part) for part in head])
     rest = flat[n_head:]
     d = len(decode)
-    tables = mask = None
+    tables = ctx = mask = None
     if d:
         tables = rest[: d * width].view(d, width)
         ctx = rest[d * width : d * width + d]
@@ -139,6 +142,7 @@ def build_batch(
         logits_indices=t_last,
         num_decode=d,
         decode_block_tables=tables,
+        decode_lens=ctx,
         decode_mask=mask,
         prefills=prefills,
     )
@@ -161,13 +165,27 @@ class Transformer:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        cpu_kernels: bool = True,
     ) -> None:
+        """``cpu_kernels``: decode attention in meshserve's C kernel on CPU where it compiles
+        and takes the model's dtype and shape; False keeps torch's ops everywhere."""
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
         self.cos, self.sin = cos_sin_tables(
             config.rope, config.head_dim, max_model_len, dtype=dtype, device=device
+        )
+        self.decode_kernel = (
+            decode_attention(
+                dtype=dtype,
+                device=device,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+            )
+            if cpu_kernels
+            else None
         )
 
     @torch.inference_mode()
@@ -185,7 +203,7 @@ class Transformer:
         # The decode mask as an additive bias, once per forward: SDPA on CPU runs a float mask
         # faster than a boolean one (batch 8, 1,088 keys: about 0.5 vs 0.7 ms per layer).
         decode_bias = None
-        if batch.decode_mask is not None:
+        if batch.decode_mask is not None and self.decode_kernel is None:
             decode_bias = torch.zeros(batch.decode_mask.shape, dtype=self.dtype, device=self.device)
             decode_bias.masked_fill_(~batch.decode_mask, float("-inf"))
 
@@ -221,7 +239,15 @@ class Transformer:
         n_heads, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         outs = []
         d = batch.num_decode
-        if d:
+        if d and self.decode_kernel is not None:
+            assert batch.decode_block_tables is not None and batch.decode_lens is not None
+            outs.append(
+                self.decode_kernel(
+                    q[:d], cache.k[layer], cache.v[layer], batch.decode_block_tables,
+                    batch.decode_lens,
+                )
+            )
+        elif d:
             assert batch.decode_block_tables is not None
             ck, cv = cache.gather(layer, batch.decode_block_tables)
             # Query heads h = kv * group + g share K/V head kv (transformers' repeat_kv order).
