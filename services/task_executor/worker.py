@@ -85,7 +85,8 @@ class TaskExecutor:
         self._failed_model: str | None = None
         self._generated_tokens = 0
         self._streams: dict[str, _Stream] = {}
-        self._adds: list[EngineRequest] = []
+        # Accepted, not yet handed to the engine (that happens between iterations), by id.
+        self._adds: dict[str, EngineRequest] = {}
         self._aborts: set[str] = set()
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()  # held while an iteration runs; unload waits for it
@@ -252,8 +253,17 @@ class TaskExecutor:
                 f"the prompt has {n} tokens; this model's context is {self.engine.max_model_len}",
                 param="messages", code="context_length_exceeded",
             )
+        if task.request_id in self._streams:
+            # The same task again while it is still ours (a placement whose answer was lost
+            # or late, retried): it is running or queued already.
+            return TaskAccepted(request_id=task.request_id, te_id=self.te_id)
+        # A task placed again after a cancel (the JE cancels and retries when the TE answered
+        # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
+        # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
         self._streams[task.request_id] = _Stream(reply_to=task.reply_to, prompt_tokens=n)
-        self._adds.append(EngineRequest(task.request_id, task.prompt_token_ids, task.sampling))
+        self._adds[task.request_id] = EngineRequest(
+            task.request_id, task.prompt_token_ids, task.sampling
+        )
         self._last_active = time.time()
         self._idle.clear()
         self._work.set()
@@ -261,7 +271,8 @@ class TaskExecutor:
 
     async def _on_cancel(self, msg: CancelTask) -> None:
         if self._streams.pop(msg.request_id, None) is not None:
-            self._aborts.add(msg.request_id)
+            if self._adds.pop(msg.request_id, None) is None:  # not queued: in the engine
+                self._aborts.add(msg.request_id)
             self._work.set()
 
     async def _engine_loop(self) -> None:
@@ -329,8 +340,8 @@ class TaskExecutor:
         for request_id in self._aborts:
             engine.abort(request_id)
         self._aborts.clear()
-        adds, self._adds = self._adds, []
-        for req in adds:
+        adds, self._adds = self._adds, {}
+        for req in adds.values():
             if req.request_id not in self._streams:
                 continue  # cancelled before it started
             try:

@@ -118,6 +118,39 @@ async def test_cancel_stops_generation(te, bus: Bus, cluster: str):
     assert worker.engine.stats().running == 0
 
 
+async def test_a_task_placed_again_runs_once_whether_or_not_it_was_cancelled_between(
+    te, bus: Bus, cluster: str
+):
+    """A JE whose placement got no answer in time (the TE's loop stalled behind a long engine
+    step) cancels it and places it again on the same TE; a lost answer may also bring the same
+    task twice. Either way the request runs once, to the end, without an error."""
+    worker, client = te
+    subjects = Subjects(cluster)
+    for rid, cancel_between in (("r-again", True), ("r-twice", False), ("r-late", True)):
+        got = await collect(bus, subjects.token_stream("fe", rid))
+        if rid == "r-late":  # the first copy already in the engine when the retry comes
+            await client.place("te-t", task(cluster, rid, max_tokens=40))
+            await asyncio.wait_for(got.first.wait(), 20)
+            async with worker._step_lock:  # no step runs: the first copy's chunks stop
+                await asyncio.sleep(0.2)  # its last published ones land
+                got = await collect(bus, subjects.token_stream("fe", rid))  # the new copy's
+                await client.cancel("te-t", rid)
+                await client.place("te-t", task(cluster, rid, max_tokens=6))
+        else:
+            async with worker._step_lock:  # the engine is busy: nothing queued is applied yet
+                await client.place("te-t", task(cluster, rid, max_tokens=6))
+                if cancel_between:
+                    await client.cancel("te-t", rid)
+                await client.place("te-t", task(cluster, rid, max_tokens=6))
+        await asyncio.wait_for(got.done.wait(), 20)
+        await asyncio.sleep(0.2)  # nothing more may follow
+        assert [c.error for c in got.chunks if c.error] == [], rid
+        assert got.chunks[-1].finish_reason == "length", rid
+        assert sum(len(c.token_ids) for c in got.chunks) == 6, rid
+        assert [c.seq for c in got.chunks] == list(range(len(got.chunks))), rid
+    assert worker.engine.stats().running == 0
+
+
 async def test_unload_hands_running_requests_back_for_a_retry(te, bus: Bus, cluster: str):
     worker, client = te
     got = await collect(bus, Subjects(cluster).token_stream("fe", "r6"))
