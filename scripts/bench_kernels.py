@@ -28,12 +28,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from services.task_executor.engines.torch_engine import cpu_kernels, linear  # noqa: E402
+from services.task_executor.engines.torch_engine.attention import (  # noqa: E402
+    additive_mask,
+    gathered_decode_attention,
+)
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
@@ -86,14 +89,11 @@ def attention_rows(reps: int) -> list[dict]:
             rows_qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen)
             q = rows_qkv.to(dtype)[:, :HEADS]
             valid = torch.arange(width * BLOCK)[None, :] < lens[:, None]
-            bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, float("-inf"))
-            bias = bias[:, None, None, :]
+            bias = additive_mask(valid[:, None, None, :], dtype)
 
-            def torch_path(q=q, cache=cache, tables=tables, bias=bias, batch=batch):
+            def torch_path(q=q, cache=cache, tables=tables, bias=bias):
                 ck, cv = cache.gather(0, tables)
-                qd = q.reshape(batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-                o = F.scaled_dot_product_attention(qd, ck, cv, attn_mask=bias)
-                return o.reshape(batch, HEADS * HEAD_DIM)
+                return gathered_decode_attention(q, ck, cv, bias)
 
             def c_kernel(q=q, cache=cache, tables=tables, lens=lens, kernel=kernel):
                 return kernel(q, cache.k[0], cache.v[0], tables, lens)

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine, cpu_kernels
+from services.task_executor.engines.torch_engine.attention import (
+    additive_mask,
+    gathered_decode_attention,
+)
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import _write_tiny_llama, greedy
@@ -24,21 +27,21 @@ pytestmark = pytest.mark.skipif(
 
 def _reference(q, cache, tables, lens, block_size):
     """The engine's torch path: gather whole blocks, mask the padding, SDPA with GQA rows."""
-    b, heads, hd = q.shape
-    kv_heads = cache.k[0].shape[2]
     ck, cv = cache.gather(0, tables)
     valid = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]
-    bias = torch.zeros(valid.shape, dtype=q.dtype).masked_fill_(~valid, float("-inf"))
-    qd = q.reshape(b, kv_heads, heads // kv_heads, hd)
-    out = F.scaled_dot_product_attention(qd, ck, cv, attn_mask=bias[:, None, None, :])
-    return out.reshape(b, heads * hd)
+    return gathered_decode_attention(q, ck, cv, additive_mask(valid[:, None, None, :], q.dtype))
 
 
 def _as_float32(cache: PagedKVCache) -> PagedKVCache:
     k, v = cache.k[0], cache.v[0]
     out = PagedKVCache(
-        num_layers=1, num_blocks=k.shape[0], block_size=k.shape[1], num_kv_heads=k.shape[2],
-        head_dim=k.shape[3], dtype=torch.float32, device=CPU,
+        num_layers=1,
+        num_blocks=k.shape[0],
+        block_size=k.shape[1],
+        num_kv_heads=k.shape[2],
+        head_dim=k.shape[3],
+        dtype=torch.float32,
+        device=CPU,
     )
     out.k[0].copy_(k)
     out.v[0].copy_(v)
@@ -64,8 +67,13 @@ def test_decode_attention_matches_torch(dtype, heads, kv_heads, hd, block_size, 
     width = max(-(-n // block_size) for n in lens)
     num_blocks = len(lens) * width + 3
     cache = PagedKVCache(
-        num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv_heads,
-        head_dim=hd, dtype=dtype, device=CPU,
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_dim=hd,
+        dtype=dtype,
+        device=CPU,
     )
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
@@ -128,7 +136,11 @@ def test_engine_outputs_are_the_same_with_and_without_the_kernel(tmp_path: Path)
 
     def run(cpu_kernels: bool) -> list[list[int]]:
         engine = TorchEngine(
-            model, device="cpu", dtype="float32", block_size=4, num_kv_blocks=128,
+            model,
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=128,
             cpu_kernels=cpu_kernels,
         )
         assert (engine.runner.decode_kernel is not None) == cpu_kernels
