@@ -19,6 +19,7 @@ nothing stays in cache), with weights packed for oneDNN at batch hint 1 and at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -59,6 +60,67 @@ def _alternating(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, f
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode step's attention inputs over a paged cache (layer 0), as the model has them:
+    ``q`` ``[batch, heads, hd]``, the first heads of wider q/k/v rows; ``tables`` padded with
+    block 0; ``lens`` the tokens each request attends to."""
+
+    q: torch.Tensor
+    cache: PagedKVCache
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+    def bias(self) -> torch.Tensor:
+        """The additive padding mask, built once per forward in the model."""
+        keys = torch.arange(self.tables.shape[1] * self.cache.block_size)
+        valid = keys[None, :] < self.lens[:, None]
+        return additive_mask(valid[:, None, None, :], self.q.dtype)
+
+    def torch_path(self, bias: torch.Tensor) -> torch.Tensor:
+        """The engine's fallback: gather whole blocks, then SDPA with GQA rows."""
+        ck, cv = self.cache.gather(0, self.tables)
+        return gathered_decode_attention(self.q, ck, cv, bias)
+
+    def kernel_path(self, kernel: cpu_kernels.DecodeAttention) -> torch.Tensor:
+        return kernel(self.q, self.cache.k[0], self.cache.v[0], self.tables, self.lens)
+
+
+def decode_case(
+    *,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    hd: int,
+    block_size: int,
+    lens: list[int],
+    seed: int,
+) -> DecodeCase:
+    """Random K/V and queries, each request's blocks scattered over the cache as a busy
+    allocator leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width + 3
+    cache = PagedKVCache(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_dim=hd,
+        dtype=dtype,
+        device=CPU,
+    )
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        used = -(-n // block_size)
+        tables[i, :used] = perm[i * width : i * width + used]
+    rows = torch.randn(len(lens), heads + 2 * kv_heads, hd, generator=gen).to(dtype)
+    return DecodeCase(rows[:, :heads], cache, tables, torch.tensor(lens, dtype=torch.int64))
+
+
 def attention_rows(reps: int) -> list[dict]:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -69,34 +131,22 @@ def attention_rows(reps: int) -> list[dict]:
             print(f"decode attention: no C kernel for {dtype} here (no compiler?)", flush=True)
             continue
         for batch, ctx in ATTENTION_CASES:
-            gen = torch.Generator().manual_seed(batch * 7919 + ctx)
-            lens = torch.tensor([max(1, ctx - 37 * i) for i in range(batch)], dtype=torch.int64)
-            width = -(-ctx // BLOCK)
-            num_blocks = batch * width + 8
-            cache = PagedKVCache(
-                num_layers=1,
-                num_blocks=num_blocks,
-                block_size=BLOCK,
-                num_kv_heads=KV_HEADS,
-                head_dim=HEAD_DIM,
+            case = decode_case(
                 dtype=dtype,
-                device=CPU,
+                heads=HEADS,
+                kv_heads=KV_HEADS,
+                hd=HEAD_DIM,
+                block_size=BLOCK,
+                lens=[max(1, ctx - 37 * i) for i in range(batch)],
+                seed=batch * 7919 + ctx,
             )
-            cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
-            cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
-            tables = torch.randperm(num_blocks, generator=gen)[: batch * width]
-            tables = tables.view(batch, width).contiguous()
-            rows_qkv = torch.randn(batch, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen)
-            q = rows_qkv.to(dtype)[:, :HEADS]
-            valid = torch.arange(width * BLOCK)[None, :] < lens[:, None]
-            bias = additive_mask(valid[:, None, None, :], dtype)
+            bias = case.bias()
 
-            def torch_path(q=q, cache=cache, tables=tables, bias=bias):
-                ck, cv = cache.gather(0, tables)
-                return gathered_decode_attention(q, ck, cv, bias)
+            def torch_path(case=case, bias=bias):
+                return case.torch_path(bias)
 
-            def c_kernel(q=q, cache=cache, tables=tables, lens=lens, kernel=kernel):
-                return kernel(q, cache.k[0], cache.v[0], tables, lens)
+            def c_kernel(case=case, kernel=kernel):
+                return case.kernel_path(kernel)
 
             diff = (c_kernel().float() - torch_path().float()).abs().max().item()
             t = _alternating({"torch": torch_path, "kernel": c_kernel}, reps)

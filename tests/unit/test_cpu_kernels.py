@@ -3,7 +3,9 @@ paged cache, for the shapes and dtypes it takes; torch's ops where it cannot run
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,25 +13,18 @@ import torch
 
 from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine, cpu_kernels
-from services.task_executor.engines.torch_engine.attention import (
-    additive_mask,
-    gathered_decode_attention,
-)
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import _write_tiny_llama, greedy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_kernels
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler on PATH: the engine runs torch's ops"
 )
-
-
-def _reference(q, cache, tables, lens, block_size):
-    """The engine's torch path: gather whole blocks, mask the padding, SDPA with GQA rows."""
-    ck, cv = cache.gather(0, tables)
-    valid = torch.arange(tables.shape[1] * block_size)[None, :] < lens[:, None]
-    return gathered_decode_attention(q, ck, cv, additive_mask(valid[:, None, None, :], q.dtype))
 
 
 def _as_float32(cache: PagedKVCache) -> PagedKVCache:
@@ -63,40 +58,20 @@ def test_decode_attention_matches_torch(dtype, heads, kv_heads, hd, block_size, 
         dtype=dtype, device=CPU, num_heads=heads, num_kv_heads=kv_heads, head_dim=hd
     )
     assert kernel is not None
-    gen = torch.Generator().manual_seed(0)
-    width = max(-(-n // block_size) for n in lens)
-    num_blocks = len(lens) * width + 3
-    cache = PagedKVCache(
-        num_layers=1,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_kv_heads=kv_heads,
-        head_dim=hd,
-        dtype=dtype,
-        device=CPU,
+    case = bench_kernels.decode_case(
+        dtype=dtype, heads=heads, kv_heads=kv_heads, hd=hd, block_size=block_size, lens=lens,
+        seed=0,
     )
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
-    # Blocks scattered over the cache, as a busy allocator leaves them; padding entries 0.
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), width, dtype=torch.int64)
-    for i, n in enumerate(lens):
-        used = -(-n // block_size)
-        tables[i, :used] = perm[i * width : i * width + used]
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    # Queries as the model has them: the first heads of a wider row (q, then k and v).
-    rows = torch.randn(len(lens), heads + 2 * kv_heads, hd, generator=gen).to(dtype)
-    q = rows[:, :heads]
-
-    got = kernel(q, cache.k[0], cache.v[0], tables, lens_t)
-    want = _reference(q, cache, tables, lens_t, block_size)
+    got = case.kernel_path(kernel)
+    want = case.torch_path(case.bias())
     assert got.shape == want.shape and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         return
     # bf16: both round; the kernel must be at least as close as torch's path to the exact
     # result (float32 attention over the same bf16 inputs).
-    exact = _reference(q.float(), _as_float32(cache), tables, lens_t, block_size)
+    upcast = dataclasses.replace(case, q=case.q.float(), cache=_as_float32(case.cache))
+    exact = upcast.torch_path(upcast.bias())
     err_kernel = (got.float() - exact).abs().max().item()
     err_torch = (want.float() - exact).abs().max().item()
     assert err_kernel <= max(err_torch, 1e-3), (err_kernel, err_torch)
