@@ -201,7 +201,14 @@ class Generation:
     async def _receive(
         self, queue: asyncio.Queue[TokenChunk], te_id: str, deadline: float
     ) -> AsyncIterator[list[int]]:
-        """Chunks of one attempt. Returns without finish_reason when the attempt is lost."""
+        """Chunks of one attempt. Returns without finish_reason when the attempt is lost.
+
+        Tokens taken already are dropped (a chunk's completion_tokens says where its tokens
+        end): a JE that got the TE's answer too late cancels the task and places it again,
+        and if the first copy had started, the TE streams the task again from its first
+        token after what the first copy sent. Greedy and seeded copies repeat the same
+        tokens; an unseeded one's continuation follows its own."""
+        have = 0  # tokens of this attempt taken so far
         while True:
             try:
                 chunk = await asyncio.wait_for(queue.get(), LIVENESS_POLL_S)
@@ -214,16 +221,22 @@ class Generation:
                 continue
             if chunk.te_id and chunk.te_id != te_id:
                 continue  # a TE the JE gave up on after all started: not this attempt's
+            start = chunk.completion_tokens - len(chunk.token_ids)
+            if start > have:
+                log.warning("tokens lost", request_id=self.request_id, te=te_id,
+                            expected=have, got=start)
+            ids = chunk.token_ids[max(0, have - start) :]
+            have = max(have, chunk.completion_tokens)
             if chunk.finish_reason == RETRY_ELSEWHERE:
                 return
             if chunk.finish_reason == "error":
                 raise Internal(f"generation failed: {chunk.error}")
-            if chunk.token_ids:
+            if ids:
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
-                self.generated.extend(chunk.token_ids)
+                self.generated.extend(ids)
                 self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
-                yield chunk.token_ids
+                yield ids
             if chunk.finish_reason is not None:
                 self.finish_reason = chunk.finish_reason
                 return

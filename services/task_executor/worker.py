@@ -52,6 +52,12 @@ STEP_STOP_TIMEOUT_S = 30.0
 
 @dataclasses.dataclass(slots=True)
 class _Stream:
+    """One placement of a task: its tokens go to reply_to. The engine knows it by engine_id,
+    unique per placement, so tokens a cancelled copy still produces never reach a later copy
+    of the same task."""
+
+    request_id: str
+    engine_id: str
     reply_to: str
     prompt_tokens: int
     seq: int = 0
@@ -84,10 +90,12 @@ class TaskExecutor:
         self._error: str | None = None
         self._failed_model: str | None = None
         self._generated_tokens = 0
-        self._streams: dict[str, _Stream] = {}
-        # Accepted, not yet handed to the engine (that happens between iterations), by id.
+        self._streams: dict[str, _Stream] = {}  # by task id
+        self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
+        self._placements = 0
+        # Accepted, not yet handed to the engine (that happens between iterations), by task id.
         self._adds: dict[str, EngineRequest] = {}
-        self._aborts: set[str] = set()
+        self._aborts: set[str] = set()  # engine ids
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()  # held while an iteration runs; unload waits for it
         self._closing = False
@@ -176,8 +184,8 @@ class TaskExecutor:
         """Let running requests finish within grace; hand the rest back for a retry."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace)
-        for request_id in list(self._streams):
-            self._aborts.add(request_id)
+        for request_id, stream in list(self._streams.items()):
+            self._aborts.add(stream.engine_id)
             await self._finish(request_id, RETRY_ELSEWHERE, error="task executor stopping")
         self._work.set()
 
@@ -260,9 +268,14 @@ class TaskExecutor:
         # A task placed again after a cancel (the JE cancels and retries when the TE answered
         # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
         # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
-        self._streams[task.request_id] = _Stream(reply_to=task.reply_to, prompt_tokens=n)
+        self._placements += 1
+        stream = _Stream(
+            request_id=task.request_id, engine_id=f"{task.request_id}@{self._placements}",
+            reply_to=task.reply_to, prompt_tokens=n,
+        )
+        self._streams[task.request_id] = self._engine_streams[stream.engine_id] = stream
         self._adds[task.request_id] = EngineRequest(
-            task.request_id, task.prompt_token_ids, task.sampling
+            stream.engine_id, task.prompt_token_ids, task.sampling
         )
         self._last_active = time.time()
         self._idle.clear()
@@ -270,10 +283,16 @@ class TaskExecutor:
         return TaskAccepted(request_id=task.request_id, te_id=self.te_id)
 
     async def _on_cancel(self, msg: CancelTask) -> None:
-        if self._streams.pop(msg.request_id, None) is not None:
+        if (stream := self._close_stream(msg.request_id)) is not None:
             if self._adds.pop(msg.request_id, None) is None:  # not queued: in the engine
-                self._aborts.add(msg.request_id)
+                self._aborts.add(stream.engine_id)
             self._work.set()
+
+    def _close_stream(self, request_id: str) -> _Stream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            del self._engine_streams[stream.engine_id]
+        return stream
 
     async def _engine_loop(self) -> None:
         while not self._closing:
@@ -302,9 +321,9 @@ class TaskExecutor:
                     log.exception("engine iteration failed")
                     await _settle(emitting)  # the last good tokens go out first
                     emitting = None
-                    for request_id in list(self._streams):
+                    for request_id, stream in list(self._streams.items()):
                         with contextlib.suppress(Exception):
-                            engine.abort(request_id)
+                            engine.abort(stream.engine_id)
                         await self._finish(request_id, "error", error=f"engine failure: {e}")
                     break
             await _settle(emitting)
@@ -337,43 +356,43 @@ class TaskExecutor:
             log.warning("kv event publish failed", error=str(e))
 
     async def _apply_queued(self, engine: Engine) -> None:
-        for request_id in self._aborts:
-            engine.abort(request_id)
+        for engine_id in self._aborts:
+            engine.abort(engine_id)
         self._aborts.clear()
         adds, self._adds = self._adds, {}
-        for req in adds.values():
-            if req.request_id not in self._streams:
+        for request_id, req in adds.items():
+            if req.request_id not in self._engine_streams:
                 continue  # cancelled before it started
             try:
                 engine.add_request(req)
             except ValueError as e:
-                await self._finish(req.request_id, "error", error=str(e))
+                await self._finish(request_id, "error", error=str(e))
 
     async def _emit(self, outputs: Sequence[EngineOutput]) -> None:
         if outputs:
             self._last_active = time.time()
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = self._engine_streams.get(out.request_id)
             if stream is None:
-                continue
+                continue  # cancelled (the task may run again as another copy: not this one)
             stream.generated += len(out.new_token_ids)
             self._generated_tokens += len(out.new_token_ids)
             chunk = TokenChunk(
-                request_id=out.request_id, seq=stream.seq, token_ids=out.new_token_ids,
+                request_id=stream.request_id, seq=stream.seq, token_ids=out.new_token_ids,
                 finish_reason=out.finish_reason if out.finished else None,
                 prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated,
                 cached_tokens=out.num_cached_tokens, te_id=self.te_id,
             )
             stream.seq += 1
             if out.finished:
-                del self._streams[out.request_id]
+                self._close_stream(stream.request_id)
             try:
-                await self._bus.publish(stream.reply_to, chunk, request_id=out.request_id)
+                await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
             except Unavailable as e:
                 log.warning("token publish failed", request_id=out.request_id, error=str(e))
 
     async def _finish(self, request_id: str, reason: str, *, error: str | None = None) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self._close_stream(request_id)
         if stream is None:
             return
         chunk = TokenChunk(

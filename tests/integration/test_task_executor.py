@@ -1,6 +1,7 @@
 """One task executor with the real torch engine, driven over real NATS."""
 
 import asyncio
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -149,6 +150,44 @@ async def test_a_task_placed_again_runs_once_whether_or_not_it_was_cancelled_bet
         assert sum(len(c.token_ids) for c in got.chunks) == 6, rid
         assert [c.seq for c in got.chunks] == list(range(len(got.chunks))), rid
     assert worker.engine.stats().running == 0
+
+
+async def test_tokens_a_cancelled_copy_computes_never_reach_the_copy_placed_after_it(
+    te, bus: Bus, cluster: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The cancel and the new placement arrive while a step of the first copy runs on the
+    engine thread (the JE's retry after a late answer): that step's token is the first copy's
+    and is dropped, not streamed as the new copy's first."""
+    worker, client = te
+    subjects = Subjects(cluster)
+    ref = await collect(bus, subjects.token_stream("fe", "r-ref"))
+    await client.place("te-t", task(cluster, "r-ref", max_tokens=6))
+    await asyncio.wait_for(ref.done.wait(), 20)
+
+    rid = "r-race"
+    first = await collect(bus, subjects.token_stream("fe", rid))
+    await client.place("te-t", task(cluster, rid, max_tokens=40))
+    await asyncio.wait_for(first.first.wait(), 20)
+    entered, release = threading.Event(), threading.Event()
+    step = worker.engine.step
+
+    def held_step():
+        entered.set()
+        assert release.wait(10)
+        return step()
+
+    monkeypatch.setattr(worker.engine, "step", held_step)
+    assert await asyncio.to_thread(entered.wait, 10)  # a step of the first copy is running
+    await asyncio.sleep(0.2)  # the chunks published before it land
+    got = await collect(bus, subjects.token_stream("fe", rid))  # from here on: the new copy's
+    await client.cancel("te-t", rid)
+    await client.place("te-t", task(cluster, rid, max_tokens=6))
+    release.set()
+    await asyncio.wait_for(got.done.wait(), 20)
+    await asyncio.sleep(0.2)  # nothing more may follow
+    assert [t for c in got.chunks for t in c.token_ids] == [t for c in ref.chunks for t in c.token_ids]
+    assert [c.seq for c in got.chunks] == list(range(len(got.chunks)))
+    assert got.chunks[-1].finish_reason == "length"
 
 
 async def test_unload_hands_running_requests_back_for_a_retry(te, bus: Bus, cluster: str):
