@@ -43,6 +43,7 @@ class EngineProfile:
     block_size: int
     max_model_len: int
     emit_s: float = 0.0  # per token streamed, outside the engine
+    chunked_prefill: bool = False  # prompts over the budget run in chunks (scheduler.py)
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured
 
     def __post_init__(self) -> None:
@@ -67,16 +68,26 @@ class EngineProfile:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(0.0, y0 + (y1 - y0) * (batch - x0) / (x1 - x0))
 
-    def prefill_time_s(self, tokens: int) -> float:
-        return self.prefill_s * tokens + self.prefill_s2 * tokens * tokens
+    def prefill_time_s(self, tokens: int, cached: int = 0) -> float:
+        """``tokens`` prompt tokens after ``cached`` already in the cache (a later chunk):
+        causal attention pairs grow as tokens² / 2 + tokens × cached."""
+        return self.prefill_s * tokens + self.prefill_s2 * tokens * (tokens + 2 * cached)
 
-    def iteration_s(self, decode_batch: int, decode_context: int, prefills: list[int]) -> float:
+    def iteration_s(
+        self,
+        decode_batch: int,
+        decode_context: int,
+        prefills: list[int],
+        prefill_cached: list[int] | None = None,
+    ) -> float:
         """One iteration: ``decode_batch`` decodes attending over ``decode_context`` tokens in
-        all, and prefills of the given new-token counts."""
+        all, and prefills of the given new-token counts (after ``prefill_cached`` tokens each
+        already in the cache, for the chunks of a chunked prefill)."""
         t = self.decode_step_s(decode_batch) + self.decode_ctx_s * decode_context
         t += self.emit_s * (decode_batch + len(prefills))
         if prefills:
-            t += sum(self.prefill_time_s(n) for n in prefills)
+            cached = prefill_cached or [0] * len(prefills)
+            t += sum(self.prefill_time_s(n, c) for n, c in zip(prefills, cached, strict=True))
             if not decode_batch:
                 # A prefill-only iteration still reads every weight once (the LM head too).
                 t = max(t, self.decode_step_s(1))

@@ -119,6 +119,7 @@ def measure_profile(
             model=model, load_s=load_s, decode_batches=tuple(batches), decode_s=tuple(short),
             decode_ctx_s=ctx_s, prefill_s=a, prefill_s2=b, max_num_seqs=settings.max_num_seqs,
             max_prefill_tokens=getattr(engine, "max_prefill_tokens", 2048),
+            chunked_prefill=getattr(engine, "chunked_prefill", False),
             kv_blocks=st.total_kv_blocks, block_size=getattr(engine, "block_size", 16),
             max_model_len=max_len,
             source={

@@ -79,6 +79,7 @@ class _Seq:
     prompt: int  # tokens to prefill (prompt, plus outputs when recomputed after preemption)
     generated: int = 0
     blocks: int = 0
+    computed: int = 0  # tokens whose K/V the cache holds (a chunked prompt's, mid-way)
     last_token_at: float = 0.0
 
     @property
@@ -315,7 +316,7 @@ class Simulation:
             te.busy = True
             self._at(self.now + delay, "iteration", (te, None))
 
-    def _iteration_done(self, arg: tuple[_TE, tuple[list[_Seq], list[_Seq]] | None]) -> None:
+    def _iteration_done(self, arg: tuple[_TE, tuple[dict[_Seq, int], list[_Seq]] | None]) -> None:
         te, batch = arg
         if batch is not None:
             self._finish_iteration(te, *batch)
@@ -327,13 +328,14 @@ class Simulation:
         if prof is None or not (te.running or te.waiting):
             return
         bs = prof.block_size
-        running = [SeqView(str(id(s)), s.num_tokens, s.blocks) for s in te.running]
+        running = [SeqView(str(id(s)), s.num_tokens, s.blocks, s.computed) for s in te.running]
         # The scheduler admits in queue order and stops at the first that does not fit: only
         # the head of the queue can matter (a long queue would make every iteration O(n)).
         head = itertools.islice(te.waiting, prof.max_num_seqs)
         waiting = [SeqView(str(id(s)), s.prompt, 0) for s in head]
         sched = SchedulerConfig(block_size=bs, max_num_seqs=prof.max_num_seqs,
-                                max_prefill_tokens=prof.max_prefill_tokens)
+                                max_prefill_tokens=prof.max_prefill_tokens,
+                                chunked_prefill=prof.chunked_prefill)
         decision = schedule(running, waiting, te.free_blocks, sched)
         if decision.preempt:
             gone = set(decision.preempt)
@@ -341,36 +343,44 @@ class Simulation:
                 te.running.remove(s)
                 te.free_blocks += s.blocks
                 s.blocks = 0
+                s.computed = 0
                 s.prompt = s.num_tokens  # recomputed from all its tokens
                 te.waiting.appendleft(s)
                 self.stats.preemptions += 1
-        going_on = set(decision.decode)
-        decode = [s for s in te.running if str(id(s)) in going_on]
-        n_prefill = len(decision.prefill)
-        prefill = [te.waiting.popleft() for _ in range(n_prefill)]
+        going_on = set(decision.running)
+        ran = [s for s in te.running if str(id(s)) in going_on]
+        prefill = [te.waiting.popleft() for _ in range(len(decision.prefill))]
         ctx = 0
-        for s in decode:
-            need = blocks_for(s.num_tokens, bs) - s.blocks
+        chunks: list[int] = []  # prompt tokens each prefilling request computes now
+        cached: list[int] = []  # and those of its prompt computed before
+        for s in ran + prefill:
+            end = decision.cache_len[str(id(s))]
+            need = blocks_for(end, bs) - s.blocks
             s.blocks += need
             te.free_blocks -= need
-            ctx += s.num_tokens
-        for s in prefill:
-            need = blocks_for(s.prompt, bs)
-            s.blocks = need
-            te.free_blocks -= need
-        if not decode and not prefill:
+            if end - s.computed == 1 and s in ran:  # a decode
+                ctx += end
+            else:
+                chunks.append(end - s.computed)
+                cached.append(s.computed)
+        if not ran and not prefill:
             return  # nothing fits (a prompt larger than the cache): stays queued
-        step = prof.iteration_s(len(decode), ctx, [s.prompt for s in prefill])
+        step = prof.iteration_s(len(ran) + len(prefill) - len(chunks), ctx, chunks, cached)
         self.stats.iterations += 1
         te.busy = True
-        self._at(self.now + step, "iteration", (te, (decode, prefill)))
+        ends = {s: decision.cache_len[str(id(s))] for s in ran + prefill}
+        self._at(self.now + step, "iteration", (te, (ends, prefill)))
 
-    def _finish_iteration(self, te: _TE, decode: list[_Seq], prefill: list[_Seq]) -> None:
+    def _finish_iteration(self, te: _TE, ends: dict[_Seq, int], prefill: list[_Seq]) -> None:
+        """``ends``: how many tokens each request that ran has in the cache now."""
         arrive = self.now + self.cfg.network_s  # the token reaches the client
         te.last_active = self.now
         for s in prefill:
             te.running.append(s)
-        for s in decode + prefill:
+        for s, end in ends.items():
+            s.computed = end
+            if end < s.num_tokens:
+                continue  # a prompt chunk: the prompt goes on in the next iteration
             s.generated += 1
             r = s.result
             if r.ttft_s is None:

@@ -111,6 +111,16 @@ class Settings(BaseSettings):
     host_kv_blocks: int = Field(
         0, ge=0, description="KV blocks of the torch engine's host-memory tier (0: none)."
     )
+    max_prefill_tokens: int | None = Field(
+        None, ge=1,
+        description="Torch engine: prompt tokens computed per iteration (default: the "
+        "engine's for its device).",
+    )
+    chunked_prefill: bool = Field(
+        True,
+        description="Torch engine: a prompt over what is left of max_prefill_tokens computes "
+        "in chunks over several iterations, beside the running requests' decode steps.",
+    )
     torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
     cpu_kernels: bool = Field(
         True,

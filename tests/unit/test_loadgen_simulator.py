@@ -44,6 +44,11 @@ def test_cost_model_interpolates_decode_and_adds_prefill() -> None:
     assert p.iteration_s(2, 100, [500]) == pytest.approx(
         p.decode_step_s(2) + 1e-5 * 100 + 0.001 * 500 + 1e-7 * 500**2
     )
+    # A later chunk of a prompt also attends to the part already cached.
+    assert p.prefill_time_s(100, 400) == pytest.approx(0.001 * 100 + 1e-7 * 100 * (100 + 800))
+    assert p.iteration_s(0, 0, [100, 50], [400, 0]) == pytest.approx(
+        p.prefill_time_s(100, 400) + p.prefill_time_s(50)
+    )
     # A prefill-only iteration still costs at least a weight pass.
     assert p.iteration_s(0, 0, [1]) == pytest.approx(0.02)
     assert EngineProfile.from_json(p.to_json()) == p
@@ -68,6 +73,26 @@ def test_one_request_from_zero_pays_load_then_prefill_then_decodes() -> None:
     assert r.gaps_s == pytest.approx([0.02] * 4)
     assert r.e2e_s == pytest.approx(2.1 + 0.08)
     assert stats.loads == 1
+
+
+def test_chunked_prefill_bounds_the_stall_a_long_prompt_puts_on_decodes() -> None:
+    """A 3000-token prompt arrives while another request decodes. Whole, it stalls that
+    request for its whole prefill (3 s); in 500-token chunks, for 0.5 s at a time, and its own
+    first token comes after its six chunks."""
+    planned = plan(trace((0.0, 10, 40), (2.2, 3000, 2)), model="m")
+    cfg = SimConfig(devices=1, record_gaps=True, **NO_NET)
+    by_mode = {}
+    for chunked in (False, True):
+        prof = profile(max_prefill_tokens=500, chunked_prefill=chunked)
+        results, _ = simulate(planned, {"m": prof}, cfg)
+        assert all(r.ok for r in results)
+        by_mode[chunked] = results
+    whole, chunked = by_mode[False], by_mode[True]
+    assert max(whole[0].gaps_s) == pytest.approx(0.02 + 3.0)
+    assert max(chunked[0].gaps_s) == pytest.approx(0.02 + 0.5)
+    # Six chunks, each beside one decode: 6 x (0.5 + 0.02).
+    assert chunked[1].ttft_s == pytest.approx(6 * 0.52, abs=0.03)
+    assert whole[1].ttft_s == pytest.approx(3.02, abs=0.03)
 
 
 def test_warm_instance_and_scale_to_zero_after_keep_alive() -> None:

@@ -390,6 +390,6 @@ def test_scheduler_counts_cached_tokens_out_of_the_budget_and_shared_blocks_as_k
     # Preempting a request frees only the blocks nobody else holds.
     running = [SeqView("old", 9, 2), SeqView("new", 13, 3, num_shared_blocks=2)]
     d = schedule(running, [], free_blocks=0, config=cfg)
-    assert d.preempt == ("new",) and d.decode == ("old",)
+    assert d.preempt == ("new",) and d.running == ("old",)
     running = [SeqView("old", 9, 2), SeqView("new", 13, 3, num_shared_blocks=3)]
     assert schedule(running, [], free_blocks=0, config=cfg).preempt == ("new", "old")

@@ -3,6 +3,7 @@ abort, a full KV cache; and the scheduling policy as a pure function."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -127,6 +128,43 @@ def test_request_joining_mid_generation_finishes_and_matches_running_alone(model
         assert tokens(outs[rid]) == alone[rid], rid
         assert outs[rid][-1].finished and outs[rid][-1].finish_reason == "length"
         assert all(o.num_prompt_tokens == len(PROMPTS[rid]) for o in outs[rid])
+    assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
+
+
+LONG = [(7 * i + 3) % (VOCAB - 1) for i in range(50)]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
+def test_chunked_prefill_matches_a_whole_prefill_while_decodes_go_on(
+    model_dir: Path, overlap: bool
+) -> None:
+    """A 50-token prompt under an 8-token budget computes over 7 iterations; a request already
+    decoding gets a token in each of them, and both produce what they produce unchunked
+    (greedy and seeded sampling: partial chunks take no draws)."""
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    ref = _engine(model_dir, chunked_prefill=False)
+    ref.add_request(EngineRequest("long", LONG, seeded))
+    ref.add_request(EngineRequest("a", PROMPTS["a"], greedy(12)))
+    want = {rid: tokens(o) for rid, o in drain(ref).items()}
+
+    engine = _engine(model_dir, max_prefill_tokens=8, overlap_on_cpu=overlap)
+    engine.add_request(EngineRequest("a", PROMPTS["a"], greedy(12)))
+    outs = {"a": list(engine.step())}
+    engine.drain_kv_events()
+    engine.add_request(EngineRequest("long", LONG, seeded))
+    for i in range(7):
+        step = engine.step()
+        assert [o.request_id for o in step] == (["a"] if i < 6 else ["a", "long"]), i
+        if i == 2:  # 24 tokens computed: their 6 full blocks are shareable already
+            stored = [h for e in engine.drain_kv_events() for h in getattr(e, "block_hashes", [])]
+            hashes = engine.block_hashes(LONG)
+            assert set(hashes[:6]) <= set(stored) and hashes[6] not in stored
+        for o in step:
+            outs.setdefault(o.request_id, []).append(o)
+    for rid, more in drain(engine).items():
+        outs.setdefault(rid, []).extend(more)
+    assert {rid: tokens(o) for rid, o in outs.items()} == want
+    assert outs["long"][0].num_prompt_tokens == 50
     assert engine.stats().free_kv_blocks == engine.stats().total_kv_blocks
 
 
@@ -323,7 +361,7 @@ def test_scheduler_admits_fcfs_within_seqs_budget_and_blocks() -> None:
     assert d.prefill == ("w1", "w2") and not d.preempt  # 16-token budget reached
 
     d = schedule([SeqView("r1", 9, 3)], waiting, free_blocks=100, config=CFG)
-    assert d.decode == ("r1",) and d.prefill == ("w1", "w2")  # max_num_seqs = 3
+    assert d.running == ("r1",) and d.prefill == ("w1", "w2")  # max_num_seqs = 3
 
     d = schedule([], waiting, free_blocks=3, config=CFG)
     assert d.prefill == ("w1",)  # w2 needs 2 more blocks; w3 must not jump the queue
@@ -336,7 +374,7 @@ def test_scheduler_keeps_the_watermark_only_for_running_requests() -> None:
     cfg = SchedulerConfig(block_size=4, max_num_seqs=8, max_prefill_tokens=100, watermark_blocks=2)
     assert schedule([], [SeqView("w", 16)], free_blocks=4, config=cfg).prefill == ("w",)
     d = schedule([SeqView("r", 8, 2)], [SeqView("w", 8)], free_blocks=3, config=cfg)
-    assert d.decode == ("r",) and d.prefill == ()
+    assert d.running == ("r",) and d.prefill == ()
 
 
 def test_scheduler_preempts_the_newest_running_request_when_blocks_run_out() -> None:
@@ -344,14 +382,61 @@ def test_scheduler_preempts_the_newest_running_request_when_blocks_run_out() -> 
     running = [SeqView("old", 9, 2), SeqView("mid", 5, 1), SeqView("new", 13, 3)]
     d = schedule(running, [SeqView("w", 4)], free_blocks=2, config=CFG)
     assert d.preempt == ("new",)
-    assert d.decode == ("old", "mid")
+    assert d.running == ("old", "mid")
     assert d.prefill == ()  # nothing joins while the cache is short
 
     # Preempting the newest is not always enough: it goes on until the rest fit.
     running = [SeqView("old", 9, 2), SeqView("mid", 5, 1), SeqView("new", 2, 1)]
     d = schedule(running, [], free_blocks=0, config=CFG)
     assert d.preempt == ("new", "mid")
-    assert d.decode == ("old",)
+    assert d.running == ("old",)
+
+
+CHUNKED = SchedulerConfig(
+    block_size=4, max_num_seqs=4, max_prefill_tokens=10, watermark_blocks=0, chunked_prefill=True
+)
+
+
+def test_chunked_prefill_splits_prompts_at_the_budget_and_keeps_decodes_going() -> None:
+    # A prompt longer than the budget joins with the part that fits.
+    d = schedule([], [SeqView("long", 25), SeqView("w", 4)], free_blocks=100, config=CHUNKED)
+    assert d.prefill == ("long",) and d.cache_len == {"long": 10}
+
+    # Mid-way, it is a running request that goes on first; decodes run beside it, outside
+    # the budget; what is left of the budget starts the next prompt.
+    running = [SeqView("dec", 9, 3, 8), SeqView("long", 25, 3, 10)]
+    d = schedule(running, [SeqView("w", 8)], free_blocks=100, config=CHUNKED)
+    assert d.running == ("dec", "long") and d.prefill == ()
+    assert d.cache_len == {"dec": 9, "long": 20}
+    running = [SeqView("dec", 10, 3, 9), SeqView("long", 25, 5, 20)]
+    d = schedule(running, [SeqView("w", 8), SeqView("x", 2)], free_blocks=100, config=CHUNKED)
+    assert d.prefill == ("w",)  # and x waits behind it: the budget is spent
+    assert d.cache_len == {"dec": 10, "long": 25, "w": 5}
+
+    # Blocks are taken for the chunk only: 3 free blocks hold the first 10 tokens of a prompt
+    # that needs 7.
+    d = schedule([], [SeqView("long", 25)], free_blocks=3, config=CHUNKED)
+    assert d.prefill == ("long",) and d.cache_len == {"long": 10}
+
+    # Cached tokens cost no budget: 20 cached + a 10-token chunk.
+    d = schedule([], [SeqView("c", 40, 5, num_cached_tokens=20)], free_blocks=100, config=CHUNKED)
+    assert d.cache_len == {"c": 30}
+
+
+def test_chunked_prefill_leaves_a_second_prompt_waiting_for_budget_but_not_preempted() -> None:
+    cfg = dataclasses.replace(CHUNKED, max_prefill_tokens=8)
+    running = [SeqView("a", 30, 2, 8), SeqView("b", 30, 1, 4)]
+    d = schedule(running, [], free_blocks=100, config=cfg)
+    assert d.running == ("a",) and d.cache_len == {"a": 16} and d.preempt == ()
+
+    # Short of blocks, the newest goes back to waiting even if it was not to run now.
+    d = schedule(running, [], free_blocks=1, config=cfg)
+    assert d.preempt == ("b",) and d.running == ("a",)
+
+
+def test_without_chunked_prefill_a_long_prompt_runs_whole() -> None:
+    d = schedule([], [SeqView("long", 25)], free_blocks=100, config=CFG)
+    assert d.prefill == ("long",) and d.cache_len == {"long": 25}
 
 
 def test_scheduler_does_nothing_without_work() -> None:

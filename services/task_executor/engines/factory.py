@@ -39,6 +39,8 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             dtype=settings.dtype,
             kv_cache_bytes=settings.kv_cache_bytes,
             max_num_seqs=settings.max_num_seqs,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            chunked_prefill=settings.chunked_prefill,
             enable_prefix_caching=settings.prefix_caching,
             num_host_kv_blocks=settings.host_kv_blocks,
             cpu_kernels=settings.cpu_kernels,

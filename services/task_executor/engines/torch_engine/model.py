@@ -55,7 +55,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] flat cache slot of each token
-    logits_indices: torch.Tensor  # [S] last token of each request, in the caller's order
+    logits_indices: torch.Tensor  # [S] last token of each sampled request, in the caller's order
     num_decode: int  # the first num_decode tokens (and requests) are single-token decodes
     decode_block_tables: torch.Tensor | None  # [D, max_blocks]
     decode_lens: torch.Tensor | None  # [D] tokens each decode request attends to
@@ -80,9 +80,12 @@ def build_batch(
     block_size: int,
     device: torch.device,
     input_ids: torch.Tensor | None = None,
+    sampled: Sequence[bool] | None = None,
 ) -> ForwardBatch:
     """Lay out an iteration's requests: decodes first (they attend as one batch), then
-    prefills. Logits still come back in the order of ``chunks``.
+    prefills. Logits still come back in the order of ``chunks``: for each chunk, or, with
+    ``sampled``, for each chunk marked True (a prompt chunk that is not the prompt's last
+    needs none).
 
     ``input_ids``: the tokens as a device tensor, in the order of ``chunks``, instead of their
     ``token_ids`` (only for single-token chunks, whose token ids are then ignored): a decode
@@ -111,6 +114,9 @@ def build_batch(
         positions.extend(pos)
         slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
         last[i] = len(positions) - 1
+
+    if sampled is not None:
+        last = [pos for pos, keep in zip(last, sampled, strict=True) if keep]
 
     width = max((len(chunks[i].block_table) for i in decode), default=0)
     for i in decode:

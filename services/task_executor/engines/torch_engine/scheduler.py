@@ -1,23 +1,29 @@
 """Which requests run in the next iteration: a pure function of the engine's observed state.
 
 Policy (close to vLLM's default):
-- Running requests decode first, oldest first. When the free blocks cannot cover the next token
-  of every running request, the newest running request is preempted: it gives all its blocks
-  back and returns to the front of the waiting queue, to be recomputed from its tokens later
-  (recompute is cheaper than swapping for the short contexts a small-model engine serves).
+- Running requests run first, oldest first: one token each (decode), or, with chunked prefill,
+  the next chunk of a prompt they are still computing. When the free blocks cannot cover what
+  the running requests compute, the newest running request is preempted: it gives all its
+  blocks back and returns to the front of the waiting queue, to be recomputed from its tokens
+  later (recompute is cheaper than swapping for the short contexts a small-model engine serves).
 - Waiting requests join first-come first-served while there are sequence slots, blocks (above a
   small watermark kept for the running requests' growth) and prefill token budget. The queue
   stops at the first request that does not fit, so a long prompt is not starved by short ones
-  behind it; the first prefill of an iteration may exceed the budget, since without chunked
-  prefill a prompt longer than the budget could otherwise never start. Tokens served from the
-  prefix cache cost blocks only when the cached blocks are not already in use, and no budget.
+  behind it. Tokens served from the prefix cache cost blocks only when the cached blocks are not
+  already in use, and no budget.
+- Without chunked prefill a prompt runs whole in the iteration it joins; the first prefill of an
+  iteration may exceed the budget, since a prompt longer than the budget could otherwise never
+  start. With chunked prefill no iteration computes more prompt tokens than the budget: a prompt
+  that does not fit joins with the part that does and goes on over the next iterations, while
+  the running requests keep decoding beside it (Sarathi-Serve's stall-free batching). Decode
+  tokens are not counted in the budget.
 - Nothing joins in an iteration that preempts: the cache is already short.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 
@@ -25,11 +31,14 @@ from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 @dataclasses.dataclass(frozen=True, slots=True)
 class SeqView:
     request_id: str
-    num_tokens: int  # tokens whose K/V the cache must hold after this iteration
+    num_tokens: int  # all its tokens: the prompt and what it generated
     # Blocks the request holds now, or, waiting, the cached blocks it will share without taking
     # a free one (minus one for a shared block it must copy before writing, so it may be -1).
     num_blocks: int = 0
-    num_cached_tokens: int = 0  # of num_tokens, those already computed: not in the budget
+    # Of num_tokens, those whose K/V is in the cache already (running: computed; waiting:
+    # served by the prefix cache or an import). Not in the budget. A running request without
+    # chunked prefill has only its last token left, whatever this says.
+    num_cached_tokens: int = 0
     num_shared_blocks: int = 0  # running: held blocks other requests also hold (kept if preempted)
 
 
@@ -37,23 +46,29 @@ class SeqView:
 class SchedulerConfig:
     block_size: int
     max_num_seqs: int
-    max_prefill_tokens: int
+    max_prefill_tokens: int  # prompt tokens computed per iteration (decode tokens aside)
     watermark_blocks: int = 0
+    chunked_prefill: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerDecision:
-    decode: tuple[str, ...] = ()  # running requests that go on, oldest first
+    running: tuple[str, ...] = ()  # running requests that compute now, oldest first
     prefill: tuple[str, ...] = ()  # waiting requests that join, in queue order
     preempt: tuple[str, ...] = ()  # running requests sent back to waiting, newest first
+    # For each request of running and prefill: how many of its tokens the cache holds after
+    # the iteration (all of them, unless a prompt goes on in the next iteration).
+    cache_len: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def idle(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.running and not self.prefill
 
 
-def blocks_needed(seq: SeqView, block_size: int) -> int:
-    return max(0, blocks_for(seq.num_tokens, block_size) - seq.num_blocks)
+def blocks_needed(seq: SeqView, block_size: int, num_tokens: int | None = None) -> int:
+    """Free blocks ``seq`` takes to hold ``num_tokens`` (default: all its tokens)."""
+    n = seq.num_tokens if num_tokens is None else num_tokens
+    return max(0, blocks_for(n, block_size) - seq.num_blocks)
 
 
 def schedule(
@@ -63,35 +78,50 @@ def schedule(
     config: SchedulerConfig,
 ) -> SchedulerDecision:
     """``running`` oldest first; ``waiting`` in the order they should join."""
-    decode = list(running)
+    bs, budget, chunked = config.block_size, config.max_prefill_tokens, config.chunked_prefill
+    cache_len: dict[str, int] = {}
+    for seq in running:
+        end = seq.num_tokens
+        if chunked and seq.num_tokens - seq.num_cached_tokens > 1:  # a prompt, mid-way
+            take = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            budget -= take
+            end = seq.num_cached_tokens + take
+        cache_len[seq.request_id] = end
+    keep = list(running)  # those not preempted (a prompt left without budget waits its turn)
     preempt: list[str] = []
-    need = sum(blocks_needed(s, config.block_size) for s in decode)
+    need = sum(blocks_needed(s, bs, cache_len[s.request_id]) for s in keep)
     free = free_blocks
-    while decode and need > free:
-        victim = decode.pop()
+    while keep and need > free:
+        victim = keep.pop()
         preempt.append(victim.request_id)
         free += victim.num_blocks - victim.num_shared_blocks
-        need -= blocks_needed(victim, config.block_size)
+        need -= blocks_needed(victim, bs, cache_len.pop(victim.request_id))
     free -= need
 
     prefill: list[str] = []
     if not preempt:
-        budget = config.max_prefill_tokens
         for seq in waiting:
-            if len(decode) + len(prefill) >= config.max_num_seqs:
+            if len(keep) + len(prefill) >= config.max_num_seqs:
                 break
             # The watermark protects running requests' growth; with none running, a request
             # that needs the whole cache must still be able to start.
-            watermark = config.watermark_blocks if decode or prefill else 0
-            blocks = blocks_needed(seq, config.block_size)
+            watermark = config.watermark_blocks if keep or prefill else 0
+            new_tokens = seq.num_tokens - seq.num_cached_tokens
+            take = min(new_tokens, budget) if chunked else new_tokens
+            if take <= 0 or (not chunked and prefill and new_tokens > budget):
+                break
+            end = seq.num_cached_tokens + take
+            blocks = blocks_needed(seq, bs, end)
             if free - blocks < watermark:
                 break
-            new_tokens = seq.num_tokens - seq.num_cached_tokens
-            if prefill and new_tokens > budget:
-                break
             prefill.append(seq.request_id)
-            budget -= new_tokens
+            cache_len[seq.request_id] = end
+            budget -= take
             free -= blocks
+    ran = tuple(s.request_id for s in keep if cache_len[s.request_id] > s.num_cached_tokens)
     return SchedulerDecision(
-        decode=tuple(s.request_id for s in decode), prefill=tuple(prefill), preempt=tuple(preempt)
+        running=ran,
+        prefill=tuple(prefill),
+        preempt=tuple(preempt),
+        cache_len={rid: cache_len[rid] for rid in (*ran, *prefill)},
     )
