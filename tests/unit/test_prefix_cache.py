@@ -122,6 +122,23 @@ def test_second_request_reuses_exactly_the_shared_prefix_blocks(model_dir: Path)
     _assert_nothing_held(engine)
 
 
+def test_a_prompt_chunked_after_its_cached_prefix_computes_only_the_rest(model_dir: Path) -> None:
+    """Under a 4-token budget a 21-token prompt whose first 12 tokens are cached runs 9 tokens
+    in chunks of 4, 4 and 1, and generates what it generates alone."""
+    a, b = [*PREFIX, 12, 90], [*PREFIX, 45, 1, 18, 64, 23, 9, 50, 51, 52]
+    engine = _engine(model_dir, max_prefill_tokens=4)
+    engine.add_request(EngineRequest("a", a, greedy(2)))
+    outs: dict[str, list[EngineOutput]] = {}
+    _finish(engine, outs)
+    engine.add_request(EngineRequest("b", b, greedy(4)))
+    assert engine.step() == [] and engine._requests["b"].num_computed == 16
+    assert engine.step() == [] and engine._requests["b"].num_computed == 20
+    _step(engine, outs)
+    assert outs["b"][0].num_cached_tokens == 12
+    assert _finish(engine, outs)["b"] == _run_alone(model_dir, b, 4)
+    _assert_nothing_held(engine)
+
+
 def test_disabled_caching_shares_nothing_and_reports_nothing(model_dir: Path) -> None:
     engine = _engine(model_dir, enable_prefix_caching=False)
     assert not engine.capabilities.prefix_cache

@@ -317,11 +317,15 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(model_dir: Path) -> 
     assert engine.step() == []
 
 
-def test_full_cache_preempts_and_recomputes_without_changing_outputs(model_dir: Path) -> None:
+@pytest.mark.parametrize("budget", [None, 3], ids=["default", "chunks-of-3"])
+def test_full_cache_preempts_and_recomputes_without_changing_outputs(
+    model_dir: Path, budget: int | None
+) -> None:
     alone = {rid: tokens(_run_alone(model_dir, rid, greedy(14))) for rid in PROMPTS}
     # 10 blocks of 4 tokens: each request ends holding 4-7 blocks, so the three cannot all
-    # stay resident; the newest is preempted and recomputed later.
-    engine = _engine(model_dir, num_kv_blocks=10)
+    # stay resident; the newest is preempted and recomputed later (in chunks, with a budget
+    # of 3 prompt tokens per iteration).
+    engine = _engine(model_dir, num_kv_blocks=10, max_prefill_tokens=budget)
     for rid, prompt in PROMPTS.items():
         engine.add_request(EngineRequest(rid, prompt, greedy(14)))
     outs: dict[str, list[EngineOutput]] = {}
