@@ -491,7 +491,7 @@ def bench_openvino_api(
     The servers' logs go to ``log_dir``."""
     import bench_vs_vllm as vs
 
-    from services.task_executor.engines.factory import create_engine
+    from services.task_executor.engines.factory import openvino_engine, openvino_engine_args
     from shared.settings import Settings
 
     model_dir = Path(model_dir).resolve()
@@ -524,11 +524,13 @@ def bench_openvino_api(
                 pids = server.pids()  # the cluster's processes: ours while it serves
                 if neighbours is not None:
                     neighbours.ours = pids.copy
-                # GenAI called directly: the very pipeline the TE's engine builds (same factory,
-                # same settings, same IR), driven by generate() instead of the engine's
-                # add_request/step/handle polling, HTTP, NATS and the frontend.
+                # GenAI called directly: the very pipeline the TE's engine builds (same
+                # arguments from the same settings, same IR; in this process where the TE
+                # runs it in a child), driven by generate() instead of the engine's
+                # add_request/step/handle polling, the pipe to the child, HTTP, NATS and the
+                # frontend.
                 settings = Settings(engine="openvino", openvino_weight_format=fmt)
-                engine = create_engine(vs.MODEL_ID, model_dir, settings)
+                engine = openvino_engine(model_dir, **openvino_engine_args(settings))
                 pipe = engine._pipe
                 te = serving_te(url, vs.MODEL_ID, engine.ir_dir)
                 for b, length, _ in shapes.values():

@@ -1,6 +1,7 @@
 """One task executor with the real torch engine, driven over real NATS."""
 
 import asyncio
+import os
 import threading
 import time
 from datetime import timedelta
@@ -233,7 +234,9 @@ async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cl
 
 async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: str, demo_model_dir: Path):
     """MESHSERVE_ENGINE=openvino: the TE converts the checkpoint (fp16 IR here, for exact
-    agreement) and streams the tokens the torch engine produces."""
+    agreement) and streams the tokens the torch engine produces. The pipeline runs in a child
+    process (its step holds the GIL), which exits with the TE."""
+    from services.task_executor.engines.process import ProcessEngine
     from services.task_executor.engines.torch_engine import TorchEngine
 
     settings = Settings(cluster=cluster, engine="openvino", openvino_weight_format="fp16",
@@ -250,6 +253,8 @@ async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: s
             assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
             await asyncio.sleep(0.1)
         assert worker.engine.name == "openvino"
+        engine = worker.engine
+        assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid()
         got = await collect(bus, Subjects(cluster).token_stream("fe", "ov1"))
         await client.place("te-ov", task(cluster, "ov1", max_tokens=12))
         await asyncio.wait_for(got.done.wait(), 30)
@@ -257,6 +262,7 @@ async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: s
     finally:
         await worker.shutdown()
         await run
+    assert not engine._proc.is_alive()
     ref = TorchEngine(demo_model_dir, dtype="float32")
     ref.add_request(EngineRequest("r", [0, 5, 6, 7, 8, 9],
                                   SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))

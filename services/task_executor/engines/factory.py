@@ -3,8 +3,10 @@ so a TE pays for the imports of the one it runs."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from services.task_executor.engines.base import Engine
 from shared.settings import Settings
@@ -46,17 +48,14 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             cpu_kernels=settings.cpu_kernels,
         )
     if kind == "openvino":
-        from services.task_executor.engines.openvino_engine import OpenVINOEngine
+        from services.task_executor.engines.process import ProcessEngine
 
-        # Converts the checkpoint to IR on first use (tens of seconds; scripts/up does it
-        # ahead of time for the demo model).
-        return OpenVINOEngine(
-            model_path,
-            weight_format=settings.openvino_weight_format,
-            kv_cache_bytes=settings.kv_cache_bytes,
-            max_num_seqs=settings.max_num_seqs,
-            enable_prefix_caching=settings.prefix_caching,
-            num_threads=settings.torch_threads or None,
+        # In a child process: GenAI's step() holds the GIL and would freeze the TE's event
+        # loop (process.py). The child converts the checkpoint to IR on first use (tens of
+        # seconds; scripts/up does it ahead of time for the demo model).
+        return ProcessEngine(
+            functools.partial(openvino_engine, model_path, **openvino_engine_args(settings)),
+            label=f"openvino-{model}",
         )
     if kind == "vllm":
         from services.task_executor.engines.vllm_engine import VLLMEngine
@@ -69,3 +68,21 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             enable_prefix_caching=settings.prefix_caching,
         )
     raise ValueError(f"unknown engine {kind!r}")
+
+
+def openvino_engine_args(settings: Settings) -> dict[str, Any]:
+    """The OpenVINOEngine arguments a TE's settings give."""
+    return {
+        "weight_format": settings.openvino_weight_format,
+        "kv_cache_bytes": settings.kv_cache_bytes,
+        "max_num_seqs": settings.max_num_seqs,
+        "enable_prefix_caching": settings.prefix_caching,
+        "num_threads": settings.torch_threads or None,
+    }
+
+
+def openvino_engine(model_path: Path, **kwargs: Any) -> Any:
+    """An OpenVINOEngine, in this process (a TE runs it in a child: see create_engine)."""
+    from services.task_executor.engines.openvino_engine import OpenVINOEngine
+
+    return OpenVINOEngine(model_path, **kwargs)

@@ -43,12 +43,12 @@ from shared.messages.tasks import TaskMode
 # GenAI's paged-attention block on CPU (16 on GPU). It is not exposed by the API; the unit
 # tests check the KV arithmetic below against the bytes the pipeline really allocates.
 CPU_BLOCK_SIZE = 32
-# GenAI's ContinuousBatchingPipeline.step() holds the GIL for the whole step (its Python
-# binding does not release it; generate() does). While it runs, the TE's event loop is frozen:
-# no heartbeat, no task accepted, no token published. Steps are therefore kept short. On a
-# 2-core AVX2 host, int8 Qwen2-0.5B, a 1,024-token prompt: with 2,048-token steps the longest
-# step took 6.3 s (placements time out after 2 s and are retried; beyond 5 s a TE is declared
-# dead), with 256-token steps 1.6 s, and the prefill ran at the same rate (184 vs 188 tok/s).
+# The most tokens one step computes. GenAI's ContinuousBatchingPipeline.step() holds the GIL
+# for the whole step (its Python binding does not release it; generate() does), so a TE runs
+# this engine in a child process (engines/process.py) and its event loop never waits on a
+# step. Short steps still bound how long running decodes wait behind a prompt chunk, at no
+# cost in prefill rate: on a 2-core AVX2 host, int8 Qwen2-0.5B, a 1,024-token prompt, the
+# longest step took 6.3 s with 2,048-token steps and 1.6 s with 256 (184 vs 188 tok/s).
 DEFAULT_STEP_TOKENS = 256
 PRECISIONS = ("f32", "bf16", "f16", "u8")
 # Same rule as the torch engine: host memory is shared with everything else on the node.

@@ -1,0 +1,190 @@
+"""An engine run in a child process, behind the same ``Engine`` protocol.
+
+For engines whose native calls hold the GIL: OpenVINO GenAI's ``ContinuousBatchingPipeline``
+(its ``step()`` binding keeps the GIL for the whole step, seconds for a long prompt chunk).
+In the TE's own process such a step freezes the event loop: no heartbeat, no task accepted,
+no token published. Here the TE's engine thread only waits on a pipe (which releases the GIL)
+while the child computes.
+
+Every call is one request/reply on the pipe, made by one thread at a time (the TE calls the
+engine under its step lock, or from its engine thread). ``has_work()`` and ``stats()`` answer
+from what the child sent with its last reply, without a round trip: the heartbeat reads
+them from the event loop while a step may be running, and must not wait for it.
+
+The child exits when the parent closes the engine, or when the pipe breaks (the TE died);
+a child that dies makes the next call raise ``EngineProcessDied``, which the TE treats as
+an engine failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from services.task_executor.engines.base import (
+    Engine,
+    EngineCapabilities,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+)
+from services.task_executor.engines.kv_events import KvEvent
+
+# What the parent mirrors of the child's engine (beyond the protocol's methods).
+_ATTRIBUTES = ("name", "device", "capabilities", "max_model_len", "block_size", "config")
+_OPS = frozenset({"add_request", "abort", "step", "drain_kv_events", "close"})
+STOP_TIMEOUT_S = 30.0
+
+
+class EngineProcessDied(RuntimeError):
+    """The child process running the engine is gone."""
+
+
+class ProcessEngine:
+    """``factory()`` runs in a fresh (spawned) child and builds the engine there: it must be
+    picklable (a module-level function, or ``functools.partial`` of one, or a class)."""
+
+    name: str
+    device: str
+    capabilities: EngineCapabilities
+    max_model_len: int
+
+    def __init__(self, factory: Callable[[], Engine], *, label: str = "engine") -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_end = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve, args=(child_end, factory), name=f"meshserve-{label}", daemon=True
+        )
+        self._proc.start()
+        child_end.close()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stats = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
+        self._has_work = False
+        try:
+            attributes = self._call("__init__")
+        except BaseException:
+            self._stop()
+            raise
+        for key, value in attributes.items():
+            setattr(self, key, value)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # --- Engine protocol ---------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._call("add_request", request)
+
+    def abort(self, request_id: str) -> None:
+        self._call("abort", request_id)
+
+    def has_work(self) -> bool:
+        return self._has_work
+
+    def step(self) -> Sequence[EngineOutput]:
+        return self._call("step")
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self._call("drain_kv_events")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._call("close")
+        except EngineProcessDied:
+            pass
+        finally:
+            self._closed = True
+            self._has_work = False
+            self._stop()
+
+    # --- the pipe ----------------------------------------------------------------------
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((op, args))
+                ok, value, stats, has_work = self._conn.recv()
+            except (EOFError, OSError) as e:
+                self._has_work = False
+                raise EngineProcessDied(
+                    f"the engine process exited (code {self._proc.exitcode})"
+                ) from e
+        self._stats, self._has_work = stats, has_work
+        if not ok:
+            raise value
+        return value
+
+    def _stop(self) -> None:
+        self._conn.close()
+        self._proc.join(STOP_TIMEOUT_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], Engine]) -> None:
+    """The child: build the engine, then answer calls until closed or orphaned."""
+    # Ctrl-C reaches the whole process group; the parent closes the engine on its way out.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine: Engine | None = None
+    op = ""
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        try:
+            if op == "__init__" and engine is None:
+                engine = factory()
+                value: Any = {k: getattr(engine, k) for k in _ATTRIBUTES if hasattr(engine, k)}
+            elif op in _OPS and engine is not None:
+                value = getattr(engine, op)(*args)
+            else:
+                raise ValueError(f"unknown engine call {op!r}")
+            reply = (True, value, *_state(engine))
+        except Exception as e:  # sent to the parent, raised there
+            reply = (False, _picklable(e), *_state(engine))
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            break
+        if op == "close" or engine is None:
+            break
+    if engine is not None and op != "close":
+        try:
+            engine.close()
+        except Exception:  # exiting anyway
+            traceback.print_exc()
+
+
+def _state(engine: Engine | None) -> tuple[EngineStats, bool]:
+    if engine is None:
+        return EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0), False
+    try:
+        return engine.stats(), engine.has_work()
+    except Exception:  # a closed engine
+        return EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0), False
+
+
+def _picklable(e: Exception) -> Exception:
+    """The exception itself when it crosses the pipe, else a RuntimeError that names it."""
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
