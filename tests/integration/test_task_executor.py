@@ -259,10 +259,13 @@ async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: s
         await client.place("te-ov", task(cluster, "ov1", max_tokens=12))
         await asyncio.wait_for(got.done.wait(), 30)
         tokens = [t for c in got.chunks for t in c.token_ids]
+        # Unloading closes the engine and stops its process; the TE can take a model again.
+        assert (await client.control("te-ov", UnloadModel(reason="test"))).ok
+        assert worker.state == TEState.IDLE and worker.engine is None
+        assert not engine._proc.is_alive()
     finally:
         await worker.shutdown()
         await run
-    assert not engine._proc.is_alive()
     ref = TorchEngine(demo_model_dir, dtype="float32")
     ref.add_request(EngineRequest("r", [0, 5, 6, 7, 8, 9],
                                   SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))

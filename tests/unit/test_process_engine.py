@@ -20,6 +20,7 @@ from services.task_executor.engines.base import (
     EngineRequest,
     EngineStats,
 )
+from services.task_executor.engines.kv_events import AllBlocksCleared
 from services.task_executor.engines.process import EngineProcessDied, ProcessEngine
 from services.task_executor.engines.torch_engine import TorchEngine
 from tests.engines import drain, tokens
@@ -63,7 +64,12 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
         remote.close()
         local.close()
     assert not remote._proc.is_alive()
+    # What closing said (the cache cleared) is drained after close, once, as in-process.
+    assert isinstance(remote.drain_kv_events()[-1], AllBlocksCleared)
+    assert remote.drain_kv_events() == []
     remote.close()  # twice: a no-op
+    with pytest.raises(RuntimeError, match="closed"):
+        remote.step()
 
 
 class GilHoldingEngine:
@@ -125,6 +131,7 @@ def test_a_step_holding_the_gil_in_the_child_leaves_the_parent_running() -> None
     remote = ProcessEngine(GilHoldingEngine, label="test")
     try:
         remote_ticks, remote_s = _ticks_during_step(remote)
+        assert remote.drain_kv_events() == []  # an engine without a prefix index has none
     finally:
         remote.close()
     assert local_s > 0.2 and remote_s > 0.2

@@ -38,7 +38,7 @@ from services.task_executor.engines.kv_events import KvEvent
 
 # What the parent mirrors of the child's engine (beyond the protocol's methods).
 _ATTRIBUTES = ("name", "device", "capabilities", "max_model_len", "block_size", "config")
-_OPS = frozenset({"add_request", "abort", "step", "drain_kv_events", "close"})
+_OPS = frozenset({"add_request", "abort", "step"})
 STOP_TIMEOUT_S = 30.0
 
 
@@ -67,6 +67,7 @@ class ProcessEngine:
         self._closed = False
         self._stats = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
         self._has_work = False
+        self._final_events: list[KvEvent] = []  # what closing the engine said, kept for drain
         try:
             attributes = self._call("__init__")
         except BaseException:
@@ -97,13 +98,17 @@ class ProcessEngine:
         return self._stats
 
     def drain_kv_events(self) -> list[KvEvent]:
+        """Also after close (the events closing produced, once), as engines do."""
+        if self._closed:
+            events, self._final_events = self._final_events, []
+            return events
         return self._call("drain_kv_events")
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            self._call("close")
+            self._final_events = self._call("close")
         except EngineProcessDied:
             pass
         finally:
@@ -114,6 +119,8 @@ class ProcessEngine:
     # --- the pipe ----------------------------------------------------------------------
 
     def _call(self, op: str, *args: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         with self._lock:
             try:
                 self._conn.send((op, args))
@@ -151,6 +158,11 @@ def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], En
             if op == "__init__" and engine is None:
                 engine = factory()
                 value: Any = {k: getattr(engine, k) for k in _ATTRIBUTES if hasattr(engine, k)}
+            elif op == "close" and engine is not None:
+                engine.close()  # then what closing produced (a cache cleared) goes back
+                value = _drain(engine)
+            elif op == "drain_kv_events" and engine is not None:
+                value = _drain(engine)
             elif op in _OPS and engine is not None:
                 value = getattr(engine, op)(*args)
             else:
@@ -169,6 +181,11 @@ def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], En
             engine.close()
         except Exception:  # exiting anyway
             traceback.print_exc()
+
+
+def _drain(engine: Engine) -> list[KvEvent]:
+    drain = getattr(engine, "drain_kv_events", None)  # engines without a prefix index lack it
+    return drain() if drain is not None else []
 
 
 def _state(engine: Engine | None) -> tuple[EngineStats, bool]:
