@@ -40,6 +40,7 @@ from services.task_executor.engines.kv_events import KvEvent
 _ATTRIBUTES = ("name", "device", "capabilities", "max_model_len", "block_size", "config")
 _OPS = frozenset({"add_request", "abort", "step"})
 STOP_TIMEOUT_S = 30.0
+_NO_STATS = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
 
 
 class EngineProcessDied(RuntimeError):
@@ -65,7 +66,7 @@ class ProcessEngine:
         child_end.close()
         self._lock = threading.Lock()
         self._closed = False
-        self._stats = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
+        self._stats = _NO_STATS
         self._has_work = False
         self._final_events: list[KvEvent] = []  # what closing the engine said, kept for drain
         try:
@@ -190,11 +191,11 @@ def _drain(engine: Engine) -> list[KvEvent]:
 
 def _state(engine: Engine | None) -> tuple[EngineStats, bool]:
     if engine is None:
-        return EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0), False
+        return _NO_STATS, False
     try:
         return engine.stats(), engine.has_work()
     except Exception:  # a closed engine
-        return EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0), False
+        return _NO_STATS, False
 
 
 def _picklable(e: Exception) -> Exception:

@@ -35,6 +35,7 @@ from services.task_executor.engines.torch_engine.config import ModelConfig, load
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
 from services.task_executor.engines.torch_engine.model import (
+    ForwardBatch,
     SeqChunk,
     Transformer,
     build_batch,
@@ -517,13 +518,15 @@ class TorchEngine:
     def _forward(self, scheduled: Sequence[_Request]) -> torch.Tensor:
         """Float32 logits ``[n, vocab]`` for the next token of each of the ``n`` scheduled
         requests that produce one (``_Request.samples``), in order."""
-        batch = build_batch(
+        return self.runner.forward(self._batch(scheduled), self.cache)
+
+    def _batch(self, scheduled: Sequence[_Request]) -> ForwardBatch:
+        return build_batch(
             [r.chunk() for r in scheduled],
             block_size=self._sched.block_size,
             device=self._torch_device,
             sampled=[r.samples for r in scheduled],
         )
-        return self.runner.forward(batch, self.cache)
 
     def _advance(self, scheduled: Sequence[_Request], logits: torch.Tensor) -> list[EngineOutput]:
         sampled = [r for r in scheduled if r.samples]
@@ -648,12 +651,7 @@ class TorchEngine:
         """Forward ``reqs`` as scheduled and sample those that produce a token (the
         synchronous path's iteration)."""
         assert self._launcher is not None
-        batch = build_batch(
-            [r.chunk() for r in reqs],
-            block_size=self._sched.block_size,
-            device=self._torch_device,
-            sampled=[r.samples for r in reqs],
-        )
+        batch = self._batch(reqs)
         sampled = [r for r in reqs if r.samples]
         params, uniforms = [r.sampling for r in sampled], self._uniforms(sampled, 0)
         runner, cache = self.runner, self.cache
