@@ -353,22 +353,22 @@ class Simulation:
         ctx = 0
         chunks: list[int] = []  # prompt tokens each prefilling request computes now
         cached: list[int] = []  # and those of its prompt computed before
+        ends: dict[_Seq, int] = {}
         for s in ran + prefill:
-            end = decision.cache_len[str(id(s))]
+            end = ends[s] = decision.cache_len[str(id(s))]
             need = blocks_for(end, bs) - s.blocks
             s.blocks += need
             te.free_blocks -= need
-            if end - s.computed == 1 and s in ran:  # a decode
+            if end - s.computed == 1 and s.computed:  # a decode (a new prompt has none)
                 ctx += end
             else:
                 chunks.append(end - s.computed)
                 cached.append(s.computed)
-        if not ran and not prefill:
+        if not ends:
             return  # nothing fits (a prompt larger than the cache): stays queued
-        step = prof.iteration_s(len(ran) + len(prefill) - len(chunks), ctx, chunks, cached)
+        step = prof.iteration_s(len(ends) - len(chunks), ctx, chunks, cached)
         self.stats.iterations += 1
         te.busy = True
-        ends = {s: decision.cache_len[str(id(s))] for s in ran + prefill}
         self._at(self.now + step, "iteration", (te, (ends, prefill)))
 
     def _finish_iteration(self, te: _TE, ends: dict[_Seq, int], prefill: list[_Seq]) -> None:
