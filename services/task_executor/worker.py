@@ -109,7 +109,8 @@ class TaskExecutor:
             ClusterClient(bus, self._subjects), self._heartbeat,
             settings.heartbeat_interval.total_seconds(),
         )
-        self._load_task: asyncio.Task[None] | None = None
+        # The load or unload in progress (one at a time: each starts from its own state).
+        self._control_task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()  # set once the TE listens for tasks and commands
 
     # -- observation -------------------------------------------------------------------
@@ -167,6 +168,10 @@ class TaskExecutor:
             except TimeoutError:
                 log.error("engine step did not finish; closing anyway")
             kv_task.cancel()
+            if self._control_task is not None and not self._control_task.done():
+                # An unload closing its engine, or a load that would leave one behind.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._control_task), STEP_STOP_TIMEOUT_S)
             await self._hb.stop()
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             if self.engine is not None:
@@ -197,7 +202,7 @@ class TaskExecutor:
         self.state, self.model = TEState.LOADING, cmd.model
         self._error = self._failed_model = None
         self._hb.beat_now()
-        self._load_task = asyncio.create_task(self._load(cmd))
+        self._control_task = asyncio.create_task(self._load(cmd))
         return ControlAck(te_id=self.te_id, ok=True)
 
     async def _load(self, cmd: LoadModel) -> None:
@@ -219,22 +224,31 @@ class TaskExecutor:
         self._hb.beat_now()
 
     async def _on_unload(self, cmd: UnloadModel) -> ControlAck:
+        """Acknowledged at once, as a load is: draining takes up to the shutdown grace and
+        closing an engine seconds (vLLM's), longer than a control request waits. Heartbeats
+        show the TE DRAINING, then IDLE."""
         if self.state != TEState.READY:
             return ControlAck(te_id=self.te_id, ok=False, error=f"TE is {self.state}, not ready")
         self.state = TEState.DRAINING
         self._hb.beat_now()
+        self._control_task = asyncio.create_task(self._unload(cmd))
+        return ControlAck(te_id=self.te_id, ok=True)
+
+    async def _unload(self, cmd: UnloadModel) -> None:
         await self._drain(self._settings.shutdown_grace.total_seconds())
         async with self._step_lock:
             engine, self.engine = self.engine, None
         if engine is not None:
-            await self._on_engine_thread(engine.close)
+            try:
+                await self._on_engine_thread(engine.close)
+            except Exception:  # gone either way: the TE takes the next model
+                log.exception("closing the engine failed", model=self.model)
             self._collect_kv_events(engine)
             await self._flush_kv_events()
         gc.collect()
         log.info("model unloaded", model=self.model, reason=cmd.reason)
         self.state, self.model = TEState.IDLE, None
         self._hb.beat_now()
-        return ControlAck(te_id=self.te_id, ok=True)
 
     async def _on_drain(self, _: Drain) -> ControlAck:
         self._life.request_stop()
@@ -417,14 +431,16 @@ async def _settle(task: asyncio.Task[None] | None) -> None:
 def main() -> None:
     te_id, pool_id = sys.argv[1], sys.argv[2]
     settings = Settings()
-    # Pre-warm: pay for the engine's imports now, before any model is assigned.
+    # Pre-warm: pay for the engine's imports now, before any model is assigned. (The vLLM and
+    # OpenVINO engines run in a child process, which imports their packages; here only the
+    # wrappers.)
     import torch
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     prewarm = {
         "torch": "services.task_executor.engines.torch_engine",
-        "vllm": "vllm",
+        "vllm": "services.task_executor.engines.vllm_engine",
         "openvino": "services.task_executor.engines.openvino_engine",
     }[choose_engine(settings)]
     importlib.import_module(prewarm)

@@ -68,6 +68,14 @@ async def collect(bus: Bus, subject: str) -> Collected:
     return got
 
 
+async def until_idle(worker: TaskExecutor, timeout_s: float = 30) -> None:
+    """Waits for an unload (acknowledged at once) to end."""
+    deadline = time.monotonic() + timeout_s
+    while worker.state != TEState.IDLE:
+        assert time.monotonic() < deadline, worker.state
+        await asyncio.sleep(0.05)
+
+
 def task(cluster: str, rid: str, max_tokens: int = 8, **kw) -> ChatTask:
     return ChatTask(request_id=rid, model="demo", prompt_token_ids=[0, 5, 6, 7, 8, 9],
                     sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
@@ -197,10 +205,11 @@ async def test_unload_hands_running_requests_back_for_a_retry(te, bus: Bus, clus
     await client.place("te-t", task(cluster, "r6", max_tokens=5000))
     await asyncio.wait_for(got.first.wait(), 20)
     ack = await client.control("te-t", UnloadModel(reason="test"))
-    assert ack.ok
+    assert ack.ok and worker.state == TEState.DRAINING  # acknowledged before the drain
     await asyncio.wait_for(got.done.wait(), 5)
     assert got.chunks[-1].finish_reason == RETRY_ELSEWHERE
-    assert worker.state == TEState.IDLE and worker.engine is None
+    await until_idle(worker)
+    assert worker.engine is None
 
 
 async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cluster: str):
@@ -236,37 +245,59 @@ async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: s
     """MESHSERVE_ENGINE=openvino: the TE converts the checkpoint (fp16 IR here, for exact
     agreement) and streams the tokens the torch engine produces. The pipeline runs in a child
     process (its step holds the GIL), which exits with the TE."""
-    from services.task_executor.engines.process import ProcessEngine
-    from services.task_executor.engines.torch_engine import TorchEngine
-
     settings = Settings(cluster=cluster, engine="openvino", openvino_weight_format="fp16",
                         heartbeat_interval=timedelta(seconds=0.2),
                         shutdown_grace=timedelta(seconds=0.5))
-    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-ov", pool_id="p")
+    # A first conversion builds its export venv.
+    await _serves_the_torch_engines_tokens(bus, settings, demo_model_dir, "openvino", 240)
+
+
+async def test_a_vllm_te_serves_the_same_greedy_tokens(
+    bus: Bus, cluster: str, demo_model_dir: Path, vllm_python: str
+):
+    """MESHSERVE_ENGINE=vllm with MESHSERVE_VLLM_PYTHON: the TE runs vLLM in a child process
+    of vLLM's own venv (the CPU build here) and streams the torch engine's greedy tokens."""
+    settings = Settings(cluster=cluster, engine="vllm", vllm_python=vllm_python,
+                        vllm_enforce_eager=True, dtype="float32", kv_cache_bytes=64 << 20,
+                        heartbeat_interval=timedelta(seconds=0.2),
+                        shutdown_grace=timedelta(seconds=0.5))
+    await _serves_the_torch_engines_tokens(bus, settings, demo_model_dir, "vllm", 240)
+
+
+async def _serves_the_torch_engines_tokens(
+    bus: Bus, settings: Settings, model_dir: Path, engine_name: str, load_timeout_s: float
+) -> None:
+    """A TE with ``settings`` loads the demo model into an engine in a child process,
+    streams the greedy tokens the torch engine gives, and on unload stops that process."""
+    from services.task_executor.engines.process import ProcessEngine
+    from services.task_executor.engines.torch_engine import TorchEngine
+
+    cluster, te_id = settings.cluster, f"te-{engine_name}"
+    worker = TaskExecutor(settings=settings, bus=bus, te_id=te_id, pool_id="p")
     run = asyncio.create_task(worker.run())
     await asyncio.wait_for(worker.ready.wait(), 5)
     client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
     try:
-        assert (await client.control("te-ov", LoadModel(model="demo", path=str(demo_model_dir)))).ok
-        deadline = time.monotonic() + 240  # a first conversion builds its export venv
+        assert (await client.control(te_id, LoadModel(model="demo", path=str(model_dir)))).ok
+        deadline = time.monotonic() + load_timeout_s
         while worker.state != TEState.READY:
             assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
             await asyncio.sleep(0.1)
-        assert worker.engine.name == "openvino"
+        assert worker.engine.name == engine_name
         engine = worker.engine
         assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid()
-        got = await collect(bus, Subjects(cluster).token_stream("fe", "ov1"))
-        await client.place("te-ov", task(cluster, "ov1", max_tokens=12))
+        got = await collect(bus, Subjects(cluster).token_stream("fe", "x1"))
+        await client.place(te_id, task(cluster, "x1", max_tokens=12))
         await asyncio.wait_for(got.done.wait(), 30)
         tokens = [t for c in got.chunks for t in c.token_ids]
         # Unloading closes the engine and stops its process; the TE can take a model again.
-        assert (await client.control("te-ov", UnloadModel(reason="test"))).ok
-        assert worker.state == TEState.IDLE and worker.engine is None
-        assert not engine._proc.is_alive()
+        assert (await client.control(te_id, UnloadModel(reason="test"))).ok
+        await until_idle(worker)
+        assert worker.engine is None and not engine.alive()
     finally:
         await worker.shutdown()
         await run
-    ref = TorchEngine(demo_model_dir, dtype="float32")
+    ref = TorchEngine(model_dir, dtype="float32")
     ref.add_request(EngineRequest("r", [0, 5, 6, 7, 8, 9],
                                   SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
     expected = []

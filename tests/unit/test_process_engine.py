@@ -63,7 +63,7 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
     finally:
         remote.close()
         local.close()
-    assert not remote._proc.is_alive()
+    assert not remote.alive()
     # What closing said (the cache cleared) is drained after close, once, as in-process.
     assert isinstance(remote.drain_kv_events()[-1], AllBlocksCleared)
     assert remote.drain_kv_events() == []
@@ -143,7 +143,10 @@ def test_a_dead_child_makes_the_next_call_fail_clearly(model_dir: Path) -> None:
     remote = ProcessEngine(_torch(model_dir), label="test")
     assert remote.pid is not None
     os.kill(remote.pid, signal.SIGKILL)
-    remote._proc.join(10)
+    deadline = time.monotonic() + 10
+    while remote.alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     with pytest.raises(EngineProcessDied, match="exited"):
         remote.add_request(EngineRequest("a", PROMPTS["a"], greedy(4)))
     assert not remote.has_work()
@@ -153,6 +156,69 @@ def test_a_dead_child_makes_the_next_call_fail_clearly(model_dir: Path) -> None:
 def test_an_engine_that_fails_to_build_raises_in_the_parent(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ProcessEngine(functools.partial(TorchEngine, tmp_path, device="cpu"), label="test")
+
+
+LIGHT_ENGINE = """
+import sys
+from services.task_executor.engines.base import EngineCapabilities
+
+HEAVY = ("torch", "transformers", "pydantic", "pydantic_settings", "nats", "redis", "pytest")
+
+
+class Engine:
+    capabilities = EngineCapabilities()
+    max_model_len = 1
+
+    def __init__(self):
+        self.device = sys.executable  # which interpreter runs it
+        self.name = ",".join(m for m in HEAVY if m in sys.modules)  # what it has imported
+
+    def close(self):
+        pass
+"""
+
+
+def test_the_child_runs_under_the_interpreter_named_and_imports_little(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine from another venv (vLLM's CPU build has its own): the child is that venv's
+    python with the repository on its path, and imports the protocol's types, not the TE's
+    packages."""
+    venv = tmp_path / "other-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # The bare venv sees the parent's packages (msgspec is all the child needs of them).
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "parent.pth").write_text("\n".join(p for p in sys.path if "site-packages" in p))
+    (tmp_path / "light_engine.py").write_text(LIGHT_ENGINE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    light = importlib.import_module("light_engine")
+    remote = ProcessEngine(light.Engine, label="test", python=str(venv / "bin" / "python"))
+    try:
+        assert Path(remote.device).parent == venv / "bin"
+        assert remote.name == ""  # none of the heavy packages
+        assert remote.pid != os.getpid()
+    finally:
+        remote.close()
+        sys.modules.pop("light_engine", None)
+    assert not remote.alive()
+
+
+def test_a_factory_the_child_cannot_import_fails_clearly(tmp_path: Path) -> None:
+    """The parent can pickle the factory, the child cannot load it (a module only the
+    parent's path has): the child's ImportError is raised here, and the child is gone."""
+    (tmp_path / "only_here.py").write_text("class Engine:\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import only_here  # type: ignore[import-not-found]
+
+        with pytest.raises(ModuleNotFoundError, match="only_here"):
+            ProcessEngine(only_here.Engine, label="test")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("only_here", None)
 
 
 def test_the_child_exits_when_its_parent_is_killed(tmp_path: Path) -> None:

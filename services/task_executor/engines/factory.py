@@ -20,12 +20,14 @@ def cuda_available() -> bool:
 
 def choose_engine(settings: Settings, model: str | None = None) -> str:
     """The model's own engine if one is set, else MESHSERVE_ENGINE; auto means vLLM where
-    a CUDA device and vLLM are present, and meshserve's torch engine elsewhere."""
+    a CUDA device and vLLM (in this venv, or in MESHSERVE_VLLM_PYTHON's) are present, and
+    meshserve's torch engine elsewhere."""
     if model is not None and model in settings.model_engines:
         return settings.model_engines[model]
     if settings.engine != "auto":
         return settings.engine
-    if importlib.util.find_spec("vllm") is not None and cuda_available():
+    has_vllm = bool(settings.vllm_python) or importlib.util.find_spec("vllm") is not None
+    if has_vllm and cuda_available():
         return "vllm"
     return "torch"
 
@@ -58,14 +60,17 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             label=f"openvino-{model}",
         )
     if kind == "vllm":
-        from services.task_executor.engines.vllm_engine import VLLMEngine
+        from services.task_executor.engines.process import ProcessEngine
+        from services.task_executor.engines.vllm_engine import VLLMEngine  # imports no vLLM
 
-        return VLLMEngine(
-            model_path,
-            dtype=settings.dtype,
-            max_num_seqs=settings.max_num_seqs,
-            gpu_memory_fraction=settings.gpu_memory_fraction,
-            enable_prefix_caching=settings.prefix_caching,
+        # In a child process, from vLLM's own venv where one is named: closing the engine ends
+        # the process, which hands back every byte vLLM held (GPU memory included). The
+        # factory is the class itself: the child imports its module, which that venv can
+        # (this one needs pydantic, which it may lack).
+        return ProcessEngine(
+            functools.partial(VLLMEngine, model_path, **vllm_engine_args(settings)),
+            label=f"vllm-{model}",
+            python=settings.vllm_python or None,
         )
     raise ValueError(f"unknown engine {kind!r}")
 
@@ -86,3 +91,16 @@ def openvino_engine(model_path: Path, **kwargs: Any) -> Any:
     from services.task_executor.engines.openvino_engine import OpenVINOEngine
 
     return OpenVINOEngine(model_path, **kwargs)
+
+
+def vllm_engine_args(settings: Settings) -> dict[str, Any]:
+    """The VLLMEngine arguments a TE's settings give."""
+    return {
+        "dtype": settings.dtype,
+        "max_num_seqs": settings.max_num_seqs,
+        "gpu_memory_fraction": settings.gpu_memory_fraction,
+        "kv_cache_bytes": settings.kv_cache_bytes,
+        "enable_prefix_caching": settings.prefix_caching,
+        "enforce_eager": settings.vllm_enforce_eager,
+    }
+

@@ -11,20 +11,31 @@ engine under its step lock, or from its engine thread). ``has_work()`` and ``sta
 from what the child sent with its last reply, without a round trip: the heartbeat reads
 them from the event loop while a step may be running, and must not wait for it.
 
+The child is a fresh interpreter (``python -m`` this module) that imports only what the
+engine needs; the pipe is a socket pair handed to it as a file descriptor, and the engine's
+factory crosses it pickled. ``python`` may name another interpreter than the TE's own: an
+engine whose package cannot share the TE's environment (vLLM's CPU build pins its own torch
+and transformers) runs from its own venv, with the repository put on its ``PYTHONPATH``.
+The child's imports are this module's: the protocol's types (and msgspec).
+
 The child exits when the parent closes the engine, or when the pipe breaks (the TE died);
 a child that dies makes the next call raise ``EngineProcessDied``, which the TE treats as
-an engine failure.
+an engine failure. Everything the engine held (a GPU's memory included) goes with the child.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from services.task_executor.engines.base import (
@@ -40,6 +51,7 @@ from services.task_executor.engines.kv_events import KvEvent
 _ATTRIBUTES = ("name", "device", "capabilities", "max_model_len", "block_size", "config")
 _OPS = frozenset({"add_request", "abort", "step"})
 STOP_TIMEOUT_S = 30.0
+ROOT = Path(__file__).resolve().parents[3]  # the repository: what the child imports from
 _NO_STATS = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
 
 
@@ -48,29 +60,41 @@ class EngineProcessDied(RuntimeError):
 
 
 class ProcessEngine:
-    """``factory()`` runs in a fresh (spawned) child and builds the engine there: it must be
-    picklable (a module-level function, or ``functools.partial`` of one, or a class)."""
+    """``factory()`` runs in the child and builds the engine there: it must be picklable (a
+    module-level function, or ``functools.partial`` of one, or a class) and importable by the
+    child's interpreter, ``python`` (default: this one)."""
 
     name: str
     device: str
     capabilities: EngineCapabilities
     max_model_len: int
 
-    def __init__(self, factory: Callable[[], Engine], *, label: str = "engine") -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_end = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve, args=(child_end, factory), name=f"meshserve-{label}", daemon=True
-        )
-        self._proc.start()
-        child_end.close()
+    def __init__(
+        self, factory: Callable[[], Engine], *, label: str = "engine", python: str | None = None
+    ) -> None:
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        try:
+            self._proc = subprocess.Popen(
+                [python or sys.executable, "-m", __name__, str(theirs.fileno()), label],
+                pass_fds=(theirs.fileno(),),
+                env=env,
+                cwd=ROOT,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._conn = multiprocessing.connection.Connection(mine.detach())
         self._lock = threading.Lock()
         self._closed = False
         self._stats = _NO_STATS
         self._has_work = False
         self._final_events: list[KvEvent] = []  # what closing the engine said, kept for drain
         try:
-            attributes = self._call("__init__")
+            attributes = self._call("__init__", factory)
         except BaseException:
             self._stop()
             raise
@@ -78,8 +102,12 @@ class ProcessEngine:
             setattr(self, key, value)
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         return self._proc.pid
+
+    def alive(self) -> bool:
+        """Whether the child process is still running."""
+        return self._proc.poll() is None
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -129,7 +157,7 @@ class ProcessEngine:
             except (EOFError, OSError) as e:
                 self._has_work = False
                 raise EngineProcessDied(
-                    f"the engine process exited (code {self._proc.exitcode})"
+                    f"the engine process exited (code {self._proc.poll()})"
                 ) from e
         self._stats, self._has_work = stats, has_work
         if not ok:
@@ -138,25 +166,30 @@ class ProcessEngine:
 
     def _stop(self) -> None:
         self._conn.close()
-        self._proc.join(STOP_TIMEOUT_S)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.join()
+            self._proc.wait()
 
 
-def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], Engine]) -> None:
-    """The child: build the engine, then answer calls until closed or orphaned."""
+def _serve(conn: multiprocessing.connection.Connection) -> None:
+    """The child: build the engine (the first call carries its factory), then answer calls
+    until closed or orphaned."""
     # Ctrl-C reaches the whole process group; the parent closes the engine on its way out.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine: Engine | None = None
     op = ""
     while True:
         try:
-            op, args = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError):  # the parent is gone
             break
         try:
+            # Unpickled here, so that a factory this interpreter cannot import is reported.
+            op, args = pickle.loads(data)
             if op == "__init__" and engine is None:
+                (factory,) = args
                 engine = factory()
                 value: Any = {k: getattr(engine, k) for k in _ATTRIBUTES if hasattr(engine, k)}
             elif op == "close" and engine is not None:
@@ -206,3 +239,7 @@ def _picklable(e: Exception) -> Exception:
         return e
     except Exception:
         return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":  # the child: python -m services.task_executor.engines.process FD LABEL
+    _serve(multiprocessing.connection.Connection(int(sys.argv[1])))

