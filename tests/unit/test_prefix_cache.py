@@ -28,7 +28,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     SeqView,
     schedule,
 )
-from tests.engines import drain, tokens
+from tests.engines import TEST_DEVICE, drain, tokens
 from tests.unit.test_torch_engine import _write_tiny_llama, greedy
 
 BS = 4
@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(model_dir: Path, **kwargs: object) -> TorchEngine:
-    kwargs = {"device": "cpu", "block_size": BS, "num_kv_blocks": 64} | kwargs
+    kwargs = {"device": TEST_DEVICE, "block_size": BS, "num_kv_blocks": 64} | kwargs
     return TorchEngine(model_dir, **kwargs)  # type: ignore[arg-type]
 
 

@@ -21,7 +21,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     schedule,
 )
 from shared.messages.api import SamplingParams
-from tests.engines import drain, tokens
+from tests.engines import TEST_DEVICE, drain, tokens
 
 VOCAB = 96
 EOS = 95
@@ -81,7 +81,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(model_dir: Path, **kwargs: object) -> TorchEngine:
-    kwargs = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64} | kwargs
+    kwargs = {"device": TEST_DEVICE, "block_size": 4, "num_kv_blocks": 64} | kwargs
     return TorchEngine(model_dir, **kwargs)  # type: ignore[arg-type]
 
 

@@ -18,7 +18,7 @@ from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine, overlap
 from services.task_executor.engines.torch_engine import engine as engine_module
 from shared.messages.api import SamplingParams
-from tests.engines import drain, tokens
+from tests.engines import TEST_DEVICE, drain, tokens
 from tests.unit.test_torch_engine import VOCAB, _write_tiny_llama, greedy
 
 STOPS = list(range(3, VOCAB, 9))  # about one token in nine ends a request that stops on them
@@ -39,7 +39,7 @@ def launcher(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _engine(model_dir: Path, async_scheduling: bool, **kwargs: object) -> TorchEngine:
-    kwargs = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64} | kwargs
+    kwargs = {"device": TEST_DEVICE, "block_size": 4, "num_kv_blocks": 64} | kwargs
     return TorchEngine(
         model_dir,
         async_scheduling=async_scheduling,

@@ -1,0 +1,306 @@
+"""The engines on one CUDA GPU, side by side in one process and one run: meshserve's torch engine
+(async scheduling on, and off) and vLLM (``VLLMEngine``, vLLM's own engine with its CUDA graphs
+and compiled model unless --vllm-eager), driven through the same ``Engine`` protocol with the
+same requests.
+
+Decode: for each batch size B, B distinct prompts of --prompt-len tokens each decode
+--new-tokens greedily (ignore_eos). TTFT is the time until every request of the batch has its
+first token; decode tok/s counts the tokens after that over the time after it. The bound is
+what a step costs if it only reads the weights once at the GPU's measured read bandwidth
+(``B × bandwidth ÷ weight bytes``). Runs of the engines alternate per repetition, so a drift
+of the machine hits each alike; medians of --reps are reported.
+
+Prefix caching: per engine, TTFT of a request whose --cached-prefix-len prefix is cached vs
+one whose prefix is not, and prefill tok/s of a --prefill-len prompt (bench_engine's table).
+
+A summary gives torch ÷ vLLM decode throughput and TTFT per batch, and async ÷ sync. Needs
+a CUDA device (and vLLM importable for its rows; ``--engines torch,torch-sync`` runs without).
+Writes bench-results/gpu.json by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_common import Neighbours, bound_tok_s, median, prompts_for  # noqa: E402
+from bench_engine import (  # noqa: E402
+    BLOCK_SIZE,
+    MODELS,
+    PREFIX_HEADER,
+    _ints,
+    _names,
+    bench_prefix_cache,
+    ensure_model,
+)
+
+from services.task_executor.engines.base import Engine, EngineRequest  # noqa: E402
+from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
+from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
+from shared.messages.api import SamplingParams  # noqa: E402
+
+ENGINES = ("torch", "torch-sync", "vllm")
+
+
+def gpu_read_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
+    """GB/s that a reduction over a tensor far larger than the L2 reads from device memory."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device="cuda")
+    x.sum()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del x
+    torch.cuda.empty_cache()
+    return int(gib * (1 << 30)) / statistics.median(times) / 1e9
+
+
+def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """Bytes of the weights at ``dtype``: what a decode step reads once (the embedding as
+    the LM head, where they are tied)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        count = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return count * torch.finfo(dtype).bits // 8
+
+
+def make_engine(kind: str, path: Path, args: argparse.Namespace) -> Engine:
+    max_batch = max(args.batches)
+    max_len = (
+        max(
+            args.prompt_len + args.new_tokens,
+            args.cached_prefix_len + args.suffix_len,
+            args.prefill_len,
+        )
+        + BLOCK_SIZE
+    )
+    if kind == "vllm":
+        from services.task_executor.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            path,
+            dtype=args.dtype,
+            max_num_seqs=max_batch,
+            gpu_memory_fraction=args.vllm_memory_fraction,
+            max_model_len=max_len,
+            enforce_eager=args.vllm_eager,
+        )
+    return TorchEngine(
+        path,
+        device="cuda",
+        dtype=args.dtype,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=(max_batch + 2) * blocks_for(max_len, BLOCK_SIZE),
+        max_num_seqs=max_batch,
+        max_model_len=max_len,
+        async_scheduling=kind == "torch",
+    )
+
+
+def batch_run(
+    engine: Engine, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, float, int]:
+    """(seconds until every request has its first token, seconds after that until all are
+    done, tokens produced in that second phase) for one batch run to completion."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ids = [f"g{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(EngineRequest(rid, p, params))
+    produced = dict.fromkeys(ids, 0)
+    t0 = time.perf_counter()
+    t_first = None
+    at_first = 0
+    while engine.has_work():
+        for o in engine.step():
+            produced[o.request_id] += len(o.new_token_ids)
+        if t_first is None and all(produced.values()):
+            t_first, at_first = time.perf_counter(), sum(produced.values())
+    t_end = time.perf_counter()
+    total = sum(produced.values())
+    assert total == len(prompts) * new_tokens, (total, len(prompts), new_tokens)
+    assert t_first is not None
+    return t_first - t0, t_end - t_first, total - at_first
+
+
+def bench_decode(
+    engines: dict[str, Engine], vocab: int, wbytes: int, bandwidth: float, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    print(
+        f"\ndecode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy;"
+        f" median of {args.reps}; bound at {bandwidth:.0f} GB/s for {wbytes / 1e9:.2f} GB\n"
+    )
+    print(
+        f"{'engine':<11} {'batch':>5} {'decode tok/s':>12} {'per req':>8} {'%bound':>7}"
+        f" {'ttft ms':>8} {'tok/s min-max':>15}"
+    )
+    rows = []
+    names = list(engines)
+    for b in args.batches:
+        for engine in engines.values():  # warm-up: shapes, graphs, allocator
+            batch_run(engine, prompts_for(b, args.prompt_len, vocab, seed=99), 4)
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        ttfts: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(args.reps):
+            prompts = prompts_for(b, args.prompt_len, vocab, seed=rep)
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            for n in order:
+                ttft, dec, toks = batch_run(engines[n], prompts, args.new_tokens)
+                rates[n].append(toks / dec)
+                ttfts[n].append(ttft)
+        bound = bound_tok_s(b, bandwidth, wbytes)
+        for n in names:
+            row = {
+                "engine": n,
+                "batch": b,
+                "decode_tok_s": median(rates[n]),
+                "per_request_tok_s": median(rates[n]) / b,
+                "pct_bound": 100 * median(rates[n]) / bound,
+                "ttft_ms": 1e3 * median(ttfts[n]),
+                "decode_samples": rates[n],
+                "ttft_samples_s": ttfts[n],
+            }
+            rows.append(row)
+            print(
+                f"{n:<11} {b:>5} {row['decode_tok_s']:>12.1f} {row['per_request_tok_s']:>8.1f}"
+                f" {row['pct_bound']:>6.1f}% {row['ttft_ms']:>8.1f}"
+                f" {min(rates[n]):>7.0f}-{max(rates[n]):<7.0f}",
+                flush=True,
+            )
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]], num: str, den: str) -> list[dict[str, Any]]:
+    by = {(r["engine"], r["batch"]): r for r in rows}
+    out = []
+    for (engine, b), r in by.items():
+        other = by.get((den, b))
+        if engine != num or other is None:
+            continue
+        out.append(
+            {
+                "ratio": f"{num} / {den}",
+                "batch": b,
+                "decode": r["decode_tok_s"] / other["decode_tok_s"],
+                "ttft": r["ttft_ms"] / other["ttft_ms"],
+            }
+        )
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="bench-qwen2-0.5b", choices=sorted(MODELS))
+    p.add_argument("--models-dir", type=Path, default=ROOT / "models")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--engines", default=",".join(ENGINES), type=_names)
+    p.add_argument("--batches", default="1,8,16,64", type=_ints)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cached-prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=16)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix cache table")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM without CUDA graphs/compile")
+    p.add_argument("--vllm-memory-fraction", type=float, default=0.3)
+    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "gpu.json")
+    args = p.parse_args(argv)
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        p.error(f"unknown engines {sorted(unknown)}; known: {', '.join(ENGINES)}")
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench-gpu: no CUDA device here", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    path = ensure_model(args.model, args.models_dir)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    host = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "machine": platform.machine(),
+    }
+    bandwidth = gpu_read_bandwidth()
+    print(f"{host['gpu']}, torch {host['torch']} (CUDA {host['cuda']}), read {bandwidth:.0f} GB/s")
+    engines: dict[str, Engine] = {}
+    started: dict[str, float] = {}
+    # vLLM first: it sizes its KV pool from the memory free when it starts.
+    for kind in sorted(args.engines, key=lambda k: k != "vllm"):
+        t = time.perf_counter()
+        engines[kind] = make_engine(kind, path, args)
+        started[kind] = time.perf_counter() - t
+        print(f"{kind}: started in {started[kind]:.1f} s", flush=True)
+    if "vllm" in engines:
+        import vllm
+
+        host["vllm"] = vllm.__version__
+    dtype = getattr(torch, args.dtype)
+    wbytes = weight_bytes(path, dtype)
+    rows = bench_decode(engines, vocab, wbytes, bandwidth, args)
+    prefix_rows = []
+    if not args.no_prefix_cache:
+        print(
+            f"\nprefix cache: TTFT of {args.cached_prefix_len} cached + {args.suffix_len} new"
+            f" tokens vs all new; prefill of {args.prefill_len} tokens; median of {args.reps}\n"
+        )
+        print(PREFIX_HEADER)
+        neighbours = Neighbours()
+        neighbours.enabled = False  # a GPU's timings do not suffer from busy CPU neighbours
+        for kind, engine in engines.items():
+            prefix_rows.append(
+                bench_prefix_cache(
+                    args.model, kind, args.dtype, lambda _n, e=engine: e, vocab, args, neighbours
+                )
+            )
+    for engine in engines.values():
+        engine.close()
+    summary = ratios(rows, "torch", "vllm") + ratios(rows, "torch", "torch-sync")
+    print(f"\n{'ratio':<20} {'batch':>5} {'decode':>7} {'ttft':>6}")
+    for s in summary:
+        print(f"{s['ratio']:<20} {s['batch']:>5} {s['decode']:>7.3f} {s['ttft']:>6.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "bandwidth_gb_s": bandwidth,
+                "weight_bytes": wbytes,
+                "startup_s": started,
+                "decode": rows,
+                "prefix_cache": prefix_rows,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
