@@ -1,5 +1,5 @@
 """The engines on one CUDA GPU, side by side in one process and one run: meshserve's torch engine
-(async scheduling on, and off) and vLLM (``VLLMEngine``, vLLM's own engine with its CUDA graphs
+(CUDA graphs and async scheduling; async scheduling off; CUDA graphs off) and vLLM (``VLLMEngine``, vLLM's own engine with its CUDA graphs
 and compiled model unless --vllm-eager), driven through the same ``Engine`` protocol with the
 same requests.
 
@@ -13,8 +13,9 @@ of the machine hits each alike; medians of --reps are reported.
 Prefix caching: per engine, TTFT of a request whose --cached-prefix-len prefix is cached vs
 one whose prefix is not, and prefill tok/s of a --prefill-len prompt (bench_engine's table).
 
-A summary gives torch ÷ vLLM decode throughput and TTFT per batch, and async ÷ sync. Needs
-a CUDA device (and vLLM importable for its rows; ``--engines torch,torch-sync`` runs without).
+A summary gives torch ÷ vLLM decode throughput and TTFT per batch, async ÷ sync, and graphs
+÷ eager. Needs a CUDA device (and vLLM importable for its rows; ``--engines
+torch,torch-sync,torch-eager`` runs without).
 Writes bench-results/gpu.json by default.
 """
 
@@ -52,7 +53,7 @@ from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E40
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
 from shared.messages.api import SamplingParams  # noqa: E402
 
-ENGINES = ("torch", "torch-sync", "vllm")
+ENGINES = ("torch", "torch-sync", "torch-eager", "vllm")
 
 
 def gpu_read_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
@@ -110,7 +111,8 @@ def make_engine(kind: str, path: Path, args: argparse.Namespace) -> Engine:
         num_kv_blocks=(max_batch + 2) * blocks_for(max_len, BLOCK_SIZE),
         max_num_seqs=max_batch,
         max_model_len=max_len,
-        async_scheduling=kind == "torch",
+        async_scheduling=kind != "torch-sync",
+        cuda_graphs=kind != "torch-eager",
     )
 
 
@@ -153,8 +155,8 @@ def bench_decode(
     rows = []
     names = list(engines)
     for b in args.batches:
-        for engine in engines.values():  # warm-up: shapes, graphs, allocator
-            batch_run(engine, prompts_for(b, args.prompt_len, vocab, seed=99), 4)
+        for engine in engines.values():  # warm-up: every shape the runs meet (graphs, allocator)
+            batch_run(engine, prompts_for(b, args.prompt_len, vocab, seed=99), args.new_tokens)
         rates: dict[str, list[float]] = {n: [] for n in names}
         ttfts: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.reps):
@@ -278,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     for engine in engines.values():
         engine.close()
-    summary = ratios(rows, "torch", "vllm") + ratios(rows, "torch", "torch-sync")
+    summary = [
+        *ratios(rows, "torch", "vllm"),
+        *ratios(rows, "torch", "torch-sync"),
+        *ratios(rows, "torch", "torch-eager"),
+    ]
     print(f"\n{'ratio':<20} {'batch':>5} {'decode':>7} {'ttft':>6}")
     for s in summary:
         print(f"{s['ratio']:<20} {s['batch']:>5} {s['decode']:>7.3f} {s['ttft']:>6.3f}")

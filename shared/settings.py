@@ -138,6 +138,11 @@ class Settings(BaseSettings):
         description="Torch engine on CPU: decode attention in a C kernel compiled for the host "
         "on first use (needs a C compiler; without one, torch's ops run).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Torch engine on CUDA: decode iterations replay CUDA graphs captured per "
+        "batch and context-length bucket; false launches every kernel from Python.",
+    )
 
     @field_validator(
         "heartbeat_interval", "liveness_timeout", "keep_alive", "placement_timeout",

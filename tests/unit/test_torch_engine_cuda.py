@@ -1,5 +1,6 @@
-"""The torch engine on a CUDA device, against itself on CPU: the same greedy tokens, async
-scheduling that launches ahead and changes nothing, the prefix cache and its host tier, and KV
+"""The torch engine on a CUDA device, against itself on CPU: the same greedy tokens, decode
+steps replayed from CUDA graphs, async scheduling that launches ahead and changes nothing,
+the prefix cache and its host tier, and KV
 moving between a GPU engine and a CPU engine (prefill on one, decode on the other) without a
 token changing. Skips where there is no CUDA device; ``MESHSERVE_TEST_DEVICE=cuda`` runs the
 whole torch engine suite on one as well (tests/engines.py)."""
@@ -71,6 +72,33 @@ def test_auto_picks_cuda_and_the_checkpoints_dtype_and_bfloat16_runs(model_dir: 
     assert bf16.cache.k[0].dtype == torch.bfloat16
     out = _run(bf16, {"b": greedy(8)})["b"]
     assert len(out) == 8 and all(0 <= t < VOCAB for t in out)
+
+
+def test_decode_steps_replay_cuda_graphs_with_the_eager_tokens(model_dir: Path) -> None:
+    """Batches of 1 to 3 (padded to buckets 1, 2 and 4) whose block tables grow across width
+    buckets as they decode; requests join while others decode."""
+    stops = list(range(3, VOCAB, 9))
+
+    def run(engine: TorchEngine) -> dict[str, list[int]]:
+        engine.add_request(EngineRequest("c", PROMPTS["c"], greedy(30)))
+        outs: dict[str, list[int]] = {}
+        for step in range(200):
+            if step == 3:
+                engine.add_request(EngineRequest("b", PROMPTS["b"], greedy(20)))
+            if step == 6:
+                stop = SamplingParams(max_tokens=25, temperature=0, stop_token_ids=stops)
+                engine.add_request(EngineRequest("a", PROMPTS["a"], stop))
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if step > 6 and not engine.has_work():
+                return outs
+        raise AssertionError("the engine did not finish")
+
+    graphs = _engine(model_dir, "cuda", num_kv_blocks=40)
+    eager = _engine(model_dir, "cuda", num_kv_blocks=40, cuda_graphs=False)
+    assert eager.runner.graphs is None and graphs.runner.graphs is not None
+    assert run(graphs) == run(eager)
+    assert graphs.runner.graphs.replays > 20 and graphs.runner.graphs.captured >= 3
 
 
 def test_async_scheduling_launches_ahead_on_cuda_and_changes_nothing(model_dir: Path) -> None:

@@ -48,6 +48,7 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             enable_prefix_caching=settings.prefix_caching,
             num_host_kv_blocks=settings.host_kv_blocks,
             cpu_kernels=settings.cpu_kernels,
+            cuda_graphs=settings.cuda_graphs,
         )
     if kind == "openvino":
         from services.task_executor.engines.process import ProcessEngine

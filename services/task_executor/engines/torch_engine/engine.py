@@ -32,6 +32,7 @@ from services.task_executor.engines.base import (
 from services.task_executor.engines.kv_events import KvEvent
 from services.task_executor.engines.torch_engine import sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
+from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
 from services.task_executor.engines.torch_engine.model import (
@@ -184,6 +185,7 @@ class TorchEngine:
         async_scheduling: bool = True,
         overlap_on_cpu: bool = False,
         cpu_kernels: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         """``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
         one, blocks evicted from the device are copied there, and ``offload_kv`` works.
@@ -202,7 +204,10 @@ class TorchEngine:
         iteration that stalls them (see ``scheduler``).
 
         ``cpu_kernels``: on CPU, decode attention runs in a C kernel compiled for the host on
-        first use (``cpu_kernels.py``); False, or no C compiler, keeps torch's ops."""
+        first use (``cpu_kernels.py``); False, or no C compiler, keeps torch's ops.
+
+        ``cuda_graphs``: on CUDA, decode iterations replay graphs captured per batch and
+        context bucket (``cuda_graphs.py``); False launches every kernel from Python."""
         torch_device = resolve_device(device)
         if max_prefill_tokens is None:
             max_prefill_tokens = DEFAULT_PREFILL_TOKENS.get(torch_device.type, 2048)
@@ -268,6 +273,15 @@ class TorchEngine:
             device=torch_device,
             cpu_kernels=cpu_kernels,
         )
+        if cuda_graphs and torch_device.type == "cuda":
+            self.runner.graphs = DecodeGraphs(
+                self.runner.forward_eager,
+                ForwardBatch,
+                max_batch=max_num_seqs,
+                max_blocks=blocks_for(self.max_model_len, block_size),
+                block_size=block_size,
+                device=torch_device,
+            )
         self._torch_device = torch_device
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens

@@ -27,6 +27,7 @@ from services.task_executor.engines.torch_engine.attention import (
 )
 from services.task_executor.engines.torch_engine.config import ModelConfig
 from services.task_executor.engines.torch_engine.cpu_kernels import decode_attention
+from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.linear import linear
 from services.task_executor.engines.torch_engine.rope import cos_sin_tables
@@ -197,11 +198,19 @@ class Transformer:
             if cpu_kernels
             else None
         )
+        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Runs the batch, writes its K/V into ``cache`` and returns float32 logits
-        ``[num_requests, vocab]`` of each request's last token."""
+        ``[num_requests, vocab]`` of each request's last token. A decode batch replays a CUDA
+        graph where ``graphs`` is set (``cuda_graphs.py``)."""
+        if self.graphs is not None and self.graphs.covers(batch):
+            return self.graphs.run(batch, cache)
+        return self.forward_eager(batch, cache)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         cfg, w = self.config, self.weights
         n_tokens = batch.input_ids.shape[0]
         n_heads, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
