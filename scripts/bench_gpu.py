@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -50,7 +49,9 @@ from bench_engine import (  # noqa: E402
 
 from services.task_executor.engines.base import Engine, EngineRequest  # noqa: E402
 from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
+from services.task_executor.engines.torch_engine.config import load_model_config  # noqa: E402
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
+from services.task_executor.engines.torch_engine.weights import load_weights  # noqa: E402
 from shared.messages.api import SamplingParams  # noqa: E402
 
 ENGINES = ("torch", "torch-sync", "torch-eager", "vllm")
@@ -73,13 +74,11 @@ def gpu_read_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of the weights at ``dtype``: what a decode step reads once (the embedding as
-    the LM head, where they are tied)."""
-    from safetensors import safe_open
-
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        count = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    return count * torch.finfo(dtype).bits // 8
+    """Bytes of weights one decode step streams at ``dtype`` (``ModelWeights.decode_bytes``),
+    read off the checkpoint onto the meta device: no memory, whichever engines run."""
+    config = load_model_config(model_dir)
+    weights = load_weights(model_dir, config, dtype=dtype, device=torch.device("meta"))
+    return weights.decode_bytes()
 
 
 def make_engine(kind: str, path: Path, args: argparse.Namespace) -> Engine:
