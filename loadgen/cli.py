@@ -76,8 +76,11 @@ def _pools(paths: dict[str, Path | None], seed: int, need_text: bool) -> dict[st
     for m, p in paths.items():
         if p not in cache:
             if p is None:
-                print(f"{PROG}: warning: no tokenizer for model {m!r}: prompt lengths are "
-                      "approximate (give --tokenizer for exact ones)", file=sys.stderr)
+                print(
+                    f"{PROG}: warning: no tokenizer for model {m!r}: prompt lengths are "
+                    "approximate (give --tokenizer for exact ones)",
+                    file=sys.stderr,
+                )
                 cache[p] = approximate_pool()
             else:
                 cache[p] = tokenizer_pool(p, seed=seed, need_text=need_text)
@@ -92,8 +95,11 @@ def _context(*limits: int | None) -> int | None:
 
 
 def _slo(args: argparse.Namespace) -> SLO:
-    slo = SLO(ttft_s=args.slo_ttft_s, ttft_per_input_token_s=args.slo_ttft_per_token_s,
-              tpot_s=args.slo_tpot_s)
+    slo = SLO(
+        ttft_s=args.slo_ttft_s,
+        ttft_per_input_token_s=args.slo_ttft_per_token_s,
+        tpot_s=args.slo_tpot_s,
+    )
     return parse_slo(args.slo, slo) if args.slo else slo
 
 
@@ -112,9 +118,7 @@ def _requests(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
     return reqs, n_trace
 
 
-def _write_run(
-    out: Path, results: list, summary: dict, slo: SLO, title: str, plots: bool
-) -> None:
+def _write_run(out: Path, results: list, summary: dict, slo: SLO, title: str, plots: bool) -> None:
     from loadgen.plots import plot_run
     from loadgen.results import write_results
 
@@ -143,22 +147,41 @@ def cmd_replay(args: argparse.Namespace) -> int:
         _fail(str(e), 3)
     missing = sorted(served - set(listed))
     if missing and listed:
-        _fail(f"{url} does not serve {', '.join(missing)} (it serves {', '.join(sorted(listed))})",
-              3)
+        _fail(
+            f"{url} does not serve {', '.join(missing)} (it serves {', '.join(sorted(listed))})", 3
+        )
     max_context = {m: _context(args.max_context, listed.get(m)) for m in served}
-    planned = plan(reqs, model=args.model, models_map=models_map, max_context=max_context,
-                   max_output_tokens=args.max_output_tokens)
-    pools = _pools(_tokenizer_paths(args.tokenizer or [], served), args.seed,
-                   need_text=args.prompt_format == "text")
+    planned = plan(
+        reqs,
+        model=args.model,
+        models_map=models_map,
+        max_context=max_context,
+        max_output_tokens=args.max_output_tokens,
+    )
+    pools = _pools(
+        _tokenizer_paths(args.tokenizer or [], served),
+        args.seed,
+        need_text=args.prompt_format == "text",
+    )
     if args.prompt_format == "ids" and not all(pools[m].exact for m in served):
         raise UsageError("--prompt-format ids needs the target's --tokenizer")
 
-    opts = SendOptions(url=url, api=args.api, prompt_format=args.prompt_format,
-                       ignore_eos=args.ignore_eos, temperature=args.temperature,
-                       api_key=api_key, seed=args.seed, timeout_s=args.timeout)
+    opts = SendOptions(
+        url=url,
+        api=args.api,
+        prompt_format=args.prompt_format,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        api_key=api_key,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
     span = planned[-1].arrival_s
-    print(f"{PROG}: replaying {len(planned)} of {n_trace} requests over {span:.1f} s to {url} "
-          f"({', '.join(sorted(served))})", file=sys.stderr)
+    print(
+        f"{PROG}: replaying {len(planned)} of {n_trace} requests over {span:.1f} s to {url} "
+        f"({', '.join(sorted(served))})",
+        file=sys.stderr,
+    )
     progress = Progress(len(planned), enabled=not args.quiet)
     t0 = time.time()
     results = asyncio.run(replay(planned, pools, opts, progress))
@@ -167,12 +190,21 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     summary = summarize(results, slo, exact_prompts=all(pools[m].exact for m in served))
     summary["run"] = {
-        "trace": str(args.trace), "trace_requests": n_trace, "url": url, "api": args.api,
-        "prompt_format": args.prompt_format, "ignore_eos": args.ignore_eos,
-        "time_scale": args.time_scale, "rate_scale": args.rate_scale,
-        "duration": args.duration, "max_requests": args.max_requests,
-        "max_output_tokens": args.max_output_tokens, "max_context": max_context,
-        "seed": args.seed, "started_at": t0, "argv": sys.argv[1:],
+        "trace": str(args.trace),
+        "trace_requests": n_trace,
+        "url": url,
+        "api": args.api,
+        "prompt_format": args.prompt_format,
+        "ignore_eos": args.ignore_eos,
+        "time_scale": args.time_scale,
+        "rate_scale": args.rate_scale,
+        "duration": args.duration,
+        "max_requests": args.max_requests,
+        "max_output_tokens": args.max_output_tokens,
+        "max_context": max_context,
+        "seed": args.seed,
+        "started_at": t0,
+        "argv": sys.argv[1:],
     }
     _write_run(args.out, results, summary, slo, f"({Path(args.trace).name})", not args.no_plots)
     return 0
@@ -202,14 +234,22 @@ def _print_summary(s: dict, out: Path) -> None:
 def cmd_synth(args: argparse.Namespace) -> int:
     from loadgen.synth import ModelSpec, SynthSpec, parse_models, synthesize
 
-    models = parse_models(args.models) if args.models else [ModelSpec(args.model, args.rate,
-                                                                      args.cv)]
+    models = (
+        parse_models(args.models) if args.models else [ModelSpec(args.model, args.rate, args.cv)]
+    )
     spec = SynthSpec(
-        models=models, duration_s=args.duration, input_mean=args.input_tokens,
-        input_cv=args.input_cv, output_mean=args.output_tokens, output_cv=args.output_cv,
-        turns_mean=args.turns, think_time_s=args.think_time,
-        system_prompt_tokens=args.system_prompt_tokens, block_size=args.block_size,
-        max_input_tokens=args.max_input_tokens, max_requests=args.max_requests,
+        models=models,
+        duration_s=args.duration,
+        input_mean=args.input_tokens,
+        input_cv=args.input_cv,
+        output_mean=args.output_tokens,
+        output_cv=args.output_cv,
+        turns_mean=args.turns,
+        think_time_s=args.think_time,
+        system_prompt_tokens=args.system_prompt_tokens,
+        block_size=args.block_size,
+        max_input_tokens=args.max_input_tokens,
+        max_requests=args.max_requests,
     )
     reqs = synthesize(spec, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -256,44 +296,76 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.profile_for:
         base = profiles[args.profile_for] if args.profile_for in profiles else None
         if base is None:
-            raise UsageError(f"--profile-for {args.profile_for}: no such profile "
-                             f"(have {', '.join(sorted(profiles))})")
+            raise UsageError(
+                f"--profile-for {args.profile_for}: no such profile "
+                f"(have {', '.join(sorted(profiles))})"
+            )
         profiles = {**{m: dataclasses.replace(base, model=m) for m in names}, **profiles}
     missing = sorted(names - set(profiles))
     if missing:
-        raise UsageError(f"no engine profile for {', '.join(missing[:5])}"
-                         f"{' ...' if len(missing) > 5 else ''}: give --profile-for MODEL to "
-                         "use one profile for every model, or --model/--models-map")
+        raise UsageError(
+            f"no engine profile for {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}: give --profile-for MODEL to "
+            "use one profile for every model, or --model/--models-map"
+        )
     max_context = {m: profiles[m].max_model_len for m in names}
-    planned = plan(reqs, model=model, models_map=models_map, max_context=max_context,
-                   max_output_tokens=args.max_output_tokens)
-    cfg = SimConfig(devices=args.devices, pool_size=args.pool_size,
-                    keep_alive_s=args.keep_alive, placement_timeout_s=args.placement_timeout,
-                    heartbeat_s=args.heartbeat, network_s=args.network_ms / 1000,
-                    record_gaps=not args.no_gaps)
+    planned = plan(
+        reqs,
+        model=model,
+        models_map=models_map,
+        max_context=max_context,
+        max_output_tokens=args.max_output_tokens,
+    )
+    cfg = SimConfig(
+        devices=args.devices,
+        pool_size=args.pool_size,
+        keep_alive_s=args.keep_alive,
+        placement_timeout_s=args.placement_timeout,
+        heartbeat_s=args.heartbeat,
+        network_s=args.network_ms / 1000,
+        record_gaps=not args.no_gaps,
+    )
     calibration = None
     if args.calibrate:
         calibration = _calibrate(args.calibrate, planned, profiles, cfg)
-        profiles = {m: dataclasses.replace(p, emit_s=calibration["emit_s"])
-                    for m, p in profiles.items()}
-    print(f"{PROG}: simulating {len(planned)} of {n_trace} requests on {cfg.devices} devices "
-          f"({len(names)} model(s))", file=sys.stderr)
+        profiles = {
+            m: dataclasses.replace(p, emit_s=calibration["emit_s"]) for m, p in profiles.items()
+        }
+    print(
+        f"{PROG}: simulating {len(planned)} of {n_trace} requests on {cfg.devices} devices "
+        f"({len(names)} model(s))",
+        file=sys.stderr,
+    )
     t0 = time.perf_counter()
     results, stats = simulate(planned, profiles, cfg)
     wall = time.perf_counter() - t0
     summary = summarize(results, slo, exact_prompts=True)
     summary["run"] = {
-        "simulated": True, "trace": str(args.trace), "trace_requests": n_trace,
+        "simulated": True,
+        "trace": str(args.trace),
+        "trace_requests": n_trace,
         "config": dataclasses.asdict(cfg),
         "profiles": {m: profiles[m].to_json() for m in sorted(names)},
-        "time_scale": args.time_scale, "rate_scale": args.rate_scale, "seed": args.seed,
-        "stats": dataclasses.asdict(stats), "wall_s": round(wall, 3), "argv": sys.argv[1:],
+        "time_scale": args.time_scale,
+        "rate_scale": args.rate_scale,
+        "seed": args.seed,
+        "stats": dataclasses.asdict(stats),
+        "wall_s": round(wall, 3),
+        "argv": sys.argv[1:],
         "calibration": calibration,
     }
-    _write_run(args.out, results, summary, slo,
-               f"(simulated, {cfg.devices} devices, {Path(args.trace).name})", not args.no_plots)
-    print(f"simulated {stats.iterations} iterations, {stats.loads} loads, {stats.unloads} "
-          f"unloads, {stats.preemptions} preemptions in {wall:.1f} s")
+    _write_run(
+        args.out,
+        results,
+        summary,
+        slo,
+        f"(simulated, {cfg.devices} devices, {Path(args.trace).name})",
+        not args.no_plots,
+    )
+    print(
+        f"simulated {stats.iterations} iterations, {stats.loads} loads, {stats.unloads} "
+        f"unloads, {stats.preemptions} preemptions in {wall:.1f} s"
+    )
     return 0
 
 
@@ -305,8 +377,10 @@ def _calibrate(run_dir: Path, planned: list, profiles: dict, cfg) -> dict:
 
     real = read_results(run_dir / "requests.jsonl")
     if len(real) != len(planned):
-        raise UsageError(f"--calibrate {run_dir}: {len(real)} requests there, {len(planned)} "
-                         "here; give the same trace options as that replay")
+        raise UsageError(
+            f"--calibrate {run_dir}: {len(real)} requests there, {len(planned)} "
+            "here; give the same trace options as that replay"
+        )
     models = {p.model for p in planned}
     if len(models) != 1:
         raise UsageError("--calibrate needs a single-model run")
@@ -315,8 +389,11 @@ def _calibrate(run_dir: Path, planned: list, profiles: dict, cfg) -> dict:
         raise UsageError(f"--calibrate {run_dir}: no request there streamed two tokens")
     target = percentile(tpots, 50)
     emit_s = calibrate_emit_s(planned, profiles[models.pop()], cfg, target)
-    print(f"{PROG}: calibrated emit_s = {emit_s * 1000:.3f} ms per streamed token "
-          f"(replay TPOT p50 {target * 1000:.2f} ms)", file=sys.stderr)
+    print(
+        f"{PROG}: calibrated emit_s = {emit_s * 1000:.3f} ms per streamed token "
+        f"(replay TPOT p50 {target * 1000:.2f} ms)",
+        file=sys.stderr,
+    )
     return {"run": str(run_dir), "target_tpot_p50_s": target, "emit_s": emit_s}
 
 
@@ -325,17 +402,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from loadgen.profiling import measure_profile
     from shared.settings import Settings
 
-    overrides = {k: v for k, v in (("engine", args.engine), ("dtype", args.dtype),
-                                   ("device", args.device)) if v}
+    overrides = {
+        k: v
+        for k, v in (("engine", args.engine), ("dtype", args.dtype), ("device", args.device))
+        if v
+    }
     settings = Settings(**overrides)
     name = args.name or args.model_dir.name
-    prof = measure_profile(args.model_dir, model=name, settings=settings, reps=args.reps,
-                           log=lambda m: print(m, file=sys.stderr))
+    prof = measure_profile(
+        args.model_dir,
+        model=name,
+        settings=settings,
+        reps=args.reps,
+        log=lambda m: print(m, file=sys.stderr),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_profiles(args.out, [prof])
-    print(f"wrote {args.out}: load {prof.load_s:.1f} s, decode step "
-          f"{prof.decode_s[0] * 1000:.1f} ms at batch {prof.decode_batches[0]}, "
-          f"prefill {1 / prof.prefill_s if prof.prefill_s else float('inf'):.0f} tok/s (linear term)")
+    print(
+        f"wrote {args.out}: load {prof.load_s:.1f} s, decode step "
+        f"{prof.decode_s[0] * 1000:.1f} ms at batch {prof.decode_batches[0]}, "
+        f"prefill {1 / prof.prefill_s if prof.prefill_s else float('inf'):.0f} tok/s (linear term)"
+    )
     return 0
 
 
@@ -361,13 +448,24 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _trace_options(p: argparse.ArgumentParser) -> None:
     """What replay and simulate read from a trace, and how they scale it."""
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply inter-arrival times (0.1 = ten times faster)")
-    p.add_argument("--rate-scale", type=float, default=1.0,
-                   help="<1 thins arrivals (keeps each with this probability); >1 adds "
-                   "jittered copies with renamed prefix blocks")
-    p.add_argument("--duration", type=float, help="only requests arriving in the first S "
-                   "seconds (after scaling)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply inter-arrival times (0.1 = ten times faster)",
+    )
+    p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="<1 thins arrivals (keeps each with this probability); >1 adds "
+        "jittered copies with renamed prefix blocks",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        help="only requests arriving in the first S seconds (after scaling)",
+    )
     p.add_argument("--max-requests", type=int, help="only the first N requests")
     p.add_argument("--max-output-tokens", type=int, help="cap every output length")
     p.add_argument("--seed", type=int, default=0, help="prompt content and rate scaling")
@@ -375,49 +473,80 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
 
 def _slo_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT floor")
-    p.add_argument("--slo-ttft-per-token-s", type=float, default=1 / 512,
-                   help="TTFT allowance per input token: TTFT <= max(floor, n * this)")
+    p.add_argument(
+        "--slo-ttft-per-token-s",
+        type=float,
+        default=1 / 512,
+        help="TTFT allowance per input token: TTFT <= max(floor, n * this)",
+    )
     p.add_argument("--slo-tpot-s", type=float, default=0.25, help="TPOT limit")
-    p.add_argument("--slo", help="the same as one spec, e.g. 'ttft=1s,ttft_per_token=1/1024,"
-                   "tpot=100ms'")
+    p.add_argument(
+        "--slo", help="the same as one spec, e.g. 'ttft=1s,ttft_per_token=1/1024,tpot=100ms'"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    r = sub.add_parser("replay", formatter_class=fmt,
-                       help="replay a trace open-loop and report latencies and SLO attainment")
+    r = sub.add_parser(
+        "replay",
+        formatter_class=fmt,
+        help="replay a trace open-loop and report latencies and SLO attainment",
+    )
     r.add_argument("trace", type=Path, help=f"trace file ({', '.join(FORMATS)}; detected)")
     r.add_argument("--format", choices=FORMATS, help="skip detection")
-    r.add_argument("--url", required=True, help="OpenAI-compatible base URL, e.g. "
-                   "http://127.0.0.1:8080/v1")
+    r.add_argument(
+        "--url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8080/v1"
+    )
     r.add_argument("--model", help="send every request to this model (unless --models-map)")
     r.add_argument("--models-map", help="TRACE_MODEL=SERVED[,...]; '*=M' maps the rest")
-    r.add_argument("--tokenizer", action="append", metavar="[MODEL=]PATH",
-                   help="the target model's tokenizer (a model directory or tokenizer.json), "
-                   "for prompts of exact token lengths; repeat as MODEL=PATH per model. "
-                   "Default: $MESHSERVE_MODELS_DIR/MODEL if it has a tokenizer.json, else "
-                   "approximate lengths from common English words (the summary says "
-                   "prompt_tokens_exact: false)")
-    r.add_argument("--api", choices=("completions", "chat"), default="completions",
-                   help="completions: exact prompt lengths; chat: the chat template's "
-                   "tokens are subtracted when the tokenizer directory has the template")
-    r.add_argument("--prompt-format", choices=("text", "ids"), default="text",
-                   help="text: words that re-encode to exactly the planned ids; ids: prompt "
-                   "as a token-id list (servers that accept it: meshserve, vLLM)")
+    r.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="[MODEL=]PATH",
+        help="the target model's tokenizer (a model directory or tokenizer.json), "
+        "for prompts of exact token lengths; repeat as MODEL=PATH per model. "
+        "Default: $MESHSERVE_MODELS_DIR/MODEL if it has a tokenizer.json, else "
+        "approximate lengths from common English words (the summary says "
+        "prompt_tokens_exact: false)",
+    )
+    r.add_argument(
+        "--api",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions: exact prompt lengths; chat: the chat template's "
+        "tokens are subtracted when the tokenizer directory has the template",
+    )
+    r.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="text: words that re-encode to exactly the planned ids; ids: prompt "
+        "as a token-id list (servers that accept it: meshserve, vLLM)",
+    )
     _trace_options(r)
-    r.add_argument("--max-context", type=int, help="clip prompts to this context; default: "
-                   "the server's max_model_len from /models")
-    r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send ignore_eos (servers that reject it); outputs may then "
-                   "end before the trace's length")
+    r.add_argument(
+        "--max-context",
+        type=int,
+        help="clip prompts to this context; default: the server's max_model_len from /models",
+    )
+    r.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (servers that reject it); outputs may then "
+        "end before the trace's length",
+    )
     r.add_argument("--temperature", type=float, default=0.0)
     _slo_options(r)
-    r.add_argument("--api-key", help="bearer token; without it $OPENAI_API_KEY, else none "
-                   "that matters ('unused')")
+    r.add_argument(
+        "--api-key",
+        help="bearer token; without it $OPENAI_API_KEY, else none that matters ('unused')",
+    )
     r.add_argument("--timeout", type=float, default=600, help="per request, seconds")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--quiet", action="store_true", help="no progress line")
@@ -426,75 +555,125 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", formatter_class=fmt, help="write a synthetic trace")
     s.add_argument("--rate", type=float, default=1.0, help="conversations per second")
-    s.add_argument("--cv", type=float, default=1.0,
-                   help="coefficient of variation of inter-arrival gaps (1 Poisson, >1 bursty)")
+    s.add_argument(
+        "--cv",
+        type=float,
+        default=1.0,
+        help="coefficient of variation of inter-arrival gaps (1 Poisson, >1 bursty)",
+    )
     s.add_argument("--model", help="model name written into the trace")
-    s.add_argument("--models", help="many-model mix NAME:RATE[:CV],... (overrides "
-                   "--rate/--cv/--model): each model its own Gamma process")
+    s.add_argument(
+        "--models",
+        help="many-model mix NAME:RATE[:CV],... (overrides "
+        "--rate/--cv/--model): each model its own Gamma process",
+    )
     s.add_argument("--duration", type=float, default=60.0, help="seconds")
     s.add_argument("--max-requests", type=int)
     s.add_argument("--input-tokens", type=float, default=512, help="mean new prompt tokens")
     s.add_argument("--input-cv", type=float, default=1.0, help="log-normal cv; 0 = constant")
     s.add_argument("--output-tokens", type=float, default=128, help="mean output tokens")
     s.add_argument("--output-cv", type=float, default=1.0)
-    s.add_argument("--turns", type=float, default=1.0,
-                   help="mean turns per conversation (geometric); each turn's prompt extends "
-                   "the previous turn's prompt and output")
-    s.add_argument("--think-time", type=float, default=10.0,
-                   help="mean seconds between turns (exponential)")
-    s.add_argument("--system-prompt-tokens", type=int, default=0,
-                   help="a prefix shared by every request of a model")
+    s.add_argument(
+        "--turns",
+        type=float,
+        default=1.0,
+        help="mean turns per conversation (geometric); each turn's prompt extends "
+        "the previous turn's prompt and output",
+    )
+    s.add_argument(
+        "--think-time", type=float, default=10.0, help="mean seconds between turns (exponential)"
+    )
+    s.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=0,
+        help="a prefix shared by every request of a model",
+    )
     s.add_argument("--block-size", type=int, default=16, help="tokens per hash id")
-    s.add_argument("--max-input-tokens", type=int, default=32768,
-                   help="a conversation ends before its prompt passes this")
+    s.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=32768,
+        help="a conversation ends before its prompt passes this",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", type=Path, required=True, help="JSONL trace to write")
     s.set_defaults(func=cmd_synth)
 
     c = sub.add_parser("compare", help="runs side by side, with overlaid latency CDFs")
     c.add_argument("runs", type=Path, nargs="+", help="directories written by replay")
-    c.add_argument("--plot", type=Path, default=Path("compare.png"),
-                   help="PNG to write (default compare.png)")
+    c.add_argument(
+        "--plot", type=Path, default=Path("compare.png"), help="PNG to write (default compare.png)"
+    )
     c.set_defaults(func=cmd_compare)
 
-    m = sub.add_parser("simulate", formatter_class=fmt,
-                       help="replay a trace through the project's placement, scaling and "
-                       "batching policies on simulated devices with a profiled cost model")
+    m = sub.add_parser(
+        "simulate",
+        formatter_class=fmt,
+        help="replay a trace through the project's placement, scaling and "
+        "batching policies on simulated devices with a profiled cost model",
+    )
     m.add_argument("trace", type=Path, help=f"trace file ({', '.join(FORMATS)}; detected)")
     m.add_argument("--format", choices=FORMATS, help="skip detection")
-    m.add_argument("--model", help="every request is for this model (default: the trace's "
-                   "names, or the only profile's model)")
+    m.add_argument(
+        "--model",
+        help="every request is for this model (default: the trace's "
+        "names, or the only profile's model)",
+    )
     m.add_argument("--models-map", help="TRACE_MODEL=SERVED[,...]; '*=M' maps the rest")
-    m.add_argument("--profile", type=Path, help="engine cost profile(s) written by "
-                   "`profile` (default: the Qwen2-0.5B-shaped torch bf16 profile measured "
-                   "on the 2-core dev host, in loadgen/profiles/)")
-    m.add_argument("--profile-for", metavar="MODEL", help="use this profile for every model "
-                   "without its own (many-model traces)")
+    m.add_argument(
+        "--profile",
+        type=Path,
+        help="engine cost profile(s) written by "
+        "`profile` (default: the Qwen2-0.5B-shaped torch bf16 profile measured "
+        "on the 2-core dev host, in loadgen/profiles/)",
+    )
+    m.add_argument(
+        "--profile-for",
+        metavar="MODEL",
+        help="use this profile for every model without its own (many-model traces)",
+    )
     m.add_argument("--devices", type=int, default=4, help="TEs in the fleet")
     m.add_argument("--pool-size", type=int, default=4, help="TEs per node pool")
-    m.add_argument("--keep-alive", type=float, default=60.0,
-                   help="seconds idle before scale to zero")
-    m.add_argument("--placement-timeout", type=float, default=60.0,
-                   help="seconds a job waits for an instance before it fails (503)")
+    m.add_argument(
+        "--keep-alive", type=float, default=60.0, help="seconds idle before scale to zero"
+    )
+    m.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a job waits for an instance before it fails (503)",
+    )
     m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")
-    m.add_argument("--calibrate", type=Path, metavar="RUN_DIR",
-                   help="fit the profile's per-token serving cost (emit_s) so that the "
-                   "simulated TPOT p50 matches this replay of the same requests")
-    m.add_argument("--no-gaps", action="store_true",
-                   help="do not keep inter-token gaps (large runs: 8 bytes per token)")
+    m.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="RUN_DIR",
+        help="fit the profile's per-token serving cost (emit_s) so that the "
+        "simulated TPOT p50 matches this replay of the same requests",
+    )
+    m.add_argument(
+        "--no-gaps",
+        action="store_true",
+        help="do not keep inter-token gaps (large runs: 8 bytes per token)",
+    )
     _trace_options(m)
     _slo_options(m)
     m.add_argument("--no-plots", action="store_true")
     m.add_argument("--out", type=Path, required=True, help="directory for the results")
     m.set_defaults(func=cmd_simulate)
 
-    f = sub.add_parser("profile", formatter_class=fmt,
-                       help="measure an engine's cost profile for simulate")
+    f = sub.add_parser(
+        "profile", formatter_class=fmt, help="measure an engine's cost profile for simulate"
+    )
     f.add_argument("model_dir", type=Path, help="an HF checkpoint directory")
     f.add_argument("--name", help="model name in the profile (default: the directory name)")
-    f.add_argument("--engine", choices=("torch", "openvino", "vllm"),
-                   help="default: MESHSERVE_ENGINE or auto, as a TE would choose")
+    f.add_argument(
+        "--engine",
+        choices=("torch", "openvino", "vllm"),
+        help="default: MESHSERVE_ENGINE or auto, as a TE would choose",
+    )
     f.add_argument("--dtype", help="default: MESHSERVE_DTYPE")
     f.add_argument("--device", help="default: MESHSERVE_DEVICE")
     f.add_argument("--reps", type=int, default=3)

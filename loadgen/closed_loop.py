@@ -16,9 +16,13 @@ from loadgen.stats import summary
 
 
 async def run_closed_loop(args: argparse.Namespace) -> list[Record]:
-    body = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}],
-            "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos}
+    body = {
+        "model": args.model,
+        "messages": [{"role": "user", "content": args.prompt}],
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": args.ignore_eos,
+    }
     records: list[Record] = []
     todo = iter(range(args.requests))
     timeout = aiohttp.ClientTimeout(total=args.timeout)

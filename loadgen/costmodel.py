@@ -127,9 +127,11 @@ def load_profiles(path: Path | str) -> dict[str, EngineProfile]:
 
 
 def save_profiles(path: Path | str, profiles: list[EngineProfile]) -> None:
-    body = profiles[0].to_json() if len(profiles) == 1 else {
-        "profiles": [p.to_json() for p in profiles]
-    }
+    body = (
+        profiles[0].to_json()
+        if len(profiles) == 1
+        else {"profiles": [p.to_json() for p in profiles]}
+    )
     Path(path).write_text(json.dumps(body, indent=2) + "\n")
 
 

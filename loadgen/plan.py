@@ -64,7 +64,10 @@ def served_model(trace_model: str | None, model: str | None, models_map: Mapping
 
 
 def fit(
-    input_tokens: int, output_tokens: int, *, max_context: int | None,
+    input_tokens: int,
+    output_tokens: int,
+    *,
+    max_context: int | None,
     max_output_tokens: int | None = None,
 ) -> tuple[int, int, bool, bool]:
     """Lengths that a model of ``max_context`` tokens accepts: a prompt of at least one
@@ -102,12 +105,27 @@ def plan(
     out = []
     for i, r in enumerate(reqs):
         m = served_model(r.model, model, models_map)
-        inp, outp, cp, co = fit(r.input_tokens, r.output_tokens, max_context=max_context.get(m),
-                                max_output_tokens=max_output_tokens)
-        out.append(Planned(
-            index=i, arrival_s=r.arrival_s, model=m, input_tokens=inp, output_tokens=outp,
-            trace_input_tokens=r.input_tokens, trace_output_tokens=r.output_tokens,
-            clipped_prompt=cp, clipped_output=co, hash_ids=r.hash_ids,
-            block_size=r.block_size, trace_model=r.model, session_id=r.session_id,
-        ))
+        inp, outp, cp, co = fit(
+            r.input_tokens,
+            r.output_tokens,
+            max_context=max_context.get(m),
+            max_output_tokens=max_output_tokens,
+        )
+        out.append(
+            Planned(
+                index=i,
+                arrival_s=r.arrival_s,
+                model=m,
+                input_tokens=inp,
+                output_tokens=outp,
+                trace_input_tokens=r.input_tokens,
+                trace_output_tokens=r.output_tokens,
+                clipped_prompt=cp,
+                clipped_output=co,
+                hash_ids=r.hash_ids,
+                block_size=r.block_size,
+                trace_model=r.model,
+                session_id=r.session_id,
+            )
+        )
     return out

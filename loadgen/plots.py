@@ -90,8 +90,14 @@ def plot_run(results: Sequence[Result], slo: SLO, out_dir: Path, title: str = ""
     ax.set_xlabel("time (s from start)")
     ax.set_ylabel("output tokens/s")
     ax2 = ax.twinx()
-    ax2.plot(ts, tl["sent_rps"], drawstyle="steps-mid", color="tab:orange", alpha=0.7,
-             label="requests sent/s")
+    ax2.plot(
+        ts,
+        tl["sent_rps"],
+        drawstyle="steps-mid",
+        color="tab:orange",
+        alpha=0.7,
+        label="requests sent/s",
+    )
     ax2.set_ylabel("requests sent/s")
     ax.grid(alpha=0.3)
     lines = ax.get_legend_handles_labels()

@@ -25,10 +25,13 @@ from shared.settings import Settings
 
 
 def _prefill_s(engine: Engine, rng: random.Random, vocab: int, length: int) -> float:
-    engine.add_request(EngineRequest(
-        f"p{rng.random()}", [rng.randrange(vocab) for _ in range(length)],
-        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-    ))
+    engine.add_request(
+        EngineRequest(
+            f"p{rng.random()}",
+            [rng.randrange(vocab) for _ in range(length)],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+    )
     t = time.perf_counter()
     while engine.has_work():
         engine.step()
@@ -41,10 +44,13 @@ def _decode_step_s(
     """Median step time of ``batch`` requests decoding at about ``context`` tokens."""
     tag = f"d{rng.random()}"
     for i in range(batch):
-        engine.add_request(EngineRequest(
-            f"{tag}-{i}", [rng.randrange(vocab) for _ in range(context)],
-            SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True),
-        ))
+        engine.add_request(
+            EngineRequest(
+                f"{tag}-{i}",
+                [rng.randrange(vocab) for _ in range(context)],
+                SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True),
+            )
+        )
     times = []
     while engine.has_work():
         running_before = engine.stats().running
@@ -103,31 +109,49 @@ def measure_profile(
         prefill_lengths = [n for n in prefill_lengths if n < max_len]
         long_context = min(long_context, max_len - steps - 4)
         _prefill_s(engine, rng, vocab, min(64, max_len - 1))  # warm-up
-        pre = [statistics.median(_prefill_s(engine, rng, vocab, n) for _ in range(reps))
-               for n in prefill_lengths]
+        pre = [
+            statistics.median(_prefill_s(engine, rng, vocab, n) for _ in range(reps))
+            for n in prefill_lengths
+        ]
         log(f"prefill {dict(zip(prefill_lengths, [round(t, 4) for t in pre], strict=True))}")
         a, b = fit_prefill(prefill_lengths, pre)
         short = [_decode_step_s(engine, rng, vocab, bsz, short_context, steps) for bsz in batches]
         log(f"decode step at {short_context} tokens {dict(zip(batches, short, strict=True))}")
         long_b = max(x for x in batches if x <= 8)
         long_t = _decode_step_s(engine, rng, vocab, long_b, long_context, steps)
-        ctx_s = max(0.0, (long_t - short[list(batches).index(long_b)])
-                    / (long_b * (long_context - short_context)))
+        ctx_s = max(
+            0.0,
+            (long_t - short[list(batches).index(long_b)])
+            / (long_b * (long_context - short_context)),
+        )
         log(f"decode step at {long_context} tokens, batch {long_b}: {long_t:.4f}s")
         st = engine.stats()
         return EngineProfile(
-            model=model, load_s=load_s, decode_batches=tuple(batches), decode_s=tuple(short),
-            decode_ctx_s=ctx_s, prefill_s=a, prefill_s2=b, max_num_seqs=settings.max_num_seqs,
+            model=model,
+            load_s=load_s,
+            decode_batches=tuple(batches),
+            decode_s=tuple(short),
+            decode_ctx_s=ctx_s,
+            prefill_s=a,
+            prefill_s2=b,
+            max_num_seqs=settings.max_num_seqs,
             max_prefill_tokens=getattr(engine, "max_prefill_tokens", 2048),
             chunked_prefill=getattr(engine, "chunked_prefill", False),
-            kv_blocks=st.total_kv_blocks, block_size=getattr(engine, "block_size", 16),
+            kv_blocks=st.total_kv_blocks,
+            block_size=getattr(engine, "block_size", 16),
             max_model_len=max_len,
             source={
-                "engine": engine.name, "device": engine.device, "dtype": settings.dtype,
-                "model_dir": str(model_dir), "measured_at": time.strftime("%Y-%m-%d %H:%M"),
-                "prefill_lengths": list(prefill_lengths), "prefill_s": pre,
-                "long_context": long_context, "long_context_batch": long_b,
-                "long_context_step_s": long_t, "chosen_engine": choose_engine(settings),
+                "engine": engine.name,
+                "device": engine.device,
+                "dtype": settings.dtype,
+                "model_dir": str(model_dir),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M"),
+                "prefill_lengths": list(prefill_lengths),
+                "prefill_s": pre,
+                "long_context": long_context,
+                "long_context_batch": long_b,
+                "long_context_step_s": long_t,
+                "chosen_engine": choose_engine(settings),
             },
         )
     finally:

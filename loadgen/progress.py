@@ -11,8 +11,14 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True,
-                 interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        *,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        interval_s: float | None = None,
+    ) -> None:
         self.total = total
         self.stream = stream or sys.stderr
         self.enabled = enabled
@@ -27,8 +33,10 @@ class Progress:
         width = 24
         filled = int(width * self.done / self.total) if self.total else width
         bar = "#" * filled + "." * (width - filled)
-        return (f"[{bar}] {self.done}/{self.total} done, {self.sent - self.done} in flight, "
-                f"{self.failed} failed, {elapsed:.0f}s")
+        return (
+            f"[{bar}] {self.done}/{self.total} done, {self.sent - self.done} in flight, "
+            f"{self.failed} failed, {elapsed:.0f}s"
+        )
 
     def update(self, *, sent: int = 0, done: int = 0, failed: int = 0, force: bool = False) -> None:
         self.sent += sent

@@ -115,27 +115,34 @@ def tokenizer_pool(path: Path | str, *, seed: int = 0, need_text: bool = True) -
     rng.shuffle(cands)
     seq: list[int] = []
     for w in range(0, len(cands), 512):
-        window = cands[w:w + 512]
+        window = cands[w : w + 512]
         for _ in range(len(window)):
             text = raw.decode(window, skip_special_tokens=False)
             back = raw.encode(text, add_special_tokens=False).ids
             if back == window:
                 break
-            k = next((k for k, (a, b) in enumerate(zip(window, back, strict=False)) if a != b),
-                     min(len(window), len(back)))
-            del window[max(0, k - 1):k + 1]
+            k = next(
+                (k for k, (a, b) in enumerate(zip(window, back, strict=False)) if a != b),
+                min(len(window), len(back)),
+            )
+            del window[max(0, k - 1) : k + 1]
         else:
             window = []
         seq.extend(window)
-    if seq and raw.encode(raw.decode(seq, skip_special_tokens=False),
-                          add_special_tokens=False).ids != seq:
+    if (
+        seq
+        and raw.encode(raw.decode(seq, skip_special_tokens=False), add_special_tokens=False).ids
+        != seq
+    ):
         seq = []  # words that pass alone and in windows but merge across them: give up
     cands = sorted(seq)
     if len(cands) < 64 and not need_text:
         cands = ids
     if len(cands) < 64:
-        raise PromptError(f"{path}: only {len(cands)} whole-word tokens that re-encode to "
-                          "themselves; exact text prompts need 64 (use --prompt-format ids)")
+        raise PromptError(
+            f"{path}: only {len(cands)} whole-word tokens that re-encode to "
+            "themselves; exact text prompts need 64 (use --prompt-format ids)"
+        )
     leading = tuple(raw.encode("", add_special_tokens=True).ids)
 
     def decode(seq: Sequence[int]) -> str:
@@ -143,13 +150,23 @@ def tokenizer_pool(path: Path | str, *, seed: int = 0, need_text: bool = True) -
 
     chat_count = None
     if model_tok is not None and model_tok.has_chat_template:
+
         def chat_count(text: str) -> int:
-            return len(model_tok.encode_chat([{"role": "user", "content": text}],
-                                             add_generation_prompt=True))
+            return len(
+                model_tok.encode_chat(
+                    [{"role": "user", "content": text}], add_generation_prompt=True
+                )
+            )
 
     m = _n_markers(len(cands))
-    return TokenPool(markers=tuple(cands[:m]), digits=tuple(cands[m:]), leading=leading,
-                     decode=decode, exact=True, chat_count=chat_count)
+    return TokenPool(
+        markers=tuple(cands[:m]),
+        digits=tuple(cands[m:]),
+        leading=leading,
+        decode=decode,
+        exact=True,
+        chat_count=chat_count,
+    )
 
 
 _COMMON_WORDS = (
@@ -175,8 +192,13 @@ def approximate_pool() -> TokenPool:
         return "".join(" " + words[i] for i in seq).lstrip()
 
     m = _n_markers(len(words))
-    return TokenPool(markers=tuple(range(m)), digits=tuple(range(m, len(words))), leading=(),
-                     decode=decode, exact=False)
+    return TokenPool(
+        markers=tuple(range(m)),
+        digits=tuple(range(m, len(words))),
+        leading=(),
+        decode=decode,
+        exact=False,
+    )
 
 
 def _n_markers(pool_size: int) -> int:
@@ -214,8 +236,14 @@ def unique_ids(pool: TokenPool, key: str, n: int, seed: int = 0) -> list[int]:
 
 
 def content_ids(
-    pool: TokenPool, n: int, hash_ids: Sequence[int], block_size: int, key: str, seed: int = 0,
-    *, skip: int = 0,
+    pool: TokenPool,
+    n: int,
+    hash_ids: Sequence[int],
+    block_size: int,
+    key: str,
+    seed: int = 0,
+    *,
+    skip: int = 0,
 ) -> list[int]:
     """``n`` content tokens: the blocks of ``hash_ids`` (cut at ``n``), then a unique rest.
     The first block is ``skip`` tokens short: the room the leading specials take."""
@@ -232,13 +260,17 @@ def content_ids(
 
 
 def prompt_ids(
-    pool: TokenPool, n: int, hash_ids: Sequence[int], block_size: int, key: str, seed: int = 0,
+    pool: TokenPool,
+    n: int,
+    hash_ids: Sequence[int],
+    block_size: int,
+    key: str,
+    seed: int = 0,
 ) -> list[int]:
     """The ``n`` token ids a server sees for the prompt: the tokenizer's leading specials,
     then content laid out so that block ``i`` covers positions ``[i*bs, (i+1)*bs)``."""
     lead = list(pool.leading[:n])
-    return lead + content_ids(pool, n - len(lead), hash_ids, block_size, key, seed,
-                              skip=len(lead))
+    return lead + content_ids(pool, n - len(lead), hash_ids, block_size, key, seed, skip=len(lead))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +283,14 @@ class Prompt:
 
 
 def make_prompt(
-    pool: TokenPool, api: str, fmt: str, n: int, hash_ids: Sequence[int], block_size: int,
-    key: str, seed: int = 0,
+    pool: TokenPool,
+    api: str,
+    fmt: str,
+    n: int,
+    hash_ids: Sequence[int],
+    block_size: int,
+    key: str,
+    seed: int = 0,
 ) -> Prompt:
     """The prompt part of the body for ``api`` (``completions`` or ``chat``) in ``fmt``
     (``text`` or ``ids``; chat is always text).
@@ -269,7 +307,7 @@ def make_prompt(
             if not pool.exact:
                 raise PromptError("--prompt-format ids needs the target's --tokenizer")
             return Prompt({"prompt": ids}, n)
-        content = ids[len(pool.leading):] if n > len(pool.leading) else []
+        content = ids[len(pool.leading) :] if n > len(pool.leading) else []
         return Prompt({"prompt": pool.decode(content)}, n if pool.exact else None)
     if api != "chat":
         raise ValueError(f"unknown api {api!r}")

@@ -47,12 +47,14 @@ async def list_models(
     do, as ``max_model_len``), their context length."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as s, s.get(
-            f"{url}/models", headers={"Authorization": f"Bearer {api_key}"}
-        ) as r:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as s,
+            s.get(f"{url}/models", headers={"Authorization": f"Bearer {api_key}"}) as r,
+        ):
             if r.status != 200:
-                raise EndpointError(f"GET {url}/models answered HTTP {r.status}: "
-                                    f"{(await r.text())[:200]}")
+                raise EndpointError(
+                    f"GET {url}/models answered HTTP {r.status}: {(await r.text())[:200]}"
+                )
             body = await r.json(content_type=None)
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
         raise EndpointError(f"cannot reach {url}: {type(e).__name__}: {e}") from e
@@ -71,10 +73,22 @@ async def list_models(
 
 def request_body(p: Planned, pool: TokenPool, opts: SendOptions) -> tuple[dict, int | None]:
     """The JSON body for ``p`` and the prompt length the server should count."""
-    prompt = make_prompt(pool, opts.api, opts.prompt_format, p.input_tokens, p.hash_ids,
-                         p.block_size, p.key, opts.seed)
-    body = {"model": p.model, **prompt.body, "max_tokens": p.output_tokens,
-            "temperature": opts.temperature}
+    prompt = make_prompt(
+        pool,
+        opts.api,
+        opts.prompt_format,
+        p.input_tokens,
+        p.hash_ids,
+        p.block_size,
+        p.key,
+        opts.seed,
+    )
+    body = {
+        "model": p.model,
+        **prompt.body,
+        "max_tokens": p.output_tokens,
+        "temperature": opts.temperature,
+    }
     if opts.ignore_eos:
         body["ignore_eos"] = True
     return body, prompt.tokens
@@ -91,14 +105,26 @@ def _result(p: Planned, sent_s: float, expected: int | None, rec: Record) -> Res
         # were tokens, and that last "gap" is no inter-token gap.
         gaps = gaps[: completion - 1]
     return Result(
-        index=p.index, model=p.model, scheduled_s=p.arrival_s, sent_s=sent_s,
+        index=p.index,
+        model=p.model,
+        scheduled_s=p.arrival_s,
+        sent_s=sent_s,
         input_tokens=expected if expected is not None else p.input_tokens,
-        output_tokens=p.output_tokens, trace_input_tokens=p.trace_input_tokens,
-        trace_output_tokens=p.trace_output_tokens, clipped_prompt=p.clipped_prompt,
-        clipped_output=p.clipped_output, prompt_tokens=rec.prompt_tokens,
-        completion_tokens=completion, cached_tokens=rec.cached_tokens, ttft_s=rec.ttft_s,
-        e2e_s=rec.e2e_s if rec.error is None else None, gaps_s=gaps,
-        status=rec.status, error=rec.error, trace_model=p.trace_model, session_id=p.session_id,
+        output_tokens=p.output_tokens,
+        trace_input_tokens=p.trace_input_tokens,
+        trace_output_tokens=p.trace_output_tokens,
+        clipped_prompt=p.clipped_prompt,
+        clipped_output=p.clipped_output,
+        prompt_tokens=rec.prompt_tokens,
+        completion_tokens=completion,
+        cached_tokens=rec.cached_tokens,
+        ttft_s=rec.ttft_s,
+        e2e_s=rec.e2e_s if rec.error is None else None,
+        gaps_s=gaps,
+        status=rec.status,
+        error=rec.error,
+        trace_model=p.trace_model,
+        session_id=p.session_id,
     )
 
 

@@ -33,8 +33,10 @@ def run_span_s(results: Sequence[Result]) -> float:
 
 
 def slo_met(results: Sequence[Result], slo: SLO) -> list[bool]:
-    return [slo.met(ok=r.ok, input_tokens=r.slo_input_tokens, ttft_s=r.ttft_s, tpot_s=r.tpot_s)
-            for r in results]
+    return [
+        slo.met(ok=r.ok, input_tokens=r.slo_input_tokens, ttft_s=r.ttft_s, tpot_s=r.tpot_s)
+        for r in results
+    ]
 
 
 def metrics(results: Sequence[Result], slo: SLO, duration_s: float) -> dict[str, Any]:
@@ -71,31 +73,39 @@ def summarize(results: Sequence[Result], slo: SLO, *, exact_prompts: bool = True
     out = metrics(results, slo, duration)
     ok = [r for r in results if r.ok]
     lags = [r.lag_s for r in results]
-    out.update({
-        "duration_s": round(duration, 3),
-        "slo": {**slo.to_json(), "text": slo.describe()},
-        "clipped_prompts": sum(r.clipped_prompt for r in results),
-        "clipped_outputs": sum(r.clipped_output for r in results),
-        "prompt_tokens_exact": exact_prompts,
-        "prompt_token_mismatches": sum(
-            1 for r in ok if r.prompt_tokens and r.prompt_tokens != r.input_tokens
-        ) if exact_prompts else None,
-        "output_token_mismatches": sum(1 for r in ok if r.completion_tokens != r.output_tokens),
-        "send_lag_ms": {"p50": round(percentile(lags, 50) * 1000, 2) if lags else None,
-                        "p99": round(percentile(lags, 99) * 1000, 2) if lags else None,
-                        "max": round(max(lags) * 1000, 2) if lags else None},
-        "errors": sorted({r.error for r in results if r.error})[:5],
-    })
+    out.update(
+        {
+            "duration_s": round(duration, 3),
+            "slo": {**slo.to_json(), "text": slo.describe()},
+            "clipped_prompts": sum(r.clipped_prompt for r in results),
+            "clipped_outputs": sum(r.clipped_output for r in results),
+            "prompt_tokens_exact": exact_prompts,
+            "prompt_token_mismatches": sum(
+                1 for r in ok if r.prompt_tokens and r.prompt_tokens != r.input_tokens
+            )
+            if exact_prompts
+            else None,
+            "output_token_mismatches": sum(1 for r in ok if r.completion_tokens != r.output_tokens),
+            "send_lag_ms": {
+                "p50": round(percentile(lags, 50) * 1000, 2) if lags else None,
+                "p99": round(percentile(lags, 99) * 1000, 2) if lags else None,
+                "max": round(max(lags) * 1000, 2) if lags else None,
+            },
+            "errors": sorted({r.error for r in results if r.error})[:5],
+        }
+    )
     models = sorted({r.model for r in results})
-    out["per_model"] = {m: metrics([r for r in results if r.model == m], slo, duration)
-                        for m in models}
+    out["per_model"] = {
+        m: metrics([r for r in results if r.model == m], slo, duration) for m in models
+    }
     # A mix mapped onto fewer served models (--models-map a=demo,b=demo) is still reported
     # per function of the trace.
     trace_models = sorted({r.trace_model for r in results if r.trace_model is not None})
     if trace_models and trace_models != models:
         out["per_trace_model"] = {
             m: metrics([r for r in results if r.trace_model == m], slo, duration)
-            for m in trace_models}
+            for m in trace_models
+        }
     return out
 
 
@@ -165,15 +175,16 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         return str(v)
 
     names = list(rows)
-    keys: list[tuple[str, tuple[str, ...]]] = [("requests", ("requests",)),
-                                               ("failed", ("failed",))]
+    keys: list[tuple[str, tuple[str, ...]]] = [("requests", ("requests",)), ("failed", ("failed",))]
     for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for p in PERCENTILES:
             keys.append((f"{metric[:-3]} p{p} (ms)", (metric, f"p{p}")))
-    keys += [("SLO attainment", ("slo_attainment",)),
-             ("throughput (tok/s)", ("throughput_tok_s",)),
-             ("goodput (req/s)", ("goodput_rps",)),
-             ("duration (s)", ("duration_s",))]
+    keys += [
+        ("SLO attainment", ("slo_attainment",)),
+        ("throughput (tok/s)", ("throughput_tok_s",)),
+        ("goodput (req/s)", ("goodput_rps",)),
+        ("duration (s)", ("duration_s",)),
+    ]
     for label, path in keys:
         vals = []
         for n in names:
@@ -186,6 +197,9 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     widths = [max(len(n), *(len(v[i]) for _, v in lines)) for i, n in enumerate(names)]
     out = [" " * w0 + "  " + "  ".join(n.rjust(w) for n, w in zip(names, widths, strict=True))]
     for label, vals in lines:
-        out.append(label.ljust(w0) + "  " + "  ".join(
-            v.rjust(w) for v, w in zip(vals, widths, strict=True)))
+        out.append(
+            label.ljust(w0)
+            + "  "
+            + "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))
+        )
     return "\n".join(out)

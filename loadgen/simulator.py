@@ -104,11 +104,19 @@ class _TE:
 
     def heartbeat(self, now: float) -> TEHeartbeat:
         return TEHeartbeat(
-            te_id=self.te_id, pool_id=self.pool_id, host="sim", pid=0, state=self.state,
-            started_at=EPOCH, model=self.model, running=len(self.running),
-            waiting=len(self.waiting), free_kv_blocks=self.free_blocks,
+            te_id=self.te_id,
+            pool_id=self.pool_id,
+            host="sim",
+            pid=0,
+            state=self.state,
+            started_at=EPOCH,
+            model=self.model,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            free_kv_blocks=self.free_blocks,
             total_kv_blocks=self.profile.kv_blocks if self.profile else 0,
-            last_active=self.last_active, sent_at=now,
+            last_active=self.last_active,
+            sent_at=now,
         )
 
 
@@ -154,8 +162,12 @@ class Simulation:
             self._at(EPOCH + p.arrival_s, "arrive", p)
         self._at(EPOCH + self.cfg.heartbeat_s, "heartbeat")
         handlers = {
-            "arrive": self._arrive, "place": self._place_held, "iteration": self._iteration_done,
-            "loaded": self._loaded, "heartbeat": self._heartbeat, "scaler": self._scaler_tick,
+            "arrive": self._arrive,
+            "place": self._place_held,
+            "iteration": self._iteration_done,
+            "loaded": self._loaded,
+            "heartbeat": self._heartbeat,
+            "scaler": self._scaler_tick,
             "expire": self._expire,
         }
         while self._events:
@@ -175,11 +187,18 @@ class Simulation:
     def _arrive(self, p: Planned) -> None:
         t = self.now - EPOCH
         result = Result(
-            index=p.index, model=p.model, scheduled_s=p.arrival_s, sent_s=t,
-            input_tokens=p.input_tokens, output_tokens=p.output_tokens,
-            trace_input_tokens=p.trace_input_tokens, trace_output_tokens=p.trace_output_tokens,
-            clipped_prompt=p.clipped_prompt, clipped_output=p.clipped_output,
-            trace_model=p.trace_model, session_id=p.session_id,
+            index=p.index,
+            model=p.model,
+            scheduled_s=p.arrival_s,
+            sent_s=t,
+            input_tokens=p.input_tokens,
+            output_tokens=p.output_tokens,
+            trace_input_tokens=p.trace_input_tokens,
+            trace_output_tokens=p.trace_output_tokens,
+            clipped_prompt=p.clipped_prompt,
+            clipped_output=p.clipped_output,
+            trace_model=p.trace_model,
+            session_id=p.session_id,
         )
         self.results.append(result)
         seq = _Seq(plan=p, result=result, prompt=p.input_tokens)
@@ -285,8 +304,10 @@ class Simulation:
                 self._state_changed(te)
                 self.stats.loads += 1
                 self._at(self.now + self.cfg.network_s + profile.load_s, "loaded", (te, te.epoch))
-            elif isinstance(action, Unload) and te.state == TEState.READY and not (
-                te.running or te.waiting or te.busy
+            elif (
+                isinstance(action, Unload)
+                and te.state == TEState.READY
+                and not (te.running or te.waiting or te.busy)
             ):
                 te.state, te.model, te.profile = TEState.IDLE, None, None
                 te.epoch += 1
@@ -333,9 +354,12 @@ class Simulation:
         # the head of the queue can matter (a long queue would make every iteration O(n)).
         head = itertools.islice(te.waiting, prof.max_num_seqs)
         waiting = [SeqView(str(id(s)), s.prompt, 0) for s in head]
-        sched = SchedulerConfig(block_size=bs, max_num_seqs=prof.max_num_seqs,
-                                max_prefill_tokens=prof.max_prefill_tokens,
-                                chunked_prefill=prof.chunked_prefill)
+        sched = SchedulerConfig(
+            block_size=bs,
+            max_num_seqs=prof.max_num_seqs,
+            max_prefill_tokens=prof.max_prefill_tokens,
+            chunked_prefill=prof.chunked_prefill,
+        )
         decision = schedule(running, waiting, te.free_blocks, sched)
         if decision.preempt:
             gone = set(decision.preempt)

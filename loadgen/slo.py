@@ -52,12 +52,14 @@ def parse_slo(spec: str, base: SLO | None = None) -> SLO:
             continue
         m = _SPEC.match(part)
         if not m:
-            raise ValueError(f"bad SLO term {part!r} (want ttft=2s, ttft_per_token=1/512, "
-                             "tpot=250ms)")
+            raise ValueError(
+                f"bad SLO term {part!r} (want ttft=2s, ttft_per_token=1/512, tpot=250ms)"
+            )
         key, value, unit = m.group(1), float(m.group(2)), m.group(3) or "s"
         value = value / 1000 if unit == "ms" else value
-        field = {"ttft": "ttft_s", "ttft_per_token": "ttft_per_input_token_s",
-                 "tpot": "tpot_s"}[key]
+        field = {"ttft": "ttft_s", "ttft_per_token": "ttft_per_input_token_s", "tpot": "tpot_s"}[
+            key
+        ]
         out = dataclasses.replace(out, **{field: value})
     return out
 

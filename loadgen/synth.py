@@ -61,7 +61,9 @@ def parse_models(spec: str) -> list[ModelSpec]:
         if len(bits) not in (2, 3) or not bits[0]:
             raise ValueError(f"bad model spec {part!r} (want NAME:RATE[:CV])")
         try:
-            out.append(ModelSpec(bits[0], float(bits[1]), float(bits[2]) if len(bits) == 3 else 1.0))
+            out.append(
+                ModelSpec(bits[0], float(bits[1]), float(bits[2]) if len(bits) == 3 else 1.0)
+            )
         except ValueError as e:
             raise ValueError(f"bad model spec {part!r}: {e}") from e
     if not out:
@@ -127,10 +129,18 @@ def synthesize(spec: SynthSpec, seed: int = 0) -> list[TraceRequest]:
                 out_len = lognormal_int(spec.output_mean, spec.output_cv, rng)
                 ids = prev_ids[:prev_full]
                 ids += [next(next_id) for _ in range(math.ceil(inp / bs) - len(ids))]
-                out.append(TraceRequest(
-                    arrival_s=t, input_tokens=inp, output_tokens=out_len, model=m.name,
-                    hash_ids=tuple(ids), block_size=bs, session_id=session, turn=turn,
-                ))
+                out.append(
+                    TraceRequest(
+                        arrival_s=t,
+                        input_tokens=inp,
+                        output_tokens=out_len,
+                        model=m.name,
+                        hash_ids=tuple(ids),
+                        block_size=bs,
+                        session_id=session,
+                        turn=turn,
+                    )
+                )
                 if spec.turns_mean <= 1 or rng.random() < 1 / spec.turns_mean:
                     break
                 prev_ids, prev_full = ids, inp // bs

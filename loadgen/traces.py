@@ -57,9 +57,11 @@ class TraceRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The ``meshserve`` JSONL line for this request (defaults left out)."""
-        out: dict[str, Any] = {"arrival_s": round(self.arrival_s, 6),
-                               "input_length": self.input_tokens,
-                               "output_length": self.output_tokens}
+        out: dict[str, Any] = {
+            "arrival_s": round(self.arrival_s, 6),
+            "input_length": self.input_tokens,
+            "output_length": self.output_tokens,
+        }
         for f in ("model", "session_id", "turn", "request_id", "parent_id", "kind"):
             if (v := getattr(self, f)) is not None:
                 out[f] = v
@@ -190,39 +192,52 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def _azure(path: Path) -> Iterator[TraceRequest]:
     for n, row in _csv_rows(path):
-        yield _row(path, n, lambda row=row: TraceRequest(
-            arrival_s=_time_s(row["timestamp"]),
-            input_tokens=_int(row["contexttokens"], "ContextTokens"),
-            output_tokens=_int(row["generatedtokens"], "GeneratedTokens"),
-        ))
+        yield _row(
+            path,
+            n,
+            lambda row=row: TraceRequest(
+                arrival_s=_time_s(row["timestamp"]),
+                input_tokens=_int(row["contexttokens"], "ContextTokens"),
+                output_tokens=_int(row["generatedtokens"], "GeneratedTokens"),
+            ),
+        )
 
 
 def _burstgpt(path: Path) -> Iterator[TraceRequest]:
     for n, row in _csv_rows(path):
-        yield _row(path, n, lambda row=row: TraceRequest(
-            arrival_s=_time_s(row["timestamp"]),
-            input_tokens=_int(row["request tokens"], "Request tokens"),
-            output_tokens=_int(row["response tokens"], "Response tokens"),
-            model=_str_or_none(row.get("model")),
-            session_id=_str_or_none(row.get("session id")),
-            kind=_str_or_none(row.get("log type")),
-        ))
+        yield _row(
+            path,
+            n,
+            lambda row=row: TraceRequest(
+                arrival_s=_time_s(row["timestamp"]),
+                input_tokens=_int(row["request tokens"], "Request tokens"),
+                output_tokens=_int(row["response tokens"], "Response tokens"),
+                model=_str_or_none(row.get("model")),
+                session_id=_str_or_none(row.get("session id")),
+                kind=_str_or_none(row.get("log type")),
+            ),
+        )
 
 
 def _mooncake(path: Path) -> Iterator[TraceRequest]:
     for n, obj in _jsonl_rows(path):
-        yield _row(path, n, lambda obj=obj: TraceRequest(
-            arrival_s=float(obj["timestamp"]) / 1000.0,
-            input_tokens=_int(obj["input_length"], "input_length"),
-            output_tokens=_int(obj["output_length"], "output_length"),
-            hash_ids=tuple(_int(h, "hash_ids") for h in obj.get("hash_ids") or ()),
-            block_size=MOONCAKE_BLOCK if obj.get("hash_ids") else 0,
-            model=_str_or_none(obj.get("model")),
-        ))
+        yield _row(
+            path,
+            n,
+            lambda obj=obj: TraceRequest(
+                arrival_s=float(obj["timestamp"]) / 1000.0,
+                input_tokens=_int(obj["input_length"], "input_length"),
+                output_tokens=_int(obj["output_length"], "output_length"),
+                hash_ids=tuple(_int(h, "hash_ids") for h in obj.get("hash_ids") or ()),
+                block_size=MOONCAKE_BLOCK if obj.get("hash_ids") else 0,
+                model=_str_or_none(obj.get("model")),
+            ),
+        )
 
 
 def _bailian(path: Path) -> Iterator[TraceRequest]:
     for n, obj in _jsonl_rows(path):
+
         def make(obj: dict[str, Any] = obj) -> TraceRequest:
             parent = obj.get("parent_chat_id")
             parent_id = None if parent in (None, -1, "-1") else str(parent)
@@ -238,24 +253,29 @@ def _bailian(path: Path) -> Iterator[TraceRequest]:
                 kind=_str_or_none(obj.get("type")),
                 model=_str_or_none(obj.get("model")),
             )
+
         yield _row(path, n, make)
 
 
 def _meshserve(path: Path) -> Iterator[TraceRequest]:
     for n, obj in _jsonl_rows(path):
-        yield _row(path, n, lambda obj=obj: TraceRequest(
-            arrival_s=float(obj["arrival_s"]),
-            input_tokens=_int(obj["input_length"], "input_length"),
-            output_tokens=_int(obj["output_length"], "output_length"),
-            model=_str_or_none(obj.get("model")),
-            hash_ids=tuple(_int(h, "hash_ids") for h in obj.get("hash_ids") or ()),
-            block_size=_int(obj.get("block_size") or 0, "block_size"),
-            session_id=_str_or_none(obj.get("session_id")),
-            turn=_int(obj["turn"], "turn") if obj.get("turn") is not None else None,
-            request_id=_str_or_none(obj.get("request_id")),
-            parent_id=_str_or_none(obj.get("parent_id")),
-            kind=_str_or_none(obj.get("kind")),
-        ))
+        yield _row(
+            path,
+            n,
+            lambda obj=obj: TraceRequest(
+                arrival_s=float(obj["arrival_s"]),
+                input_tokens=_int(obj["input_length"], "input_length"),
+                output_tokens=_int(obj["output_length"], "output_length"),
+                model=_str_or_none(obj.get("model")),
+                hash_ids=tuple(_int(h, "hash_ids") for h in obj.get("hash_ids") or ()),
+                block_size=_int(obj.get("block_size") or 0, "block_size"),
+                session_id=_str_or_none(obj.get("session_id")),
+                turn=_int(obj["turn"], "turn") if obj.get("turn") is not None else None,
+                request_id=_str_or_none(obj.get("request_id")),
+                parent_id=_str_or_none(obj.get("parent_id")),
+                kind=_str_or_none(obj.get("kind")),
+            ),
+        )
 
 
 def _row(path: Path, line: int, make: Any) -> TraceRequest:
@@ -273,8 +293,13 @@ def _row(path: Path, line: int, make: Any) -> TraceRequest:
     return req
 
 
-_READERS = {"azure": _azure, "burstgpt": _burstgpt, "mooncake": _mooncake,
-            "bailian": _bailian, "meshserve": _meshserve}
+_READERS = {
+    "azure": _azure,
+    "burstgpt": _burstgpt,
+    "mooncake": _mooncake,
+    "bailian": _bailian,
+    "meshserve": _meshserve,
+}
 
 
 def _sessions(reqs: list[TraceRequest]) -> list[TraceRequest]:
@@ -290,8 +315,12 @@ def _sessions(reqs: list[TraceRequest]) -> list[TraceRequest]:
             rid = p
         return rid
 
-    return [dataclasses.replace(r, session_id=root(r.request_id))
-            if r.session_id is None and r.request_id is not None else r for r in reqs]
+    return [
+        dataclasses.replace(r, session_id=root(r.request_id))
+        if r.session_id is None and r.request_id is not None
+        else r
+        for r in reqs
+    ]
 
 
 def normalize(reqs: Iterable[TraceRequest]) -> list[TraceRequest]:

@@ -60,13 +60,19 @@ def parse_settings(text: str) -> list[Setting]:
 
 def _engine(args: argparse.Namespace, s: Setting) -> TorchEngine:
     return TorchEngine(
-        args.model, device="cpu", dtype=args.dtype, max_prefill_tokens=s.budget,
-        chunked_prefill=s.chunked, enable_prefix_caching=False, max_num_seqs=args.concurrency,
+        args.model,
+        device="cpu",
+        dtype=args.dtype,
+        max_prefill_tokens=s.budget,
+        chunked_prefill=s.chunked,
+        enable_prefix_caching=False,
+        max_num_seqs=args.concurrency,
     )
 
 
-def _run(engine: TorchEngine, arrivals: list[tuple[int, list[int], int]], concurrency: int
-         ) -> dict[str, list[float]]:
+def _run(
+    engine: TorchEngine, arrivals: list[tuple[int, list[int], int]], concurrency: int
+) -> dict[str, list[float]]:
     """Replays requests (after_done, prompt, output tokens): a request joins once ``after_done``
     earlier ones finished and fewer than ``concurrency`` run. Token times per request."""
     times: dict[str, list[float]] = {}
@@ -96,9 +102,12 @@ def _metrics(times: dict[str, list[float]]) -> dict[str, float]:
     end = max(t[-1] for t in times.values())
     tokens = sum(len(t) - 1 for t in times.values())
     return {
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-        "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
-        "itl_max_s": max(gaps), "decode_tok_s": median(decode),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "itl_max_s": max(gaps),
+        "decode_tok_s": median(decode),
         "aggregate_tok_s": tokens / (end - start),
     }
 
@@ -122,14 +131,20 @@ def long(args: argparse.Namespace, s: Setting) -> dict[str, float]:
     try:
         times: dict[str, list[float]] = {}
         for i, p in enumerate(short):
-            engine.add_request(EngineRequest(f"d{i}", p, SamplingParams(
-                max_tokens=args.output * 4, temperature=0, ignore_eos=True)))
+            engine.add_request(
+                EngineRequest(
+                    f"d{i}",
+                    p,
+                    SamplingParams(max_tokens=args.output * 4, temperature=0, ignore_eos=True),
+                )
+            )
         while len(times) < n or any(len(t) < 4 for t in times.values()):
             for o in engine.step():
                 times.setdefault(o.request_id, []).append(time.perf_counter())
         sent = time.perf_counter()
-        engine.add_request(EngineRequest("long", big, SamplingParams(
-            max_tokens=2, temperature=0, ignore_eos=True)))
+        engine.add_request(
+            EngineRequest("long", big, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        )
         first = None
         stall = 0.0
         last = {rid: t[-1] for rid, t in times.items()}
@@ -151,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "bench-qwen2-0.5b")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--settings", type=parse_settings,
-                   default=parse_settings("whole:2048,chunked:2048,chunked:512,chunked:256"))
+    p.add_argument(
+        "--settings",
+        type=parse_settings,
+        default=parse_settings("whole:2048,chunked:2048,chunked:512,chunked:256"),
+    )
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt", type=int, default=512)
@@ -170,11 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             for s in args.settings if rep % 2 == 0 else args.settings[::-1]:
                 m = scenarios[scen](args, s)
                 runs.setdefault(scen, {}).setdefault(s.name, []).append(m)
-                print(f"rep {rep} {scen} {s.name}: "
-                      + ", ".join(f"{k}={v:.3g}" for k, v in m.items()), flush=True)
+                print(
+                    f"rep {rep} {scen} {s.name}: "
+                    + ", ".join(f"{k}={v:.3g}" for k, v in m.items()),
+                    flush=True,
+                )
     table: dict[str, dict[str, dict[str, float]]] = {
-        scen: {name: {k: median([r[k] for r in reps]) for k in reps[0]}
-               for name, reps in by.items()}
+        scen: {
+            name: {k: median([r[k] for r in reps]) for k in reps[0]} for name, reps in by.items()
+        }
         for scen, by in runs.items()
     }
     for scen, by in table.items():
@@ -183,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         widths = [max(12, len(k) + 2) for k in keys]
         print(f"{'setting':<15}" + "".join(f"{k:>{w}}" for k, w in zip(keys, widths, strict=True)))
         for name, row in by.items():
-            print(f"{name:<15}"
-                  + "".join(f"{row[k]:>{w}.3f}" for k, w in zip(keys, widths, strict=True)))
-    out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                           "medians": table, "runs": runs}
+            print(
+                f"{name:<15}"
+                + "".join(f"{row[k]:>{w}.3f}" for k, w in zip(keys, widths, strict=True))
+            )
+    out: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "medians": table,
+        "runs": runs,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")

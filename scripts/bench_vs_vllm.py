@@ -701,9 +701,7 @@ def bench_one(
             if engine == "vllm":  # vLLM's CPU build as vLLM's own server runs it
                 assert vllm_py is not None
                 extra = vllm_engine_env(vllm_py, args.vllm_preload, args.vllm_venv)
-            server, _ = start_meshserve(
-                engine, args.model_dir, own, log_dir, args.dtype, extra
-            )
+            server, _ = start_meshserve(engine, args.model_dir, own, log_dir, args.dtype, extra)
             url = meshserve_url(server, args.startup_timeout)
             wait_for_model(server, url, args.startup_timeout)
         startup_s = time.monotonic() - server.started

@@ -30,8 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.command == "up":
-        for flag, var in (("port", "HTTP_PORT"), ("models_dir", "MODELS_DIR"),
-                          ("pool_size", "POOL_SIZE"), ("cluster", "CLUSTER")):
+        for flag, var in (
+            ("port", "HTTP_PORT"),
+            ("models_dir", "MODELS_DIR"),
+            ("pool_size", "POOL_SIZE"),
+            ("cluster", "CLUSTER"),
+        ):
             if getattr(args, flag) is not None:
                 os.environ[f"MESHSERVE_{var}"] = str(getattr(args, flag))
         from services.launcher import Launcher

@@ -69,8 +69,11 @@ class Launcher:
         # Own session, so a terminal's Ctrl-C reaches only the launcher, which then stops
         # the services in order; die_with_parent covers a launcher killed outright.
         proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"], env=env, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent,
+            [sys.executable, "-m", f"services.{name}"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self._children[name] = Child(name, proc, time.monotonic(), crashes or [])
 
@@ -99,7 +102,9 @@ class Launcher:
                 if not announced and (body := self._healthy(base)):
                     announced = True
                     say(f"cluster '{settings.cluster}' is up")
-                    say(f"models: {', '.join(body['models']) or f'none (add one under {settings.models_dir})'}")
+                    say(
+                        f"models: {', '.join(body['models']) or f'none (add one under {settings.models_dir})'}"
+                    )
                     print(f"{base}/v1", flush=True)
                 for child in list(self._children.values()):
                     rc = child.proc.poll()
@@ -108,8 +113,10 @@ class Launcher:
                     now = time.monotonic()
                     crashes = [t for t in child.crashes if now - t < CRASH_WINDOW_S] + [now]
                     if len(crashes) >= MAX_CRASHES:
-                        say(f"{child.name} crashed {len(crashes)} times in "
-                            f"{CRASH_WINDOW_S:.0f}s (last exit {rc}); stopping the cluster")
+                        say(
+                            f"{child.name} crashed {len(crashes)} times in "
+                            f"{CRASH_WINDOW_S:.0f}s (last exit {rc}); stopping the cluster"
+                        )
                         self._stop = True
                         self._crashed = True
                         break
@@ -130,7 +137,9 @@ class Launcher:
         failed: list[str] = []
         for name in reversed(SERVICES):
             # The node pool gives its TEs shutdown_grace + 5 s before killing them.
-            grace = self.settings.shutdown_grace.total_seconds() + (15 if name == "task_executor" else 5)
+            grace = self.settings.shutdown_grace.total_seconds() + (
+                15 if name == "task_executor" else 5
+            )
             child = self._children.get(name)
             if child is None or child.proc.poll() is not None:
                 continue

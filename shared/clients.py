@@ -36,7 +36,10 @@ class TaskExecutorClient:
 
     async def place(self, te_id: str, task: ChatTask) -> TaskAccepted:
         return await self._bus.request(
-            self._s.te_task(te_id), task, TaskAccepted, timeout=self._timeout,
+            self._s.te_task(te_id),
+            task,
+            TaskAccepted,
+            timeout=self._timeout,
             request_id=task.request_id,
         )
 
@@ -124,7 +127,9 @@ class ViewWatcher:
 class Heartbeater:
     """Publishes build() every interval, and at once on beat_now()."""
 
-    def __init__(self, client: ClusterClient, build: Callable[[], Message], interval: float) -> None:
+    def __init__(
+        self, client: ClusterClient, build: Callable[[], Message], interval: float
+    ) -> None:
         self._client, self._build, self._interval = client, build, interval
         self._task: asyncio.Task[None] | None = None
         self._now = asyncio.Event()
@@ -150,4 +155,3 @@ class Heartbeater:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-

@@ -73,18 +73,42 @@ class EmbeddedServer:
 
     def _argv(self) -> list[str]:
         if self.kind == "nats":
-            return [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-                    "-sd", self._dir.name]
-        return [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
-                "--save", "", "--appendonly", "no", "--dir", self._dir.name]
+            return [
+                nats_server_binary(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                self._dir.name,
+            ]
+        return [
+            redis_server_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+        ]
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
         log = open(Path(self._dir.name) / "server.log", "wb")
         # Own session: a Ctrl-C in the terminal reaches the launcher, which stops the
         # services first and the servers they depend on last.
-        self._proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=die_with_parent)
+        self._proc = subprocess.Popen(
+            self._argv(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:

@@ -103,7 +103,15 @@ class Internal(MeshserveError):
 
 _BY_STATUS: dict[int, type[MeshserveError]] = {
     cls.status: cls
-    for cls in (BadRequest, Unauthorized, NotFound, Conflict, PayloadTooLarge, RateLimited, Unavailable)
+    for cls in (
+        BadRequest,
+        Unauthorized,
+        NotFound,
+        Conflict,
+        PayloadTooLarge,
+        RateLimited,
+        Unavailable,
+    )
 }
 
 

@@ -53,8 +53,9 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
     log = get_logger(name)
     if not settings.nats_url:
         raise SystemExit(f"{name}: MESHSERVE_NATS_URL is not set (meshserve up sets it)")
-    bus = await Bus.connect(settings.nats_url, name=f"{settings.cluster}-{name}",
-                            cluster=settings.cluster)
+    bus = await Bus.connect(
+        settings.nats_url, name=f"{settings.cluster}-{name}", cluster=settings.cluster
+    )
     try:
         service = await factory(settings, bus)
         loop = asyncio.get_running_loop()

@@ -123,7 +123,8 @@ class Settings(BaseSettings):
         0, ge=0, description="KV blocks of the torch engine's host-memory tier (0: none)."
     )
     max_prefill_tokens: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Torch engine: prompt tokens computed per iteration (default: the "
         "engine's for its device).",
     )
@@ -145,8 +146,14 @@ class Settings(BaseSettings):
     )
 
     @field_validator(
-        "heartbeat_interval", "liveness_timeout", "keep_alive", "placement_timeout",
-        "retry_after", "request_timeout", "shutdown_grace", mode="before",
+        "heartbeat_interval",
+        "liveness_timeout",
+        "keep_alive",
+        "placement_timeout",
+        "retry_after",
+        "request_timeout",
+        "shutdown_grace",
+        mode="before",
     )
     @classmethod
     def _seconds(cls, v: Any) -> Any:

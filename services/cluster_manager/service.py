@@ -41,10 +41,16 @@ class ClusterManager:
         await self._rescan()
         await self._bus.subscribe(
             self._subjects.heartbeat(),
-            {TEHeartbeat: self._on_heartbeat, JEHeartbeat: self._on_heartbeat, Leave: self._on_leave},
+            {
+                TEHeartbeat: self._on_heartbeat,
+                JEHeartbeat: self._on_heartbeat,
+                Leave: self._on_leave,
+            },
         )
         await self._bus.subscribe(self._subjects.get_view(), {GetView: self._on_get_view})
-        tasks = [asyncio.create_task(t) for t in (self._sweeper(), self._publisher(), self._scanner())]
+        tasks = [
+            asyncio.create_task(t) for t in (self._sweeper(), self._publisher(), self._scanner())
+        ]
         try:
             await self._life.wait()
         finally:

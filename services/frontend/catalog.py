@@ -25,7 +25,8 @@ class ModelCatalog:
         if self._view.view.version < 0:
             # No view yet: say "not now", not "no such model".
             raise Unavailable(
-                "The cluster view is not available yet; retry shortly.", retry_after_s=1,
+                "The cluster view is not available yet; retry shortly.",
+                retry_after_s=1,
                 code="starting",
             )
         for m in self._view.view.models:

@@ -136,8 +136,12 @@ class Generation:
                 await self.cancel()
                 self._attempt = None
                 exclude.append(accepted.te_id)
-                log.warning("resubmitting request", request_id=self.request_id,
-                            te=accepted.te_id, generated=len(self.generated))
+                log.warning(
+                    "resubmitting request",
+                    request_id=self.request_id,
+                    te=accepted.te_id,
+                    generated=len(self.generated),
+                )
             finally:
                 self.router.close(key)
         raise Unavailable(
@@ -145,7 +149,9 @@ class Generation:
             retry_after_s=self.settings.retry_after.total_seconds(),
         )
 
-    async def _submit(self, key: str, subject: str, attempt: int, exclude: list[str]) -> JobAccepted:
+    async def _submit(
+        self, key: str, subject: str, attempt: int, exclude: list[str]
+    ) -> JobAccepted:
         placement = self.settings.placement_timeout.total_seconds()
         job = ChatJob(
             request_id=key,
@@ -171,8 +177,11 @@ class Generation:
                     break
                 holder = self.router.holders.get(key)
                 if holder and self._member_gone(holder, (je.je_id for je in self.view.view.jes)):
-                    log.warning("job executor lost while holding the job", je=holder,
-                                request_id=self.request_id)
+                    log.warning(
+                        "job executor lost while holding the job",
+                        je=holder,
+                        request_id=self.request_id,
+                    )
                     raise _Lost
             return submit.result()
         except Unavailable as e:
@@ -223,8 +232,9 @@ class Generation:
                 continue  # a TE the JE gave up on after all started: not this attempt's
             start = chunk.completion_tokens - len(chunk.token_ids)
             if start > have:
-                log.warning("tokens lost", request_id=self.request_id, te=te_id,
-                            expected=have, got=start)
+                log.warning(
+                    "tokens lost", request_id=self.request_id, te=te_id, expected=have, got=start
+                )
             ids = chunk.token_ids[max(0, have - start) :]
             have = max(have, chunk.completion_tokens)
             if chunk.finish_reason == RETRY_ELSEWHERE:

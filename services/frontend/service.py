@@ -43,7 +43,9 @@ MAX_BODY_BYTES = 32 * 1024**2
 
 REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
 TTFT = Histogram(
-    "meshserve_ttft_seconds", "Time to first token", ["model"],
+    "meshserve_ttft_seconds",
+    "Time to first token",
+    ["model"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
@@ -66,7 +68,8 @@ def _check_text_size(chars: int, max_context: int, param: str) -> None:
             f"This model's maximum context length is {max_context} tokens. However, your "
             f"{param} hold {chars} characters, more than any {max_context}-token text. Please "
             f"reduce the length of the {param}.",
-            param=param, code="context_length_exceeded",
+            param=param,
+            code="context_length_exceeded",
         )
 
 
@@ -75,15 +78,19 @@ def _error_response(err: MeshserveError) -> web.Response:
     if err.status in (429, 503) and err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
     return web.Response(
-        status=err.status, body=R.json_body(R.error_body(err)),
-        content_type="application/json", headers=headers,
+        status=err.status,
+        body=R.json_body(R.error_body(err)),
+        content_type="application/json",
+        headers=headers,
     )
 
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every failure leaves as an OpenAI-style JSON body, never as a stack trace."""
-    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+    endpoint = (
+        request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+    )
     try:
         resp = await handler(request)
     except MeshserveError as e:
@@ -131,9 +138,12 @@ class Frontend:
 
     async def run(self) -> None:
         await self._view.start()
-        await self._bus.subscribe_raw(self._subjects.token_streams(self.frontend_id), self._router.on_msg)
+        await self._bus.subscribe_raw(
+            self._subjects.token_streams(self.frontend_id), self._router.on_msg
+        )
         runner = web.AppRunner(
-            self.app(), access_log=None,
+            self.app(),
+            access_log=None,
             shutdown_timeout=self._settings.shutdown_grace.total_seconds(),
             # A client that hangs up cancels its handler, whose cleanup cancels the
             # generation on its TE instead of running it to max_tokens for nobody.
@@ -164,10 +174,19 @@ class Frontend:
             "status": "ok" if ok else "starting",
             "models": [m.id for m in view.models],
             "task_executors": [
-                {"id": te.te_id, "state": str(te.state), "model": te.model, "engine": te.engine,
-                 "device": te.device, "pool": te.pool_id, "host": te.host, "pid": te.pid,
-                 "running": te.running, "waiting": te.waiting,
-                 "generated_tokens": te.generated_tokens}
+                {
+                    "id": te.te_id,
+                    "state": str(te.state),
+                    "model": te.model,
+                    "engine": te.engine,
+                    "device": te.device,
+                    "pool": te.pool_id,
+                    "host": te.host,
+                    "pid": te.pid,
+                    "running": te.running,
+                    "waiting": te.waiting,
+                    "generated_tokens": te.generated_tokens,
+                }
                 for te in view.tes
             ],
             "job_executors": len(view.jes),
@@ -180,8 +199,13 @@ class Frontend:
         return resp
 
     def _model_obj(self, m: Any) -> dict[str, Any]:
-        return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by,
-                "max_model_len": m.max_context}
+        return {
+            "id": m.id,
+            "object": "model",
+            "created": m.created,
+            "owned_by": m.owned_by,
+            "max_model_len": m.max_context,
+        }
 
     async def list_models(self, request: web.Request) -> web.Response:
         data = [self._model_obj(m) for m in self._catalog.models()]
@@ -195,18 +219,18 @@ class Frontend:
         info = self._catalog.get(req.model)
         tok = await self._catalog.tokenizer(info)
         messages = req.template_messages()
-        _check_text_size(sum(len(m.get("content") or "") for m in messages), info.max_context,
-                         "messages")
+        _check_text_size(
+            sum(len(m.get("content") or "") for m in messages), info.max_context, "messages"
+        )
         try:
             # Off the event loop: a long prompt must not stall every other stream.
-            prompt = await asyncio.to_thread(
-                tok.encode_chat, messages, add_generation_prompt=True
-            )
+            prompt = await asyncio.to_thread(tok.encode_chat, messages, add_generation_prompt=True)
         except MeshserveError:
             raise
         except Exception as e:  # a template may raise_exception() on messages it rejects
-            raise BadRequest(f"The messages do not fit the model's chat template: {e}",
-                             param="messages") from e
+            raise BadRequest(
+                f"The messages do not fit the model's chat template: {e}", param="messages"
+            ) from e
         return await self._generate(request, req, info, tok, prompt, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -221,24 +245,40 @@ class Frontend:
             prompt = p
         vocab = tok.vocab_size
         if any(t >= vocab for t in prompt):
-            raise BadRequest(f"Token ids must be below the vocabulary size {vocab}.", param="prompt")
+            raise BadRequest(
+                f"Token ids must be below the vocabulary size {vocab}.", param="prompt"
+            )
         return await self._generate(request, req, info, tok, prompt, chat=False)
 
     # -- generation ----------------------------------------------------------------------
 
     async def _generate(
-        self, request: web.Request, req: ChatCompletionRequest | CompletionRequest,
-        info: Any, tok: Any, prompt: list[int], *, chat: bool,
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        info: Any,
+        tok: Any,
+        prompt: list[int],
+        *,
+        chat: bool,
     ) -> web.StreamResponse:
         sampling = sampling_params(
-            req, prompt_tokens=len(prompt), max_context=info.max_context,
+            req,
+            prompt_tokens=len(prompt),
+            max_context=info.max_context,
             eos_token_ids=tok.eos_token_ids,
         )
         rid = R.chat_id() if chat else R.completion_id()
         gen = Generation(
-            request_id=rid.split("-", 1)[1], model=req.model, prompt_token_ids=prompt,
-            sampling=sampling, settings=self._settings, router=self._router,
-            jobs=self._jobs, tes=self._tes, view=self._view,
+            request_id=rid.split("-", 1)[1],
+            model=req.model,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            settings=self._settings,
+            router=self._router,
+            jobs=self._jobs,
+            tes=self._tes,
+            view=self._view,
         )
         created = int(time.time())
         t0 = time.monotonic()
@@ -279,8 +319,16 @@ class Frontend:
             yield tail
 
     async def _stream(
-        self, request: web.Request, req: Any, gen: Generation, pieces: Any, stops: StopMatcher,
-        rid: str, created: int, *, chat: bool,
+        self,
+        request: web.Request,
+        req: Any,
+        gen: Generation,
+        pieces: Any,
+        stops: StopMatcher,
+        rid: str,
+        created: int,
+        *,
+        chat: bool,
     ) -> web.StreamResponse:
         # Place the job before committing to a 200: a job that cannot be placed must get
         # its 404/503 as a proper status, not as an event inside a stream.
@@ -290,22 +338,34 @@ class Frontend:
             first = await anext(pieces)
         except StopAsyncIteration:
             done = True
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        })
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
         await resp.prepare(request)
 
         def chunk(text: str | None, finish: str | None = None) -> bytes:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return R.sse(R.chat_chunk(rid, req.model, created, delta=delta, finish_reason=finish))
-            return R.sse(R.completion_chunk(rid, req.model, created, text=text or "", finish_reason=finish))
+                return R.sse(
+                    R.chat_chunk(rid, req.model, created, delta=delta, finish_reason=finish)
+                )
+            return R.sse(
+                R.completion_chunk(rid, req.model, created, text=text or "", finish_reason=finish)
+            )
 
         try:
             if chat:
-                await resp.write(R.sse(R.chat_chunk(
-                    rid, req.model, created, delta={"role": "assistant", "content": ""})))
+                await resp.write(
+                    R.sse(
+                        R.chat_chunk(
+                            rid, req.model, created, delta={"role": "assistant", "content": ""}
+                        )
+                    )
+                )
             if first:
                 await resp.write(chunk(first))
             if not done:

@@ -30,7 +30,8 @@ def pick_te(
     exclude: Collection[str] = (),
 ) -> Decision:
     ready = [
-        te for te in tes
+        te
+        for te in tes
         if te.model == model and te.state == TEState.READY and te.te_id not in exclude
     ]
     if not ready:

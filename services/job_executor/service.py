@@ -53,8 +53,11 @@ class JobExecutor:
 
     def _heartbeat(self) -> JEHeartbeat:
         return JEHeartbeat(
-            je_id=self.je_id, host=socket.gethostname(), pid=os.getpid(),
-            started_at=self._started, inflight=self._inflight,
+            je_id=self.je_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self._started,
+            inflight=self._inflight,
         )
 
     def _on_view(self, view: ClusterView) -> None:
@@ -100,7 +103,8 @@ class JobExecutor:
             view = self._view.view
             if view.version >= 0 and not any(m.id == job.model for m in view.models):
                 raise NotFound(
-                    f"The model `{job.model}` does not exist.", param="model",
+                    f"The model `{job.model}` does not exist.",
+                    param="model",
                     code="model_not_found",
                 )
             if failure := self._load_failure(job.model, view):
@@ -125,7 +129,9 @@ class JobExecutor:
                     continue
                 self._placed[decision.te_id].append(time.time())
                 log.info("job placed", request_id=job.request_id, te=decision.te_id)
-                return JobAccepted(request_id=job.request_id, te_id=decision.te_id, je_id=self.je_id)
+                return JobAccepted(
+                    request_id=job.request_id, te_id=decision.te_id, je_id=self.je_id
+                )
             if not held:
                 held = True
                 with contextlib.suppress(MeshserveError):
@@ -148,7 +154,9 @@ class JobExecutor:
     @staticmethod
     def _load_failure(model: str, view: ClusterView) -> str | None:
         """The error of a recent failed load of the model, when no instance is up or coming."""
-        if any(te.model == model and te.state in (TEState.READY, TEState.LOADING) for te in view.tes):
+        if any(
+            te.model == model and te.state in (TEState.READY, TEState.LOADING) for te in view.tes
+        ):
             return None
         return next((te.error for te in view.tes if te.failed_model == model and te.error), None)
 

@@ -71,8 +71,9 @@ class Scaler:
             if te is not None and te.failed_model == model:
                 count = self._failed.get(model, (0, 0.0))[0] + 1
                 self._failed[model] = (count, now)
-                log.warning("model load failed", model=model, te=te_id, failures=count,
-                            error=te.error)
+                log.warning(
+                    "model load failed", model=model, te=te_id, failures=count, error=te.error
+                )
                 del self._pending[te_id]
             elif te is None or te.model == model or now - at > PENDING_TTL_S:
                 del self._pending[te_id]
@@ -97,11 +98,15 @@ class Scaler:
                     ack = await self._tes.control(
                         action.te_id, LoadModel(model=action.model, path=paths[action.model])
                     )
-                    log.info("scale up", model=action.model, te=action.te_id, ok=ack.ok, error=ack.error)
+                    log.info(
+                        "scale up", model=action.model, te=action.te_id, ok=ack.ok, error=ack.error
+                    )
                     if not ack.ok:
                         self._pending.pop(action.te_id, None)
                 elif isinstance(action, Unload):
-                    ack = await self._tes.control(action.te_id, UnloadModel(reason="keep-alive expired"))
+                    ack = await self._tes.control(
+                        action.te_id, UnloadModel(reason="keep-alive expired")
+                    )
                     log.info("scale to zero", model=action.model, te=action.te_id, ok=ack.ok)
             except MeshserveError as e:
                 self._pending.pop(action.te_id, None)

@@ -49,8 +49,14 @@ class NodePool:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
             env = {**os.environ, **self._settings.env()}
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.task_executor.worker", te_id, self.pool_id,
-                env=env, stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent,
+                sys.executable,
+                "-m",
+                "services.task_executor.worker",
+                te_id,
+                self.pool_id,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
             )
             self._procs[te_id] = proc
             log.info("TE started", te=te_id, pid=proc.pid)

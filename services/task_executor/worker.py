@@ -106,7 +106,8 @@ class TaskExecutor:
         self._last_active = time.time()
         self._started = time.time()
         self._hb = Heartbeater(
-            ClusterClient(bus, self._subjects), self._heartbeat,
+            ClusterClient(bus, self._subjects),
+            self._heartbeat,
             settings.heartbeat_interval.total_seconds(),
         )
         # The load or unload in progress (one at a time: each starts from its own state).
@@ -117,10 +118,18 @@ class TaskExecutor:
 
     def _heartbeat(self) -> TEHeartbeat:
         hb = TEHeartbeat(
-            te_id=self.te_id, pool_id=self.pool_id, host=socket.gethostname(), pid=os.getpid(),
-            state=self.state, started_at=self._started, model=self.model,
-            last_active=self._last_active, error=self._error, sent_at=time.time(),
-            failed_model=self._failed_model, generated_tokens=self._generated_tokens,
+            te_id=self.te_id,
+            pool_id=self.pool_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            state=self.state,
+            started_at=self._started,
+            model=self.model,
+            last_active=self._last_active,
+            error=self._error,
+            sent_at=time.time(),
+            failed_model=self._failed_model,
+            generated_tokens=self._generated_tokens,
             engine=choose_engine(self._settings),
         )
         if self.engine is not None:
@@ -143,7 +152,8 @@ class TaskExecutor:
 
     async def run(self) -> None:
         await self._bus.subscribe(
-            self._subjects.te_task(self.te_id), {ChatTask: self._on_task, CancelTask: self._on_cancel}
+            self._subjects.te_task(self.te_id),
+            {ChatTask: self._on_task, CancelTask: self._on_cancel},
         )
         await self._bus.subscribe(
             self._subjects.te_control(self.te_id),
@@ -219,8 +229,12 @@ class TaskExecutor:
             self.engine = engine
             self.state = TEState.READY
             self._last_active = time.time()
-            log.info("model loaded", model=cmd.model, seconds=round(time.monotonic() - t0, 2),
-                     device=engine.device)
+            log.info(
+                "model loaded",
+                model=cmd.model,
+                seconds=round(time.monotonic() - t0, 2),
+                device=engine.device,
+            )
         self._hb.beat_now()
 
     async def _on_unload(self, cmd: UnloadModel) -> ControlAck:
@@ -273,7 +287,8 @@ class TaskExecutor:
         if n >= self.engine.max_model_len:
             raise BadRequest(
                 f"the prompt has {n} tokens; this model's context is {self.engine.max_model_len}",
-                param="messages", code="context_length_exceeded",
+                param="messages",
+                code="context_length_exceeded",
             )
         if task.request_id in self._streams:
             # The same task again while it is still ours (a placement whose answer was lost
@@ -284,8 +299,10 @@ class TaskExecutor:
         # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
         self._placements += 1
         stream = _Stream(
-            request_id=task.request_id, engine_id=f"{task.request_id}@{self._placements}",
-            reply_to=task.reply_to, prompt_tokens=n,
+            request_id=task.request_id,
+            engine_id=f"{task.request_id}@{self._placements}",
+            reply_to=task.reply_to,
+            prompt_tokens=n,
         )
         self._streams[task.request_id] = self._engine_streams[stream.engine_id] = stream
         self._adds[task.request_id] = EngineRequest(
@@ -359,8 +376,11 @@ class TaskExecutor:
         if not self._kv_pending or self.model is None:
             return
         batch = KvEventBatch(
-            te_id=self.te_id, model=self.model, seq=self._kv_seq,
-            block_size=getattr(self.engine, "block_size", 0), events=self._kv_pending,
+            te_id=self.te_id,
+            model=self.model,
+            seq=self._kv_seq,
+            block_size=getattr(self.engine, "block_size", 0),
+            events=self._kv_pending,
         )
         self._kv_pending = []
         self._kv_seq += 1
@@ -392,10 +412,14 @@ class TaskExecutor:
             stream.generated += len(out.new_token_ids)
             self._generated_tokens += len(out.new_token_ids)
             chunk = TokenChunk(
-                request_id=stream.request_id, seq=stream.seq, token_ids=out.new_token_ids,
+                request_id=stream.request_id,
+                seq=stream.seq,
+                token_ids=out.new_token_ids,
                 finish_reason=out.finish_reason if out.finished else None,
-                prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated,
-                cached_tokens=out.num_cached_tokens, te_id=self.te_id,
+                prompt_tokens=stream.prompt_tokens,
+                completion_tokens=stream.generated,
+                cached_tokens=out.num_cached_tokens,
+                te_id=self.te_id,
             )
             stream.seq += 1
             if out.finished:
@@ -410,8 +434,13 @@ class TaskExecutor:
         if stream is None:
             return
         chunk = TokenChunk(
-            request_id=request_id, seq=stream.seq, token_ids=[], finish_reason=reason,
-            prompt_tokens=stream.prompt_tokens, completion_tokens=stream.generated, error=error,
+            request_id=request_id,
+            seq=stream.seq,
+            token_ids=[],
+            finish_reason=reason,
+            prompt_tokens=stream.prompt_tokens,
+            completion_tokens=stream.generated,
+            error=error,
             te_id=self.te_id,
         )
         with contextlib.suppress(Unavailable):

@@ -57,11 +57,16 @@ class Cluster:
 
     def start(self, timeout: float = 180) -> Cluster:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up"], env=self.env, text=True,
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "services.cli", "up"],
+            env=self.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
         )
         got: list[str] = []
-        reader = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()), daemon=True)
+        reader = threading.Thread(
+            target=lambda: got.append(self.proc.stdout.readline()), daemon=True
+        )
         reader.start()
         reader.join(timeout)
         if not got or not got[0].startswith("http"):

@@ -24,16 +24,37 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def loadgen(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "loadgen.cli", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "loadgen.cli", *args],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def test_replay_azure_slice(cluster_up, demo_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "azure"
-    p = loadgen("replay", str(AZURE), "--url", cluster_up.url, "--model", "demo",
-                "--tokenizer", str(demo_model_dir), "--time-scale", "0.25",
-                "--max-requests", str(N), "--max-output-tokens", str(MAX_OUT),
-                "--max-context", str(CONTEXT), "--out", str(out))
+    p = loadgen(
+        "replay",
+        str(AZURE),
+        "--url",
+        cluster_up.url,
+        "--model",
+        "demo",
+        "--tokenizer",
+        str(demo_model_dir),
+        "--time-scale",
+        "0.25",
+        "--max-requests",
+        str(N),
+        "--max-output-tokens",
+        str(MAX_OUT),
+        "--max-context",
+        str(CONTEXT),
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr
     assert "TTFT p50/p90/p99" in p.stdout and f"{N}/{N} done" in p.stderr
 
@@ -66,15 +87,40 @@ def test_replay_azure_slice(cluster_up, demo_model_dir: Path, tmp_path: Path) ->
         assert data[:8] == PNG and len(data) > 5000
 
 
-def test_replay_chat_api_counts_the_template(cluster_up, demo_model_dir: Path,
-                                             tmp_path: Path) -> None:
+def test_replay_chat_api_counts_the_template(
+    cluster_up, demo_model_dir: Path, tmp_path: Path
+) -> None:
     trace = tmp_path / "chat.jsonl"
-    trace.write_text("".join(json.dumps(
-        {"timestamp": 50 * i, "input_length": 40 + 37 * i, "output_length": 6,
-         "hash_ids": [1, 2, 100 + i]}) + "\n" for i in range(6)))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 50 * i,
+                    "input_length": 40 + 37 * i,
+                    "output_length": 6,
+                    "hash_ids": [1, 2, 100 + i],
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     out = tmp_path / "chat"
-    p = loadgen("replay", str(trace), "--url", cluster_up.url, "--model", "demo", "--api", "chat",
-                "--tokenizer", str(demo_model_dir), "--out", str(out), "--no-plots")
+    p = loadgen(
+        "replay",
+        str(trace),
+        "--url",
+        cluster_up.url,
+        "--model",
+        "demo",
+        "--api",
+        "chat",
+        "--tokenizer",
+        str(demo_model_dir),
+        "--out",
+        str(out),
+        "--no-plots",
+    )
     assert p.returncode == 0, p.stderr
     recs = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert [r["prompt_tokens"] for r in recs] == [40 + 37 * i for i in range(6)]
@@ -87,6 +133,5 @@ def test_unreachable_endpoint(tmp_path: Path) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n")
     url = f"http://127.0.0.1:{free_port()}/v1"
-    p = loadgen("replay", str(trace), "--url", url, "--model", "demo", "--out",
-                str(tmp_path / "x"))
+    p = loadgen("replay", str(trace), "--url", url, "--model", "demo", "--out", str(tmp_path / "x"))
     assert p.returncode == 3 and "cannot reach" in p.stderr and url in p.stderr

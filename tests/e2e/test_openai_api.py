@@ -15,8 +15,10 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats, pytest.mark.redis]
 
-MSGS = [{"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Tell me about the license of this program."}]
+MSGS = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Tell me about the license of this program."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +63,20 @@ def test_chat_non_streaming(client):
 def test_streaming_equals_non_streaming(client):
     full = greedy(client, max_tokens=32, extra_body={"ignore_eos": True})
     stream = client.chat.completions.create(
-        model="demo", messages=MSGS, max_tokens=32, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="demo",
+        messages=MSGS,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert text == full.choices[0].message.content
     assert finish == ["length"]
     assert chunks[-1].usage.completion_tokens == 32 == full.usage.completion_tokens
@@ -81,8 +90,10 @@ def test_greedy_output_is_identical_across_runs(client):
 
 async def test_two_concurrent_requests(client, aclient):
     other = [{"role": "user", "content": "Write one sentence about copying and distribution."}]
-    alone = [greedy(client, MSGS, 30).choices[0].message.content,
-             greedy(client, other, 30).choices[0].message.content]
+    alone = [
+        greedy(client, MSGS, 30).choices[0].message.content,
+        greedy(client, other, 30).choices[0].message.content,
+    ]
     together = await asyncio.gather(
         aclient.chat.completions.create(model="demo", messages=MSGS, max_tokens=30, temperature=0),
         aclient.chat.completions.create(model="demo", messages=other, max_tokens=30, temperature=0),
@@ -92,8 +103,13 @@ async def test_two_concurrent_requests(client, aclient):
 
 
 def test_a_repeated_prompt_reports_cached_tokens(client):
-    long = [{"role": "user", "content": "Copying and distribution of this file, with or without "
-             "modification, are permitted in any medium without royalty. " * 4}]
+    long = [
+        {
+            "role": "user",
+            "content": "Copying and distribution of this file, with or without "
+            "modification, are permitted in any medium without royalty. " * 4,
+        }
+    ]
     first = greedy(client, long, max_tokens=4)
     second = greedy(client, long, max_tokens=4)
     assert second.usage.prompt_tokens == first.usage.prompt_tokens > 64
@@ -123,8 +139,10 @@ def test_completions_endpoint(client):
     r = client.completions.create(model="demo", prompt="The license", max_tokens=12, temperature=0)
     assert r.object == "text_completion" and r.usage.completion_tokens <= 12
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(
-            model="demo", prompt="The license", max_tokens=12, temperature=0, stream=True)
+        c.choices[0].text
+        for c in client.completions.create(
+            model="demo", prompt="The license", max_tokens=12, temperature=0, stream=True
+        )
         if c.choices
     )
     assert streamed == r.choices[0].text
@@ -147,8 +165,11 @@ def test_prompt_longer_than_the_context_is_400(client):
 def test_bad_input_gets_openai_style_400(cluster_up, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="demo", messages=MSGS, n=2)
-    req = urllib.request.Request(cluster_up.url + "/chat/completions", data=b"{not json",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        cluster_up.url + "/chat/completions",
+        data=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400
@@ -166,8 +187,15 @@ def test_a_client_that_hangs_up_stops_its_generation(cluster_up, stream):
 
     host, port = cluster_up.url.removeprefix("http://").removesuffix("/v1").split(":")
     asked = 8000
-    body = json.dumps({"model": "demo", "messages": MSGS, "max_tokens": asked, "stream": stream,
-                       "ignore_eos": True})
+    body = json.dumps(
+        {
+            "model": "demo",
+            "messages": MSGS,
+            "max_tokens": asked,
+            "stream": stream,
+            "ignore_eos": True,
+        }
+    )
     before = generated()
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -189,8 +217,13 @@ def test_request_survives_the_death_of_its_task_executor(cluster_up, client):
     """SIGKILL the TE in the middle of a stream: the frontend resubmits with the tokens so
     far and the client still gets every token it asked for."""
     stream = client.chat.completions.create(
-        model="demo", messages=MSGS, max_tokens=300, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="demo",
+        messages=MSGS,
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks, killed = [], None
     for c in stream:

@@ -28,7 +28,9 @@ async def test_typed_request_reply_dispatches_by_type(bus: Bus, cluster: str):
         return ControlAck(te_id="te-1", ok=False, error="busy")
 
     await bus.subscribe(s.te_control("te-1"), {LoadModel: on_load, Drain: on_drain})
-    ack = await bus.request(s.te_control("te-1"), LoadModel(model="m", path="/p"), ControlAck, timeout=2)
+    ack = await bus.request(
+        s.te_control("te-1"), LoadModel(model="m", path="/p"), ControlAck, timeout=2
+    )
     assert ack == ControlAck(te_id="te-1", ok=True)
     ack = await bus.request(s.te_control("te-1"), Drain(), ControlAck, timeout=2)
     assert ack.error == "busy"
@@ -114,7 +116,9 @@ async def test_concurrent_handlers_do_not_block_each_other(bus: Bus, cluster: st
     slow_call = asyncio.create_task(
         bus.request(s.te_control("c"), LoadModel(model="slow", path=""), ControlAck, timeout=5)
     )
-    fast = await bus.request(s.te_control("c"), LoadModel(model="fast", path=""), ControlAck, timeout=2)
+    fast = await bus.request(
+        s.te_control("c"), LoadModel(model="fast", path=""), ControlAck, timeout=2
+    )
     assert fast.te_id == "fast" and not slow_call.done()
     release.set()
     assert (await slow_call).te_id == "slow"

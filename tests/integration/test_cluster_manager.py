@@ -31,8 +31,16 @@ def fake_checkpoint(root: Path, name: str, context: int) -> None:
 
 
 def hb(te_id: str, state: TEState = TEState.IDLE, model: str | None = None) -> TEHeartbeat:
-    return TEHeartbeat(te_id=te_id, pool_id="p", host="h", pid=1, state=state,
-                       started_at=time.time(), model=model, sent_at=time.time())
+    return TEHeartbeat(
+        te_id=te_id,
+        pool_id="p",
+        host="h",
+        pid=1,
+        state=state,
+        started_at=time.time(),
+        model=model,
+        sent_at=time.time(),
+    )
 
 
 async def until(pred, timeout: float = 5.0) -> None:
@@ -48,7 +56,9 @@ async def cm(bus: Bus, store: Store, cluster: str, tmp_path: Path):
     fake_checkpoint(tmp_path, "beta", 8192)
     (tmp_path / "not-a-model").mkdir()
     settings = Settings(
-        cluster=cluster, models_dir=tmp_path, heartbeat_interval=timedelta(seconds=0.2),
+        cluster=cluster,
+        models_dir=tmp_path,
+        heartbeat_interval=timedelta(seconds=0.2),
         liveness_timeout=timedelta(seconds=1),
     )
     mgr = ClusterManager(settings=settings, bus=bus, store=store)

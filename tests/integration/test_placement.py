@@ -27,12 +27,18 @@ pytestmark = [pytest.mark.nats, pytest.mark.redis]
 async def services(bus: Bus, store: Store, cluster: str, demo_model_dir: Path, tmp_path: Path):
     (tmp_path / "demo").symlink_to(demo_model_dir)
     settings = Settings(
-        cluster=cluster, models_dir=tmp_path, http_port=free_port(),
-        placement_timeout=timedelta(seconds=1.5), retry_after=timedelta(seconds=7),
+        cluster=cluster,
+        models_dir=tmp_path,
+        http_port=free_port(),
+        placement_timeout=timedelta(seconds=1.5),
+        retry_after=timedelta(seconds=7),
         heartbeat_interval=timedelta(seconds=0.2),
     )
-    svcs = [ClusterManager(settings=settings, bus=bus, store=store),
-            JobExecutor(settings=settings, bus=bus), Frontend(settings=settings, bus=bus)]
+    svcs = [
+        ClusterManager(settings=settings, bus=bus, store=store),
+        JobExecutor(settings=settings, bus=bus),
+        Frontend(settings=settings, bus=bus),
+    ]
     tasks = [asyncio.create_task(s.run()) for s in svcs]
     base = f"http://127.0.0.1:{settings.http_port}"
     async with aiohttp.ClientSession() as http:
@@ -75,5 +81,7 @@ async def test_http_errors_are_openai_shaped(services):
         assert r.status == 404 and (await r.json())["error"]["message"]
     async with http.post(base + "/v1/chat/completions", data=b"[1,2") as r:
         assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
-    async with http.post(base + "/v1/completions", json={"model": "demo", "prompt": [1, 99999999]}) as r:
+    async with http.post(
+        base + "/v1/completions", json={"model": "demo", "prompt": [1, 99999999]}
+    ) as r:
         assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"

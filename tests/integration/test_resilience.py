@@ -58,12 +58,18 @@ class Running:
 
 
 @pytest.fixture
-async def cluster_env(cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path):
+async def cluster_env(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
+):
     (tmp_path / "demo").symlink_to(demo_model_dir)
     settings = Settings(
-        cluster=cluster, models_dir=tmp_path, http_port=free_port(),
-        heartbeat_interval=timedelta(seconds=0.2), liveness_timeout=timedelta(seconds=1),
-        placement_timeout=timedelta(seconds=20), shutdown_grace=timedelta(seconds=1),
+        cluster=cluster,
+        models_dir=tmp_path,
+        http_port=free_port(),
+        heartbeat_interval=timedelta(seconds=0.2),
+        liveness_timeout=timedelta(seconds=1),
+        placement_timeout=timedelta(seconds=20),
+        shutdown_grace=timedelta(seconds=1),
     )
     run = Running(settings, nats_url)
     store = await Store.connect(redis_url)
@@ -89,8 +95,12 @@ async def test_job_survives_the_death_of_the_job_executor_holding_it(cluster_env
     await wait_port(base)
     je1 = await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
     await asyncio.sleep(0.5)  # je1 is the only JE: it takes the job and holds it (no TE yet)
-    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 5, "temperature": 0}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
     async with aiohttp.ClientSession() as http:
         req = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
         await asyncio.sleep(1.0)
@@ -99,7 +109,9 @@ async def test_job_survives_the_death_of_the_job_executor_holding_it(cluster_env
         await run.kill(je1)
         # Capacity arrives only now: a scaler and one pre-warmed TE.
         await run.start(lambda bus: Scaler(settings=settings, bus=bus))
-        await run.start(lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-r", pool_id="p"))
+        await run.start(
+            lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-r", pool_id="p")
+        )
         t0 = time.monotonic()
         resp = await asyncio.wait_for(req, 30)
         data = await resp.json()
@@ -108,7 +120,9 @@ async def test_job_survives_the_death_of_the_job_executor_holding_it(cluster_env
     assert time.monotonic() - t0 < 15
 
 
-async def test_a_model_that_cannot_load_fails_fast_with_its_error(cluster_env, demo_model_dir: Path):
+async def test_a_model_that_cannot_load_fails_fast_with_its_error(
+    cluster_env, demo_model_dir: Path
+):
     settings, run = cluster_env
     broken = settings.models_dir / "broken"
     broken.mkdir()

@@ -29,8 +29,11 @@ pytestmark = pytest.mark.nats
 
 @pytest.fixture
 async def te(bus: Bus, cluster: str, demo_model_dir: Path):
-    settings = Settings(cluster=cluster, heartbeat_interval=timedelta(seconds=0.2),
-                        shutdown_grace=timedelta(seconds=0.5))
+    settings = Settings(
+        cluster=cluster,
+        heartbeat_interval=timedelta(seconds=0.2),
+        shutdown_grace=timedelta(seconds=0.5),
+    )
     te = TaskExecutor(settings=settings, bus=bus, te_id="te-t", pool_id="p")
     task = asyncio.create_task(te.run())
     await asyncio.wait_for(te.ready.wait(), 5)
@@ -77,10 +80,15 @@ async def until_idle(worker: TaskExecutor, timeout_s: float = 30) -> None:
 
 
 def task(cluster: str, rid: str, max_tokens: int = 8, **kw) -> ChatTask:
-    return ChatTask(request_id=rid, model="demo", prompt_token_ids=[0, 5, 6, 7, 8, 9],
-                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                    reply_to=Subjects(cluster).token_stream("fe", rid), deadline=time.time() + 30,
-                    **kw)
+    return ChatTask(
+        request_id=rid,
+        model="demo",
+        prompt_token_ids=[0, 5, 6, 7, 8, 9],
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        reply_to=Subjects(cluster).token_stream("fe", rid),
+        deadline=time.time() + 30,
+        **kw,
+    )
 
 
 async def test_streams_tokens_in_order_to_the_reply_subject(te, bus: Bus, cluster: str):
@@ -194,7 +202,9 @@ async def test_tokens_a_cancelled_copy_computes_never_reach_the_copy_placed_afte
     release.set()
     await asyncio.wait_for(got.done.wait(), 20)
     await asyncio.sleep(0.2)  # nothing more may follow
-    assert [t for c in got.chunks for t in c.token_ids] == [t for c in ref.chunks for t in c.token_ids]
+    assert [t for c in got.chunks for t in c.token_ids] == [
+        t for c in ref.chunks for t in c.token_ids
+    ]
     assert [c.seq for c in got.chunks] == list(range(len(got.chunks)))
     assert got.chunks[-1].finish_reason == "length"
 
@@ -233,7 +243,13 @@ async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cl
     assert firsts[0].cached_tokens == 0
     assert firsts[1].cached_tokens == 48
     await asyncio.sleep(0.2)  # one flush period
-    stored = [h for b in batches for e in b.events if isinstance(e, KvBlocksStored) for h in e.block_hashes]
+    stored = [
+        h
+        for b in batches
+        for e in b.events
+        if isinstance(e, KvBlocksStored)
+        for h in e.block_hashes
+    ]
     assert set(chain_hashes(shared, 16)) <= set(stored)
     assert all(b.te_id == "te-t" and b.model == "demo" and b.block_size == 16 for b in batches)
     assert [b.seq for b in batches] == list(range(len(batches)))
@@ -241,13 +257,19 @@ async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cl
     assert len(batches) < len(stored)
 
 
-async def test_an_openvino_te_serves_the_same_greedy_tokens(bus: Bus, cluster: str, demo_model_dir: Path):
+async def test_an_openvino_te_serves_the_same_greedy_tokens(
+    bus: Bus, cluster: str, demo_model_dir: Path
+):
     """MESHSERVE_ENGINE=openvino: the TE converts the checkpoint (fp16 IR here, for exact
     agreement) and streams the tokens the torch engine produces. The pipeline runs in a child
     process (its step holds the GIL), which exits with the TE."""
-    settings = Settings(cluster=cluster, engine="openvino", openvino_weight_format="fp16",
-                        heartbeat_interval=timedelta(seconds=0.2),
-                        shutdown_grace=timedelta(seconds=0.5))
+    settings = Settings(
+        cluster=cluster,
+        engine="openvino",
+        openvino_weight_format="fp16",
+        heartbeat_interval=timedelta(seconds=0.2),
+        shutdown_grace=timedelta(seconds=0.5),
+    )
     # A first conversion builds its export venv.
     await _serves_the_torch_engines_tokens(bus, settings, demo_model_dir, "openvino", 240)
 
@@ -257,10 +279,16 @@ async def test_a_vllm_te_serves_the_same_greedy_tokens(
 ):
     """MESHSERVE_ENGINE=vllm with MESHSERVE_VLLM_PYTHON: the TE runs vLLM in a child process
     of vLLM's own venv (the CPU build here) and streams the torch engine's greedy tokens."""
-    settings = Settings(cluster=cluster, engine="vllm", vllm_python=vllm_python,
-                        vllm_enforce_eager=True, dtype="float32", kv_cache_bytes=64 << 20,
-                        heartbeat_interval=timedelta(seconds=0.2),
-                        shutdown_grace=timedelta(seconds=0.5))
+    settings = Settings(
+        cluster=cluster,
+        engine="vllm",
+        vllm_python=vllm_python,
+        vllm_enforce_eager=True,
+        dtype="float32",
+        kv_cache_bytes=64 << 20,
+        heartbeat_interval=timedelta(seconds=0.2),
+        shutdown_grace=timedelta(seconds=0.5),
+    )
     await _serves_the_torch_engines_tokens(bus, settings, demo_model_dir, "vllm", 240)
 
 
@@ -298,8 +326,11 @@ async def _serves_the_torch_engines_tokens(
         await worker.shutdown()
         await run
     ref = TorchEngine(model_dir, dtype="float32")
-    ref.add_request(EngineRequest("r", [0, 5, 6, 7, 8, 9],
-                                  SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    ref.add_request(
+        EngineRequest(
+            "r", [0, 5, 6, 7, 8, 9], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )
+    )
     expected = []
     while ref.has_work():
         for o in ref.step():

@@ -32,8 +32,13 @@ def engine(vllm_python: str, demo_model_dir: Path):
 
     e = ProcessEngine(
         functools.partial(
-            VLLMEngine, demo_model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
-            kv_cache_bytes=64 << 20, gpu_memory_fraction=0.3, enforce_eager=True,
+            VLLMEngine,
+            demo_model_dir,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_bytes=64 << 20,
+            gpu_memory_fraction=0.3,
+            enforce_eager=True,
         ),
         label="vllm-test",
         python=vllm_python,
@@ -126,6 +131,8 @@ def test_an_aborted_request_streams_nothing_more(engine) -> None:
     engine.abort("long")
     after = drain(engine)
     assert "long" not in after
-    assert sum(len(o.new_token_ids) for o in seen + after.get("short", [])
-               if o.request_id == "short") == 6
+    assert (
+        sum(len(o.new_token_ids) for o in seen + after.get("short", []) if o.request_id == "short")
+        == 6
+    )
     assert not engine.has_work()

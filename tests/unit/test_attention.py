@@ -16,7 +16,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int)
     kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = torch.arange(ctx)[None, :] <= torch.arange(start_pos, ctx)[:, None]
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).double(), kr.transpose(0, 1).double(), vr.transpose(0, 1).double(),
+        q.transpose(0, 1).double(),
+        kr.transpose(0, 1).double(),
+        vr.transpose(0, 1).double(),
         attn_mask=mask,
     )
     return o.transpose(0, 1).reshape(n, heads * hd)
@@ -49,10 +51,17 @@ def test_blocked_bf16_is_as_close_as_sdpa_bf16() -> None:
     exact = reference(q, k, v, 0)
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
     ours = (causal_attention(qb, kb, vb, 0).double() - exact).abs().max().item()
-    sdpa = F.scaled_dot_product_attention(
-        qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
-        is_causal=True, enable_gqa=True,
-    )[0].transpose(0, 1).reshape(n, heads * hd)
+    sdpa = (
+        F.scaled_dot_product_attention(
+            qb.transpose(0, 1)[None],
+            kb.transpose(0, 1)[None],
+            vb.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
+        )[0]
+        .transpose(0, 1)
+        .reshape(n, heads * hd)
+    )
     theirs = (sdpa.double() - exact).abs().max().item()
     assert ours <= max(2 * theirs, 1e-2), (ours, theirs)
 

@@ -11,9 +11,26 @@ import bench_scheduling
 
 def test_bench_scheduling_replays_both_scenarios_under_each_setting(tmp_path, demo_model_dir):
     out = tmp_path / "scheduling.json"
-    argv = ["--model", str(demo_model_dir), "--requests", "3", "--concurrency", "2",
-            "--prompt", "40", "--output", "4", "--long-prompt", "120", "--reps", "1",
-            "--settings", "whole:64,chunked:16", "--out", str(out)]
+    argv = [
+        "--model",
+        str(demo_model_dir),
+        "--requests",
+        "3",
+        "--concurrency",
+        "2",
+        "--prompt",
+        "40",
+        "--output",
+        "4",
+        "--long-prompt",
+        "120",
+        "--reps",
+        "1",
+        "--settings",
+        "whole:64,chunked:16",
+        "--out",
+        str(out),
+    ]
     assert bench_scheduling.main(argv) == 0
     medians = json.loads(out.read_text())["medians"]
     assert set(medians) == {"closed", "long"}

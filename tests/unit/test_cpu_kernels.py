@@ -59,7 +59,12 @@ def test_decode_attention_matches_torch(dtype, heads, kv_heads, hd, block_size, 
     )
     assert kernel is not None
     case = bench_kernels.decode_case(
-        dtype=dtype, heads=heads, kv_heads=kv_heads, hd=hd, block_size=block_size, lens=lens,
+        dtype=dtype,
+        heads=heads,
+        kv_heads=kv_heads,
+        hd=hd,
+        block_size=block_size,
+        lens=lens,
         seed=0,
     )
     got = case.kernel_path(kernel)

@@ -10,8 +10,10 @@ from loadgen.transforms import limit, scale_rate, scale_time
 
 
 def trace(n: int, gap: float = 1.0, **kw) -> list[TraceRequest]:
-    return [TraceRequest(arrival_s=i * gap, input_tokens=100 + i, output_tokens=10, **kw)
-            for i in range(n)]
+    return [
+        TraceRequest(arrival_s=i * gap, input_tokens=100 + i, output_tokens=10, **kw)
+        for i in range(n)
+    ]
 
 
 def test_fit_clips_prompt_then_output() -> None:
@@ -40,10 +42,16 @@ def test_models_map_and_default() -> None:
 
 def test_plan_counts_clipped_and_keeps_trace_lengths() -> None:
     reqs = [TraceRequest(0, 5000, 100, model="a"), TraceRequest(1, 10, 5, model="b")]
-    p = plan(reqs, models_map={"a": "big", "b": "small"},
-             max_context={"big": 8192, "small": 1024}, max_output_tokens=50)
+    p = plan(
+        reqs,
+        models_map={"a": "big", "b": "small"},
+        max_context={"big": 8192, "small": 1024},
+        max_output_tokens=50,
+    )
     assert [(x.model, x.input_tokens, x.output_tokens, x.clipped_prompt) for x in p] == [
-        ("big", 5000, 50, False), ("small", 10, 5, False)]
+        ("big", 5000, 50, False),
+        ("small", 10, 5, False),
+    ]
     p = plan(reqs, model="small", max_context={"small": 1024})
     assert (p[0].input_tokens, p[0].trace_input_tokens, p[0].clipped_prompt) == (1023, 5000, True)
     assert p[0].key != p[1].key

@@ -31,8 +31,9 @@ def demo_pool(demo_model_dir: Path):
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -63,10 +64,13 @@ def test_shared_hash_ids_give_exactly_the_shared_prefix(demo_pool, demo_tok, blo
         (99, 11, 12, 13, 14): 0 if not demo_pool.leading else len(demo_pool.leading),
         (10, 11, 12, 13, 14): n,  # same ids, same length: the same prompt
     }
-    a = demo_tok.encode(make_prompt(demo_pool, "completions", "text", n, base, bs, "a").body["prompt"])
+    a = demo_tok.encode(
+        make_prompt(demo_pool, "completions", "text", n, base, bs, "a").body["prompt"]
+    )
     for other, shared in cases.items():
         b = demo_tok.encode(
-            make_prompt(demo_pool, "completions", "text", n, other, bs, "b").body["prompt"])
+            make_prompt(demo_pool, "completions", "text", n, other, bs, "b").body["prompt"]
+        )
         assert common_prefix(a, b) == shared, other
 
 
@@ -80,7 +84,8 @@ def test_prefix_survives_a_shorter_prompt_and_unique_tails_differ(demo_pool) -> 
     m = len(demo_pool.markers)
     tails = [prompt_ids(demo_pool, 60, (1, 2), 16, str(i)) for i in range(100)]
     assert [common_prefix(tails[0], t) for t in tails[1:]] == [
-        32 if i % m else 33 for i in range(1, 100)]
+        32 if i % m else 33 for i in range(1, 100)
+    ]
     # No ids: nothing but BOS shared.
     bare = [prompt_ids(demo_pool, 60, (), 16, str(i)) for i in range(m)]
     assert all(common_prefix(bare[0], t) == len(demo_pool.leading) for t in bare[1:])
@@ -108,8 +113,9 @@ def _sentencepiece_like(tmp_path: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(corpus_documents(),
-                            trainers.BpeTrainer(vocab_size=800, special_tokens=["<unk>"]))
+    tok.train_from_iterator(
+        corpus_documents(), trainers.BpeTrainer(vocab_size=800, special_tokens=["<unk>"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     return tmp_path / "tokenizer.json"
 
@@ -126,8 +132,9 @@ def test_other_tokenizer_families(tmp_path: Path) -> None:
 def test_tokenizer_without_text_round_trip(tmp_path: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # no decoder: spaces are lost
-    tok.train_from_iterator(corpus_documents(),
-                            trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>"]))
+    tok.train_from_iterator(
+        corpus_documents(), trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(PromptError, match="prompt-format ids"):
         tokenizer_pool(tmp_path)
@@ -145,4 +152,3 @@ def test_approximate_pool_without_a_tokenizer() -> None:
     assert p.body["prompt"].split()[:16] == q.body["prompt"].split()[:16]
     with pytest.raises(PromptError):
         make_prompt(pool, "completions", "ids", 10, (), 16, "k")
-

@@ -28,8 +28,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def _app() -> web.Application:
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": "stub", "object": "model", "max_model_len": 300}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "stub", "object": "model", "max_model_len": 300}]}
+        )
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -48,8 +49,16 @@ def _app() -> web.Application:
                 await asyncio.sleep(GAP_S)
             await send({"choices": [{"text": " w", "index": 0, "finish_reason": None}]})
         await send({"choices": [{"text": "", "index": 0, "finish_reason": "length"}]})
-        await send({"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                             "total_tokens": n_in + n_out}})
+        await send(
+            {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": n_in,
+                    "completion_tokens": n_out,
+                    "total_tokens": n_in + n_out,
+                },
+            }
+        )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -105,16 +114,42 @@ def run_cli(*argv: str) -> int:
     return e.value.code
 
 
-def test_replay_writes_results_and_plots(stub_url: str, tmp_path: Path, monkeypatch,
-                                         capsys) -> None:
+def test_replay_writes_results_and_plots(
+    stub_url: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
     monkeypatch.setenv("MESHSERVE_MODELS_DIR", str(tmp_path / "no-models"))
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps(
-        {"timestamp": 100 * i, "input_length": 400 if i == 3 else 30, "output_length": 3,
-         "hash_ids": [1, i]}) + "\n" for i in range(6)))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 100 * i,
+                    "input_length": 400 if i == 3 else 30,
+                    "output_length": 3,
+                    "hash_ids": [1, i],
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     out = tmp_path / "run"
-    assert run_cli("replay", str(trace), "--url", stub_url, "--model", "stub", "--out",
-                   str(out), "--time-scale", "0.5", "--quiet") == 0
+    assert (
+        run_cli(
+            "replay",
+            str(trace),
+            "--url",
+            stub_url,
+            "--model",
+            "stub",
+            "--out",
+            str(out),
+            "--time-scale",
+            "0.5",
+            "--quiet",
+        )
+        == 0
+    )
     s = json.loads((out / "summary.json").read_text())
     assert s["requests"] == 6 and s["failed"] == 0 and s["slo_attainment"] == 1.0
     assert s["clipped_prompts"] == 1  # 400 > 300 - 1
@@ -132,8 +167,21 @@ def test_replay_writes_results_and_plots(stub_url: str, tmp_path: Path, monkeypa
 
     # compare: the same run twice, side by side, and one chart.
     out2 = tmp_path / "again"
-    assert run_cli("replay", str(trace), "--url", stub_url, "--model", "stub", "--out",
-                   str(out2), "--quiet", "--no-plots") == 0
+    assert (
+        run_cli(
+            "replay",
+            str(trace),
+            "--url",
+            stub_url,
+            "--model",
+            "stub",
+            "--out",
+            str(out2),
+            "--quiet",
+            "--no-plots",
+        )
+        == 0
+    )
     capsys.readouterr()
     chart = tmp_path / "cmp.png"
     assert run_cli("compare", str(out), str(out2), "--plot", str(chart)) == 0
@@ -147,17 +195,29 @@ def test_exit_codes(stub_url: str, tmp_path: Path, capsys) -> None:
     trace = tmp_path / "a.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,2\n")
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    assert run_cli("replay", str(trace), "--url", dead, "--model", "stub", "--out",
-                   str(tmp_path / "x")) == 3
+    assert (
+        run_cli(
+            "replay", str(trace), "--url", dead, "--model", "stub", "--out", str(tmp_path / "x")
+        )
+        == 3
+    )
     err = capsys.readouterr().err
     assert "cannot reach" in err and dead in err and not (tmp_path / "x").exists()
-    assert run_cli("replay", str(trace), "--url", stub_url, "--model", "nope", "--out",
-                   str(tmp_path / "x")) == 3
+    assert (
+        run_cli(
+            "replay", str(trace), "--url", stub_url, "--model", "nope", "--out", str(tmp_path / "x")
+        )
+        == 3
+    )
     assert "does not serve nope" in capsys.readouterr().err
     bad = tmp_path / "bad.csv"
     bad.write_text("hello,world\n")
-    assert run_cli("replay", str(bad), "--url", stub_url, "--model", "stub", "--out",
-                   str(tmp_path / "x")) == 2
+    assert (
+        run_cli(
+            "replay", str(bad), "--url", stub_url, "--model", "stub", "--out", str(tmp_path / "x")
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(bad) in err and "unknown trace format" in err
     assert run_cli("compare", str(tmp_path)) == 2
@@ -165,8 +225,20 @@ def test_exit_codes(stub_url: str, tmp_path: Path, capsys) -> None:
 
 def test_synth_command(tmp_path: Path, capsys) -> None:
     out = tmp_path / "mix.jsonl"
-    assert run_cli("synth", "--models", "a:2,b:0.5:3", "--duration", "30", "--turns", "2",
-                   "--out", str(out)) == 0
+    assert (
+        run_cli(
+            "synth",
+            "--models",
+            "a:2,b:0.5:3",
+            "--duration",
+            "30",
+            "--turns",
+            "2",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["model"] for r in rows} == {"a", "b"} and all("hash_ids" in r for r in rows)
     assert "wrote" in capsys.readouterr().out

@@ -19,17 +19,27 @@ from tests.shared_traces import azure_slice
 
 def profile(model: str = "m", **kw) -> EngineProfile:
     base = dict(
-        model=model, load_s=2.0, decode_batches=(1, 8), decode_s=(0.02, 0.04), decode_ctx_s=0.0,
-        prefill_s=0.001, prefill_s2=0.0, max_num_seqs=8, max_prefill_tokens=2048,
-        kv_blocks=1000, block_size=16, max_model_len=4096,
+        model=model,
+        load_s=2.0,
+        decode_batches=(1, 8),
+        decode_s=(0.02, 0.04),
+        decode_ctx_s=0.0,
+        prefill_s=0.001,
+        prefill_s2=0.0,
+        max_num_seqs=8,
+        max_prefill_tokens=2048,
+        kv_blocks=1000,
+        block_size=16,
+        max_model_len=4096,
     )
     base.update(kw)
     return EngineProfile(**base)
 
 
 def trace(*reqs: tuple[float, int, int], model: str | None = None) -> list[TraceRequest]:
-    return [TraceRequest(arrival_s=t, input_tokens=i, output_tokens=o, model=model)
-            for t, i, o in reqs]
+    return [
+        TraceRequest(arrival_s=t, input_tokens=i, output_tokens=o, model=model) for t, i, o in reqs
+    ]
 
 
 NO_NET = dict(network_s=0.0)
@@ -134,9 +144,7 @@ def test_models_get_their_own_instances_and_a_full_fleet_times_out() -> None:
 def test_kv_pressure_preempts_and_still_finishes_everything() -> None:
     # 12 blocks of 16 tokens; four 40-token prompts growing to 80 tokens cannot all fit.
     planned = plan(trace(*[(0.0, 40, 40)] * 4), model="m")
-    results, stats = simulate(
-        planned, {"m": profile(kv_blocks=12)}, SimConfig(devices=1, **NO_NET)
-    )
+    results, stats = simulate(planned, {"m": profile(kv_blocks=12)}, SimConfig(devices=1, **NO_NET))
     assert all(r.ok and r.completion_tokens == 40 for r in results)
     assert stats.preemptions > 0
 
@@ -153,8 +161,12 @@ def test_thousands_of_devices_and_models_run_fast() -> None:
     """2,000 devices, 500 models, 20,000 requests: the policy modules on a fleet this
     machine could never host, in seconds."""
     reqs = [
-        TraceRequest(arrival_s=i * 0.01, input_tokens=100 + i % 400, output_tokens=1 + i % 30,
-                     model=f"m{i % 500}")
+        TraceRequest(
+            arrival_s=i * 0.01,
+            input_tokens=100 + i % 400,
+            output_tokens=1 + i % 30,
+            model=f"m{i % 500}",
+        )
         for i in range(20_000)
     ]
     planned = plan(reqs)
@@ -180,8 +192,20 @@ def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None
     save_profiles(prof, [profile("demo")])
     out = tmp_path / "sim"
     with pytest.raises(SystemExit) as e:
-        main(["simulate", str(trace_file), "--profile", str(prof), "--devices", "2",
-              "--max-requests", "300", "--out", str(out)])
+        main(
+            [
+                "simulate",
+                str(trace_file),
+                "--profile",
+                str(prof),
+                "--devices",
+                "2",
+                "--max-requests",
+                "300",
+                "--out",
+                str(out),
+            ]
+        )
     assert e.value.code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["requests"] == 300 and summary["run"]["simulated"] is True

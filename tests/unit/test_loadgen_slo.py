@@ -9,12 +9,32 @@ from loadgen.results import Result
 from loadgen.slo import SLO, attainment, goodput_rps, parse_slo
 
 
-def res(i: int, *, sent: float = 0.0, ttft: float | None = 0.1, e2e: float | None = 1.0,
-        out: int = 10, inp: int = 100, model: str = "m", error: str | None = None) -> Result:
-    return Result(index=i, model=model, scheduled_s=sent, sent_s=sent, input_tokens=inp,
-                  output_tokens=out, prompt_tokens=inp, completion_tokens=out, ttft_s=ttft,
-                  e2e_s=e2e, gaps_s=[] if ttft is None else [(e2e - ttft) / max(1, out - 1)] *
-                  (out - 1), status=200 if error is None else 503, error=error)
+def res(
+    i: int,
+    *,
+    sent: float = 0.0,
+    ttft: float | None = 0.1,
+    e2e: float | None = 1.0,
+    out: int = 10,
+    inp: int = 100,
+    model: str = "m",
+    error: str | None = None,
+) -> Result:
+    return Result(
+        index=i,
+        model=model,
+        scheduled_s=sent,
+        sent_s=sent,
+        input_tokens=inp,
+        output_tokens=out,
+        prompt_tokens=inp,
+        completion_tokens=out,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        gaps_s=[] if ttft is None else [(e2e - ttft) / max(1, out - 1)] * (out - 1),
+        status=200 if error is None else 503,
+        error=error,
+    )
 
 
 def test_default_is_llm_mesh() -> None:
@@ -26,17 +46,20 @@ def test_default_is_llm_mesh() -> None:
     assert slo.describe() == "TTFT <= max(2 s, input_tokens/512 s), TPOT <= 0.25 s"
 
 
-@pytest.mark.parametrize(("ok", "inp", "ttft", "tpot", "met"), [
-    (True, 100, 1.9, 0.2, True),
-    (True, 100, 2.1, 0.2, False),  # TTFT over the 2 s floor
-    (True, 2048, 3.9, 0.2, True),  # 2048/512 = 4 s allowed
-    (True, 2048, 4.1, 0.2, False),
-    (True, 100, 0.5, 0.25, True),  # limits are inclusive
-    (True, 100, 0.5, 0.26, False),  # TPOT over
-    (True, 100, 0.5, None, True),  # one output token: no TPOT, judged on TTFT
-    (False, 100, 0.1, 0.01, False),  # a failed request misses whatever its timings
-    (True, 100, None, None, False),  # no first token: a miss
-])
+@pytest.mark.parametrize(
+    ("ok", "inp", "ttft", "tpot", "met"),
+    [
+        (True, 100, 1.9, 0.2, True),
+        (True, 100, 2.1, 0.2, False),  # TTFT over the 2 s floor
+        (True, 2048, 3.9, 0.2, True),  # 2048/512 = 4 s allowed
+        (True, 2048, 4.1, 0.2, False),
+        (True, 100, 0.5, 0.25, True),  # limits are inclusive
+        (True, 100, 0.5, 0.26, False),  # TPOT over
+        (True, 100, 0.5, None, True),  # one output token: no TPOT, judged on TTFT
+        (False, 100, 0.1, 0.01, False),  # a failed request misses whatever its timings
+        (True, 100, None, None, False),  # no first token: a miss
+    ],
+)
 def test_met(ok, inp, ttft, tpot, met) -> None:
     assert SLO().met(ok=ok, input_tokens=inp, ttft_s=ttft, tpot_s=tpot) is met
 
@@ -62,10 +85,12 @@ def test_summary_hand_computed() -> None:
     #   1: sent 1, TTFT 0.2, E2E 1.1, 10 tokens  → TPOT 0.1: meets
     #   2: sent 2, failed (503)                   → counts as a miss
     #   3: sent 4, TTFT 3.0 (input 2048 → 4 s ok), E2E 6.0, 13 tokens → TPOT 0.25: meets
-    rs = [res(0, sent=0, ttft=0.5, e2e=2.5, out=5),
-          res(1, sent=1, ttft=0.2, e2e=1.1, out=10),
-          res(2, sent=2, ttft=None, e2e=None, error="unavailable"),
-          res(3, sent=4, ttft=3.0, e2e=6.0, out=13, inp=2048)]
+    rs = [
+        res(0, sent=0, ttft=0.5, e2e=2.5, out=5),
+        res(1, sent=1, ttft=0.2, e2e=1.1, out=10),
+        res(2, sent=2, ttft=None, e2e=None, error="unavailable"),
+        res(3, sent=4, ttft=3.0, e2e=6.0, out=13, inp=2048),
+    ]
     assert run_span_s(rs) == 10.0  # first send 0 → last end 4 + 6
     s = summarize(rs, SLO())
     assert s["requests"] == 4 and s["failed"] == 1

@@ -47,15 +47,24 @@ def test_model_mix() -> None:
         parse_models("a")
     reqs = synthesize(SynthSpec(models=parse_models("a:4,b:1:2"), duration_s=500), seed=3)
     counts = {m: sum(r.model == m for r in reqs) for m in ("a", "b")}
-    assert counts["a"] == pytest.approx(2000, rel=0.1) and counts["b"] == pytest.approx(500, rel=0.3)
+    assert counts["a"] == pytest.approx(2000, rel=0.1) and counts["b"] == pytest.approx(
+        500, rel=0.3
+    )
     assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
     assert reqs == synthesize(SynthSpec(models=parse_models("a:4,b:1:2"), duration_s=500), seed=3)
 
 
 def test_conversations_grow_a_shared_prefix() -> None:
-    spec = SynthSpec(models=[ModelSpec("m", 0.5)], duration_s=400, turns_mean=4,
-                     think_time_s=5, input_mean=100, output_mean=50, block_size=16,
-                     system_prompt_tokens=64)
+    spec = SynthSpec(
+        models=[ModelSpec("m", 0.5)],
+        duration_s=400,
+        turns_mean=4,
+        think_time_s=5,
+        input_mean=100,
+        output_mean=50,
+        block_size=16,
+        system_prompt_tokens=64,
+    )
     reqs = synthesize(spec, seed=7)
     sessions: dict[str, list] = {}
     for r in reqs:
@@ -72,15 +81,14 @@ def test_conversations_grow_a_shared_prefix() -> None:
             assert cur.input_tokens > prev.input_tokens + prev.output_tokens
             full = prev.input_tokens // 16
             assert cur.hash_ids[:full] == prev.hash_ids[:full]  # the whole previous prompt
-            assert cur.hash_ids[full:full + 1] != prev.hash_ids[full:full + 1]
+            assert cur.hash_ids[full : full + 1] != prev.hash_ids[full : full + 1]
     # Different conversations share only the system prompt.
     firsts = [t[0] for t in sessions.values()]
     assert len({f.hash_ids[4] for f in firsts}) == len(firsts)
 
 
 def test_written_trace_reads_back(tmp_path: Path) -> None:
-    reqs = synthesize(SynthSpec(models=[ModelSpec(None, 2.0)], duration_s=20, turns_mean=2),
-                      seed=1)
+    reqs = synthesize(SynthSpec(models=[ModelSpec(None, 2.0)], duration_s=20, turns_mean=2), seed=1)
     write_trace(tmp_path / "s.jsonl", reqs)
     back = read_trace(tmp_path / "s.jsonl")
     assert len(back) == len(reqs)

@@ -32,11 +32,13 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_azure_csv(tmp_path: Path) -> None:
-    p = write(tmp_path / "azure.csv",
-              "TIMESTAMP,ContextTokens,GeneratedTokens\n"
-              "2023-11-16 18:15:46.6805900,374,44\n"
-              "2023-11-16 18:15:50.9951690,396,109\n"
-              "2023-11-16 18:15:46.1805900,10,1\n")
+    p = write(
+        tmp_path / "azure.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:46.1805900,10,1\n",
+    )
     assert detect_format(p) == "azure"
     reqs = read_trace(p)
     # Sorted by arrival, the first at 0; the 7-digit fractions kept exactly.
@@ -56,28 +58,37 @@ def test_datetime_parsing_is_robust() -> None:
 
 
 def test_burstgpt_old_and_new_columns(tmp_path: Path) -> None:
-    old = write(tmp_path / "old.csv",
-                "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                "5,ChatGPT,472,18,490,Conversation log\n"
-                "45,GPT-4,1087,0,1087,API log\n")
-    new = write(tmp_path / "new.csv",
-                "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,"
-                "Total tokens,Log Type\n"
-                "10.5,s1,1.2,ChatGPT,100,20,120,Conversation log\n"
-                "11.0,s1,0.8,ChatGPT,150,30,180,Conversation log\n")
+    old = write(
+        tmp_path / "old.csv",
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n"
+        "45,GPT-4,1087,0,1087,API log\n",
+    )
+    new = write(
+        tmp_path / "new.csv",
+        "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,"
+        "Total tokens,Log Type\n"
+        "10.5,s1,1.2,ChatGPT,100,20,120,Conversation log\n"
+        "11.0,s1,0.8,ChatGPT,150,30,180,Conversation log\n",
+    )
     assert detect_format(old) == detect_format(new) == "burstgpt"
     a = read_trace(old)
     assert [(r.arrival_s, r.model, r.input_tokens, r.output_tokens, r.kind) for r in a] == [
-        (0.0, "ChatGPT", 472, 18, "Conversation log"), (40.0, "GPT-4", 1087, 0, "API log")]
+        (0.0, "ChatGPT", 472, 18, "Conversation log"),
+        (40.0, "GPT-4", 1087, 0, "API log"),
+    ]
     b = read_trace(new)
     assert [r.session_id for r in b] == ["s1", "s1"] and b[1].arrival_s == 0.5
 
 
 def test_mooncake_jsonl(tmp_path: Path) -> None:
-    p = jsonl(tmp_path / "mc.jsonl", [
-        {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47]},
-        {"timestamp": 30535, "input_length": 6472, "output_length": 26, "hash_ids": [46, 52]},
-    ])
+    p = jsonl(
+        tmp_path / "mc.jsonl",
+        [
+            {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47]},
+            {"timestamp": 30535, "input_length": 6472, "output_length": 26, "hash_ids": [46, 52]},
+        ],
+    )
     assert detect_format(p) == "mooncake"
     a, b = read_trace(p)
     assert a.arrival_s == 0 and b.arrival_s == pytest.approx(3.053)  # milliseconds
@@ -87,16 +98,48 @@ def test_mooncake_jsonl(tmp_path: Path) -> None:
 
 def test_bailian_jsonl_sessions_follow_parents(tmp_path: Path) -> None:
     base = {"type": "text", "hash_ids": [1, 2, 3]}
-    p = jsonl(tmp_path / "qwen.jsonl", [
-        {"chat_id": 159, "parent_chat_id": -1, "timestamp": 61.114, "input_length": 521,
-         "output_length": 132, "turn": 1, **base},
-        {"chat_id": 7, "parent_chat_id": -1, "timestamp": 61.5, "input_length": 40,
-         "output_length": 10, "turn": 1, "type": "search", "hash_ids": [9, 10, 11]},
-        {"chat_id": 160, "parent_chat_id": 159, "timestamp": 75.0, "input_length": 700,
-         "output_length": 50, "turn": 2, **base},
-        {"chat_id": 161, "parent_chat_id": 160, "timestamp": 90.25, "input_length": 900,
-         "output_length": 5, "turn": 3, **base},
-    ])
+    p = jsonl(
+        tmp_path / "qwen.jsonl",
+        [
+            {
+                "chat_id": 159,
+                "parent_chat_id": -1,
+                "timestamp": 61.114,
+                "input_length": 521,
+                "output_length": 132,
+                "turn": 1,
+                **base,
+            },
+            {
+                "chat_id": 7,
+                "parent_chat_id": -1,
+                "timestamp": 61.5,
+                "input_length": 40,
+                "output_length": 10,
+                "turn": 1,
+                "type": "search",
+                "hash_ids": [9, 10, 11],
+            },
+            {
+                "chat_id": 160,
+                "parent_chat_id": 159,
+                "timestamp": 75.0,
+                "input_length": 700,
+                "output_length": 50,
+                "turn": 2,
+                **base,
+            },
+            {
+                "chat_id": 161,
+                "parent_chat_id": 160,
+                "timestamp": 90.25,
+                "input_length": 900,
+                "output_length": 5,
+                "turn": 3,
+                **base,
+            },
+        ],
+    )
     assert detect_format(p) == "bailian"
     reqs = read_trace(p)
     assert [r.arrival_s for r in reqs] == pytest.approx([0, 0.386, 13.886, 29.136])  # seconds
@@ -107,25 +150,33 @@ def test_bailian_jsonl_sessions_follow_parents(tmp_path: Path) -> None:
 
 
 def test_meshserve_format_round_trips(tmp_path: Path) -> None:
-    reqs = [TraceRequest(0.0, 100, 10, model="a", hash_ids=(1, 2), block_size=16,
-                         session_id="a-0", turn=1),
-            TraceRequest(1.25, 300, 20, model="b")]
+    reqs = [
+        TraceRequest(
+            0.0, 100, 10, model="a", hash_ids=(1, 2), block_size=16, session_id="a-0", turn=1
+        ),
+        TraceRequest(1.25, 300, 20, model="b"),
+    ]
     write_trace(tmp_path / "t.jsonl", reqs)
     assert detect_format(tmp_path / "t.jsonl") == "meshserve"
     assert read_trace(tmp_path / "t.jsonl") == reqs
 
 
-@pytest.mark.parametrize(("text", "why"), [
-    ("", "empty file"),
-    ("a,b,c\n1,2,3\n", "unknown trace format"),
-    ('{"foo": 1}\n', "unknown JSONL trace"),
-    ("{not json\n", "not a JSON object"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,12x,3\n", ":2:"),
-    ('{"timestamp": 1, "input_length": 5}\n', "unknown JSONL trace"),
-    ('{"timestamp": 1, "input_length": 5, "output_length": 2}\n{"timestamp": 2}\n',
-     "missing field 'input_length'"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
-])
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "empty file"),
+        ("a,b,c\n1,2,3\n", "unknown trace format"),
+        ('{"foo": 1}\n', "unknown JSONL trace"),
+        ("{not json\n", "not a JSON object"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,12x,3\n", ":2:"),
+        ('{"timestamp": 1, "input_length": 5}\n', "unknown JSONL trace"),
+        (
+            '{"timestamp": 1, "input_length": 5, "output_length": 2}\n{"timestamp": 2}\n',
+            "missing field 'input_length'",
+        ),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+    ],
+)
 def test_unreadable_traces_name_file_and_reason(tmp_path: Path, text: str, why: str) -> None:
     p = write(tmp_path / "bad.trace", text)
     with pytest.raises(TraceError) as e:

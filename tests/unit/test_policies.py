@@ -7,8 +7,18 @@ from shared.messages.cluster import TEHeartbeat, TEState
 
 
 def te(te_id, state=TEState.READY, model="m", running=0, waiting=0, pool="p1", last_active=0.0):
-    return TEHeartbeat(te_id=te_id, pool_id=pool, host="h", pid=1, state=state, started_at=0,
-                       model=model, running=running, waiting=waiting, last_active=last_active)
+    return TEHeartbeat(
+        te_id=te_id,
+        pool_id=pool,
+        host="h",
+        pid=1,
+        state=state,
+        started_at=0,
+        model=model,
+        running=running,
+        waiting=waiting,
+        last_active=last_active,
+    )
 
 
 class TestPickTE:
@@ -46,7 +56,9 @@ class TestScaler:
 
     def test_no_second_load_while_one_is_loading_or_pending(self):
         idle = te("i", TEState.IDLE, None)
-        assert decide([idle, te("l", TEState.LOADING)], {"m": 100.0}, {}, now=100, cfg=self.cfg) == []
+        assert (
+            decide([idle, te("l", TEState.LOADING)], {"m": 100.0}, {}, now=100, cfg=self.cfg) == []
+        )
         assert decide([idle], {"m": 100.0}, {"i": "m"}, now=100, cfg=self.cfg) == []
 
     def test_stale_demand_is_ignored(self):

@@ -98,7 +98,9 @@ class GilHoldingEngine:
         return [EngineOutput(rid, [1], finished=True, finish_reason="length") for rid in done]
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self._queued), waiting=0, free_kv_blocks=1, total_kv_blocks=1)
+        return EngineStats(
+            running=len(self._queued), waiting=0, free_kv_blocks=1, total_kv_blocks=1
+        )
 
     def close(self) -> None:
         pass
@@ -235,7 +237,9 @@ def test_the_child_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
     )
     root = Path(__file__).resolve().parents[2]
     parent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     try:

@@ -21,13 +21,23 @@ def test_settings_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHSERVE_HTTP_PORT", "9000")
     monkeypatch.setenv("MESHSERVE_KEEP_ALIVE", "2.5")
     s = Settings()
-    assert (s.cluster, s.nats_url, s.redis_url, s.http_port) == ("blue", "nats://n:4222", "redis://r:6379", 9000)
+    assert (s.cluster, s.nats_url, s.redis_url, s.http_port) == (
+        "blue",
+        "nats://n:4222",
+        "redis://r:6379",
+        9000,
+    )
     assert s.models_dir == tmp_path and s.keep_alive == timedelta(seconds=2.5)
 
 
 def test_settings_env_round_trip_to_a_child(monkeypatch):
-    s = Settings(cluster="c1", keep_alive=timedelta(seconds=3), pool_size=4,
-                 model_engines={"demo": "torch", "big": "vllm"}, nats_url="nats://x:1")
+    s = Settings(
+        cluster="c1",
+        keep_alive=timedelta(seconds=3),
+        pool_size=4,
+        model_engines={"demo": "torch", "big": "vllm"},
+        nats_url="nats://x:1",
+    )
     for k, v in s.env().items():
         monkeypatch.setenv(k, v)
     assert Settings() == s
@@ -42,8 +52,14 @@ def test_settings_toml_file_and_env_precedence(monkeypatch, tmp_path):
     assert s.cluster == "from-file" and s.pool_size == 7
 
 
-@pytest.mark.parametrize("var,value", [("MESHSERVE_CLUSTER", "a.b"), ("MESHSERVE_HTTP_PORT", "70000"),
-                                        ("MESHSERVE_ENGINE", "tensorrt")])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("MESHSERVE_CLUSTER", "a.b"),
+        ("MESHSERVE_HTTP_PORT", "70000"),
+        ("MESHSERVE_ENGINE", "tensorrt"),
+    ],
+)
 def test_invalid_settings_are_rejected(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError):
@@ -52,15 +68,29 @@ def test_invalid_settings_are_rejected(monkeypatch, var, value):
 
 def test_every_subject_and_key_carries_the_cluster_name():
     s, k = Subjects("c9"), Keys("c9")
-    for subj in (s.job_submit(), s.te_task("t"), s.te_control("t"), s.token_stream("f", "r"),
-                 s.heartbeat(), s.view(), s.get_view(), s.scale_demand()):
+    for subj in (
+        s.job_submit(),
+        s.te_task("t"),
+        s.te_control("t"),
+        s.token_stream("f", "r"),
+        s.heartbeat(),
+        s.view(),
+        s.get_view(),
+        s.scale_demand(),
+    ):
         assert subj.startswith("c9.")
     assert k.models().startswith("c9:")
 
 
 def test_tagged_union_decoding_and_defaults():
-    task = ChatTask(request_id="r", model="m", prompt_token_ids=[1, 2],
-                    sampling=SamplingParams(max_tokens=4, seed=3), reply_to="x", deadline=1.0)
+    task = ChatTask(
+        request_id="r",
+        model="m",
+        prompt_token_ids=[1, 2],
+        sampling=SamplingParams(max_tokens=4, seed=3),
+        reply_to="x",
+        deadline=1.0,
+    )
     chunk = TokenChunk(request_id="r", seq=0, token_ids=[5])
     dec = decoder_for(ChatTask, TokenChunk)
     assert dec.decode(encode(task)) == task
@@ -80,7 +110,20 @@ def test_old_readers_ignore_new_fields():
 
 
 def test_view_round_trip():
-    v = ClusterView(cluster="c", version=3, generated_at=1.0,
-                    tes=[TEHeartbeat(te_id="t", pool_id="p", host="h", pid=1, state=TEState.READY,
-                                     started_at=0, model="m")])
+    v = ClusterView(
+        cluster="c",
+        version=3,
+        generated_at=1.0,
+        tes=[
+            TEHeartbeat(
+                te_id="t",
+                pool_id="p",
+                host="h",
+                pid=1,
+                state=TEState.READY,
+                started_at=0,
+                model="m",
+            )
+        ],
+    )
     assert decoder_for(ClusterView).decode(encode(v)) == v

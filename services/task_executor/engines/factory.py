@@ -104,4 +104,3 @@ def vllm_engine_args(settings: Settings) -> dict[str, Any]:
         "enable_prefix_caching": settings.prefix_caching,
         "enforce_eager": settings.vllm_enforce_eager,
     }
-

@@ -16,8 +16,10 @@ KvWireEvent = KvBlocksStored | KvBlocksRemoved | KvAllCleared
 def to_wire(event: KvEvent) -> KvWireEvent:
     if isinstance(event, BlockStored):
         return KvBlocksStored(
-            block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
-            token_counts=list(event.token_counts), tier=event.tier,
+            block_hashes=list(event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_counts=list(event.token_counts),
+            tier=event.tier,
         )
     if isinstance(event, BlockRemoved):
         return KvBlocksRemoved(block_hashes=list(event.block_hashes), tier=event.tier)

@@ -262,7 +262,10 @@ class Transformer:
             assert batch.decode_block_tables is not None and batch.decode_lens is not None
             outs.append(
                 self.decode_kernel(
-                    q[:d], cache.k[layer], cache.v[layer], batch.decode_block_tables,
+                    q[:d],
+                    cache.k[layer],
+                    cache.v[layer],
+                    batch.decode_block_tables,
                     batch.decode_lens,
                 )
             )
