@@ -8,6 +8,7 @@ import json
 import os
 import tomllib
 from datetime import timedelta
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -193,3 +194,14 @@ class Settings(BaseSettings):
                 value = json.dumps(value)  # how pydantic-settings reads complex fields back
             out[f"MESHSERVE_{name.upper()}"] = str(value)
         return out
+
+
+def process_environment(*, pythonpath: Sequence[Path] = (), **extra: str) -> dict[str, str]:
+    """The environment for a child process: this process's own (the only other place that
+    reads it), with ``pythonpath`` put first on PYTHONPATH and ``extra`` set."""
+    env = {**os.environ, **extra}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [*(str(p) for p in pythonpath), env.get("PYTHONPATH")])
+        )
+    return env

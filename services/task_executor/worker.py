@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
+from services.task_executor.engines.capabilities import EngineFeatures, bind_features
 from services.task_executor.engines.factory import choose_engine, create_engine
-from services.task_executor.engines.kv_wire import KvWireEvent, to_wire
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import BadRequest, Unavailable
 from shared.logging import get_logger
 from shared.messages.cluster import TEHeartbeat, TEState
-from shared.messages.kv import KvEventBatch
+from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import ControlAck, Drain, LoadModel, UnloadModel
 from shared.messages.tasks import RETRY_ELSEWHERE, CancelTask, ChatTask, TaskAccepted, TokenChunk
 from shared.runner import Lifecycle, run_service
@@ -87,6 +87,7 @@ class TaskExecutor:
         self.state = TEState.IDLE
         self.model: str | None = None
         self.engine: Engine | None = None
+        self._features = EngineFeatures()  # of the engine loaded: what it can do beyond generating
         self._error: str | None = None
         self._failed_model: str | None = None
         self._generated_tokens = 0
@@ -99,7 +100,8 @@ class TaskExecutor:
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()  # held while an iteration runs; unload waits for it
         self._closing = False
-        self._kv_pending: list[KvWireEvent] = []
+        self._kv_pending: list[KvEvent] = []
+        self._kv_block_size = 0
         self._kv_seq = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -134,14 +136,10 @@ class TaskExecutor:
         )
         if self.engine is not None:
             st = self.engine.stats()
-            caps = self.engine.capabilities
             hb.device = self.engine.device
             hb.engine = self.engine.name
             hb.max_model_len = self.engine.max_model_len
-            hb.capabilities = sorted(
-                [str(m) for m in caps.modes]
-                + [f.name for f in dataclasses.fields(caps) if getattr(caps, f.name) is True]
-            )
+            hb.engine_capabilities = self.engine.capabilities
             hb.running = st.running
             hb.waiting = st.waiting + len(self._adds)
             hb.free_kv_blocks = st.free_kv_blocks
@@ -218,15 +216,14 @@ class TaskExecutor:
     async def _load(self, cmd: LoadModel) -> None:
         t0 = time.monotonic()
         try:
-            engine = await self._on_engine_thread(
-                self._engine_factory, cmd.model, Path(cmd.path), self._settings
-            )
+            engine, features = await self._on_engine_thread(self._build_engine, cmd)
         except Exception as e:
             log.exception("model load failed", model=cmd.model)
             self.state, self.model, self._error = TEState.IDLE, None, f"{type(e).__name__}: {e}"
             self._failed_model = cmd.model
         else:
-            self.engine = engine
+            self.engine, self._features = engine, features
+            self._kv_block_size = features.kv_events.block_size if features.kv_events else 0
             self.state = TEState.READY
             self._last_active = time.time()
             log.info(
@@ -236,6 +233,16 @@ class TaskExecutor:
                 device=engine.device,
             )
         self._hb.beat_now()
+
+    def _build_engine(self, cmd: LoadModel) -> tuple[Engine, EngineFeatures]:
+        """The engine, and what it declares it can do checked against what it implements: a
+        declaration it cannot keep fails the load (and the engine is closed)."""
+        engine = self._engine_factory(cmd.model, Path(cmd.path), self._settings)
+        try:
+            return engine, bind_features(engine)
+        except Exception:
+            engine.close()
+            raise
 
     async def _on_unload(self, cmd: UnloadModel) -> ControlAck:
         """Acknowledged at once, as a load is: draining takes up to the shutdown grace and
@@ -257,8 +264,9 @@ class TaskExecutor:
                 await self._on_engine_thread(engine.close)
             except Exception:  # gone either way: the TE takes the next model
                 log.exception("closing the engine failed", model=self.model)
-            self._collect_kv_events(engine)
+            self._collect_kv_events()
             await self._flush_kv_events()
+        self._features = EngineFeatures()
         gc.collect()
         log.info("model unloaded", model=self.model, reason=cmd.reason)
         self.state, self.model = TEState.IDLE, None
@@ -343,7 +351,7 @@ class TaskExecutor:
                         if not engine.has_work():
                             break
                         outputs = await self._on_engine_thread(engine.step)
-                        self._collect_kv_events(engine)
+                        self._collect_kv_events()
                     previous, emitting = emitting, None
                     if previous is not None:
                         await previous
@@ -361,10 +369,9 @@ class TaskExecutor:
             if not self._streams:
                 self._idle.set()
 
-    def _collect_kv_events(self, engine: Engine) -> None:
-        drain = getattr(engine, "drain_kv_events", None)
-        if drain is not None:
-            self._kv_pending.extend(to_wire(e) for e in drain())
+    def _collect_kv_events(self) -> None:
+        if (source := self._features.kv_events) is not None:
+            self._kv_pending.extend(source.drain_kv_events())
 
     async def _kv_publisher(self) -> None:
         """Prefix-cache events leave in batches, at most one message per flush period."""
@@ -379,7 +386,7 @@ class TaskExecutor:
             te_id=self.te_id,
             model=self.model,
             seq=self._kv_seq,
-            block_size=getattr(self.engine, "block_size", 0),
+            block_size=self._kv_block_size,
             events=self._kv_pending,
         )
         self._kv_pending = []

@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 from shared.messages.base import Message
+from shared.messages.tasks import TaskMode
 
 
 class TEState(enum.StrEnum):
@@ -14,6 +15,22 @@ class TEState(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"  # finishing its requests, takes no new ones
+
+
+class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What an engine can do beyond generating, as it declares it. Each flag but
+    ``prefix_cache`` promises the methods of one sub-protocol
+    (``services/task_executor/engines/capabilities.py``), checked when a model loads; the TE
+    reports the flags in its heartbeat, so routers and the scaler read them from the view."""
+
+    modes: frozenset[TaskMode] = frozenset({TaskMode.COLOCATED})
+    prefix_cache: bool = False  # reuses the KV of cached prompt prefixes (reports cached tokens)
+    kv_events: bool = False  # publishes what enters and leaves its prefix cache (KvEventSource)
+    kv_export: bool = False  # hands a request's KV to another instance (KvExporter)
+    kv_import: bool = False  # continues a request from another instance's KV (KvImporter)
+    prefix_pinning: bool = False  # keeps a prefix cached under a cache id (PrefixPinning)
+    host_kv_tier: bool = False  # moves cached blocks to host memory and back (HostKvTier)
+    weight_source: bool = False  # builds from weights handed to it (a TensorSource)
 
 
 class TEHeartbeat(Message):
@@ -26,7 +43,6 @@ class TEHeartbeat(Message):
     model: str | None = None
     engine: str | None = None
     device: str | None = None
-    capabilities: list[str] = msgspec.field(default_factory=list)
     max_model_len: int = 0
     running: int = 0
     waiting: int = 0
@@ -37,6 +53,7 @@ class TEHeartbeat(Message):
     sent_at: float = 0.0  # unix seconds; load reported here includes tasks placed before it
     failed_model: str | None = None  # the model whose last load failed (see error)
     generated_tokens: int = 0  # tokens this TE has produced since it started
+    engine_capabilities: EngineCapabilities | None = None  # of the loaded engine; None if idle
 
 
 class JEHeartbeat(Message):

@@ -12,14 +12,6 @@ import pytest
 import torch
 
 from services.task_executor.engines.base import EngineOutput, EngineRequest
-from services.task_executor.engines.kv_events import (
-    DEVICE,
-    HOST,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEvent,
-)
 from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.prefix_cache import PrefixCache, chain_hashes
@@ -28,8 +20,27 @@ from services.task_executor.engines.torch_engine.scheduler import (
     SeqView,
     schedule,
 )
+from shared.messages.kv import (
+    DEVICE,
+    HOST,
+    KvAllCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvEvent,
+)
 from tests.engines import TEST_DEVICE, drain, tokens
 from tests.unit.test_torch_engine import _write_tiny_llama, greedy
+
+
+def stored(hashes: list[int], parent: int | None, counts: list[int], tier: str) -> KvEvent:
+    return KvBlocksStored(
+        block_hashes=hashes, parent_block_hash=parent, token_counts=counts, tier=tier
+    )
+
+
+def removed(hashes: list[int], tier: str) -> KvEvent:
+    return KvBlocksRemoved(block_hashes=hashes, tier=tier)
+
 
 BS = 4
 PREFIX = [5, 17, 42, 8, 61, 3, 29, 11, 2, 7, 70, 33]  # three full blocks
@@ -64,13 +75,19 @@ def _run_alone(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]
 
 def _stored(events: list[KvEvent], tier: str = DEVICE) -> list[int]:
     return [
-        h for e in events if isinstance(e, BlockStored) and e.tier == tier for h in e.block_hashes
+        h
+        for e in events
+        if isinstance(e, KvBlocksStored) and e.tier == tier
+        for h in e.block_hashes
     ]
 
 
 def _removed(events: list[KvEvent], tier: str = DEVICE) -> list[int]:
     return [
-        h for e in events if isinstance(e, BlockRemoved) and e.tier == tier for h in e.block_hashes
+        h
+        for e in events
+        if isinstance(e, KvBlocksRemoved) and e.tier == tier
+        for h in e.block_hashes
     ]
 
 
@@ -92,7 +109,7 @@ def test_second_request_reuses_exactly_the_shared_prefix_blocks(model_dir: Path)
     _step(engine, outs)
     first = engine.drain_kv_events()
     prefix_hashes = engine.block_hashes(PREFIX)
-    assert first == [BlockStored(prefix_hashes, None, [BS] * 3, DEVICE)]
+    assert first == [stored(prefix_hashes, None, [BS] * 3, DEVICE)]
 
     engine.add_request(EngineRequest("b", b, greedy(8)))
     _step(engine, outs)
@@ -266,7 +283,7 @@ def test_blocks_offloaded_to_the_host_tier_come_back_with_identical_outputs(
 
     assert engine.offload_kv(hashes) == 3
     assert engine.offload_kv(hashes) == 0  # already there
-    assert engine.drain_kv_events() == [BlockStored(hashes, None, [BS] * 3, HOST)]
+    assert engine.drain_kv_events() == [stored(hashes, None, [BS] * 3, HOST)]
 
     # A request that needs the whole device evicts them there.
     engine.add_request(EngineRequest("w", list(range(40, 77)), greedy(1)))
@@ -292,7 +309,7 @@ def test_blocks_offloaded_to_the_host_tier_come_back_with_identical_outputs(
     _assert_nothing_held(engine)
 
     engine.close()
-    assert AllBlocksCleared(HOST) in engine.drain_kv_events()
+    assert KvAllCleared(tier=HOST) in engine.drain_kv_events()
 
 
 def test_the_host_tier_has_its_own_capacity_and_lru_order() -> None:
@@ -319,17 +336,17 @@ def test_the_host_tier_has_its_own_capacity_and_lru_order() -> None:
     pc.offload(hashes[:1])  # touched: hashes[1] is now the host's least recently used
     assert pc.offload(hashes[2:]) == 1
     assert pc.drain_events() == [
-        BlockStored(hashes[:2], None, [2, 2], HOST),
-        BlockRemoved([hashes[1]], HOST),
-        BlockStored(hashes[2:], hashes[1], [2], HOST),
+        stored(hashes[:2], None, [2, 2], HOST),
+        removed([hashes[1]], HOST),
+        stored(hashes[2:], hashes[1], [2], HOST),
     ]
     # Evicting all three from the device writes back only the one the host lacks, which in
     # turn evicts the host's least recently used.
     taken = pc.allocate(8)
     assert pc.drain_events() == [
-        BlockRemoved([hashes[0]], HOST),
-        BlockStored([hashes[1]], hashes[0], [2], HOST),
-        BlockRemoved([hashes[2], hashes[1], hashes[0]], DEVICE),
+        removed([hashes[0]], HOST),
+        stored([hashes[1]], hashes[0], [2], HOST),
+        removed([hashes[2], hashes[1], hashes[0]], DEVICE),
     ]
     assert [pc.cached_block(h) for h in hashes] == [None] * 3
     pc.free(taken)

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from services.task_executor.engines.base import (
@@ -20,9 +21,9 @@ from services.task_executor.engines.base import (
     EngineRequest,
     EngineStats,
 )
-from services.task_executor.engines.kv_events import AllBlocksCleared
 from services.task_executor.engines.process import EngineProcessDied, ProcessEngine
 from services.task_executor.engines.torch_engine import TorchEngine
+from shared.messages.kv import KvAllCleared
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import PROMPTS, _write_tiny_llama, greedy
 
@@ -41,7 +42,14 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
     remote = ProcessEngine(_torch(model_dir), label="test")
     try:
         assert (remote.name, remote.device, remote.max_model_len) == ("torch", "cpu", 128)
-        assert remote.capabilities == local.capabilities and remote.block_size == 4
+        # What the pipe carries: generating and KV events; not the KV hand-over or the
+        # host tier, which the child's torch engine has.
+        caps = local.capabilities
+        assert caps.kv_events and caps.kv_export and caps.prefix_pinning
+        assert remote.capabilities == msgspec.structs.replace(
+            caps, kv_export=False, kv_import=False, prefix_pinning=False, weight_source=False
+        )
+        assert remote.block_size == 4
         assert not remote.has_work()
         for engine in (local, remote):
             for rid, prompt in PROMPTS.items():
@@ -65,7 +73,7 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
         local.close()
     assert not remote.alive()
     # What closing said (the cache cleared) is drained after close, once, as in-process.
-    assert isinstance(remote.drain_kv_events()[-1], AllBlocksCleared)
+    assert isinstance(remote.drain_kv_events()[-1], KvAllCleared)
     assert remote.drain_kv_events() == []
     remote.close()  # twice: a no-op
     with pytest.raises(RuntimeError, match="closed"):

@@ -5,41 +5,39 @@ An engine is synchronous and single-threaded: the TE shell calls ``add_request``
 ``step`` runs one iteration of continuous batching (new requests join at iteration
 boundaries, finished ones leave) and returns the tokens it produced.
 
-Optional capabilities add engine-specific methods, same threading rule: with ``prefix_cache``,
-``drain_kv_events() -> list[kv_events.KvEvent]`` (what a router indexes); with ``kv_export`` /
-``kv_import``, ``export_kv(request_id)`` and ``import_kv(export, request)`` (PD hand-over; the
-torch engine's ``KvExport`` is the format).
+What an engine can do beyond generating is declared in ``capabilities`` and, flag by flag,
+backed by the methods of a sub-protocol (``capabilities.py``), checked when a model loads.
+The data types are msgspec Structs: an engine in a child process (``process.py``) exchanges
+exactly these over its pipe.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
+
 from shared.messages.api import SamplingParams
-from shared.messages.tasks import TaskMode
+from shared.messages.cluster import EngineCapabilities
+
+__all__ = [
+    "Engine",
+    "EngineCapabilities",
+    "EngineOutput",
+    "EngineRequest",
+    "EngineStats",
+    "check_prompt",
+]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineCapabilities:
-    modes: frozenset[TaskMode] = frozenset({TaskMode.COLOCATED})
-    prefix_cache: bool = False
-    kv_export: bool = False
-    kv_import: bool = False
-    weight_sharing: bool = False
-    lora: bool = False
-
-
-@dataclasses.dataclass(slots=True)
-class EngineRequest:
+class EngineRequest(msgspec.Struct):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
 
 
-@dataclasses.dataclass(slots=True)
-class EngineOutput:
+class EngineOutput(msgspec.Struct):
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
@@ -48,14 +46,16 @@ class EngineOutput:
     num_cached_tokens: int = 0
 
 
-@dataclasses.dataclass(slots=True)
-class EngineStats:
+class EngineStats(msgspec.Struct):
     running: int
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # cumulative prompt tokens found there (not recomputed)
+
+
+IDLE_STATS = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
 
 
 class Engine(Protocol):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from services.task_executor.engines.base import Engine
+from services.task_executor.engines.capabilities import CapabilityError, TensorSource
 from shared.settings import Settings
 
 
@@ -32,8 +33,16 @@ def choose_engine(settings: Settings, model: str | None = None) -> str:
     return "torch"
 
 
-def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
+def create_engine(
+    model: str, model_path: Path, settings: Settings, *, tensors: TensorSource | None = None
+) -> Engine:
+    """``tensors``: the weights, handed over (a host cache) instead of read from the
+    checkpoint; only an engine that declares ``weight_source`` takes them."""
     kind = choose_engine(settings, model)
+    if tensors is not None and kind != "torch":
+        raise CapabilityError(
+            f"the {kind} engine runs in a child process and cannot take weights as tensors"
+        )
     if kind == "torch":
         from services.task_executor.engines.torch_engine import TorchEngine
 
@@ -49,6 +58,7 @@ def create_engine(model: str, model_path: Path, settings: Settings) -> Engine:
             num_host_kv_blocks=settings.host_kv_blocks,
             cpu_kernels=settings.cpu_kernels,
             cuda_graphs=settings.cuda_graphs,
+            tensors=tensors,
         )
     if kind == "openvino":
         from services.task_executor.engines.process import ProcessEngine

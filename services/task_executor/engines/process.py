@@ -4,19 +4,21 @@ For engines whose native calls hold the GIL: OpenVINO GenAI's ``ContinuousBatchi
 (its ``step()`` binding keeps the GIL for the whole step, seconds for a long prompt chunk).
 In the TE's own process such a step freezes the event loop: no heartbeat, no task accepted,
 no token published. Here the TE's engine thread only waits on a pipe (which releases the GIL)
-while the child computes.
+while the child computes. It also isolates an engine whose package cannot share the TE's
+environment (vLLM's CPU build pins its own torch and transformers): ``python`` may name
+another venv's interpreter, which runs with the repository on its ``PYTHONPATH``.
 
 Every call is one request/reply on the pipe, made by one thread at a time (the TE calls the
-engine under its step lock, or from its engine thread). ``has_work()`` and ``stats()`` answer
-from what the child sent with its last reply, without a round trip: the heartbeat reads
-them from the event loop while a step may be running, and must not wait for it.
+engine under its step lock, or from its engine thread). Calls and replies are msgspec Structs
+encoded with msgpack (``pipe.py``), never pickle: the child's capabilities, requests, outputs
+and KV events cross as the same typed values the engine uses in-process. ``has_work()`` and
+``stats()`` answer from what the child sent with its last reply, without a round trip: the
+heartbeat reads them from the event loop while a step may be running, and must not wait.
 
-The child is a fresh interpreter (``python -m`` this module) that imports only what the
-engine needs; the pipe is a socket pair handed to it as a file descriptor, and the engine's
-factory crosses it pickled. ``python`` may name another interpreter than the TE's own: an
-engine whose package cannot share the TE's environment (vLLM's CPU build pins its own torch
-and transformers) runs from its own venv, with the repository put on its ``PYTHONPATH``.
-The child's imports are this module's: the protocol's types (and msgspec).
+What crosses the pipe bounds what the engine can do from here: generating and KV events.
+The other capabilities (KV export and import, pinning, the host tier, weights handed over as
+tensors) need tensors or calls the pipe does not carry, so the parent does not claim them
+even where the child's engine has them.
 
 The child exits when the parent closes the engine, or when the pipe breaks (the TE died);
 a child that dies makes the next call raise ``EngineProcessDied``, which the TE treats as
@@ -26,8 +28,6 @@ an engine failure. Everything the engine held (a GPU's memory included) goes wit
 from __future__ import annotations
 
 import multiprocessing.connection
-import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -36,23 +36,44 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
+
+import msgspec
 
 from services.task_executor.engines.base import (
+    IDLE_STATS,
     Engine,
     EngineCapabilities,
     EngineOutput,
     EngineRequest,
     EngineStats,
 )
-from services.task_executor.engines.kv_events import KvEvent
+from services.task_executor.engines.capabilities import KvEventSource, bind_features
+from services.task_executor.engines.pipe import (
+    Abort,
+    AddRequest,
+    Build,
+    Built,
+    Call,
+    Close,
+    Done,
+    DrainKvEvents,
+    Events,
+    FactorySpec,
+    Failed,
+    Outputs,
+    Reply,
+    Result,
+    Step,
+    decode_call,
+    decode_reply,
+    encode,
+)
+from shared.messages.kv import KvEvent
 
-# What the parent mirrors of the child's engine (beyond the protocol's methods).
-_ATTRIBUTES = ("name", "device", "capabilities", "max_model_len", "block_size", "config")
-_OPS = frozenset({"add_request", "abort", "step"})
 STOP_TIMEOUT_S = 30.0
 ROOT = Path(__file__).resolve().parents[3]  # the repository: what the child imports from
-_NO_STATS = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
+_R = TypeVar("_R", bound=Result)
 
 
 class EngineProcessDied(RuntimeError):
@@ -60,26 +81,34 @@ class EngineProcessDied(RuntimeError):
 
 
 class ProcessEngine:
-    """``factory()`` runs in the child and builds the engine there: it must be picklable (a
-    module-level function, or ``functools.partial`` of one, or a class) and importable by the
-    child's interpreter, ``python`` (default: this one)."""
+    """``factory`` runs in the child and builds the engine there: a ``FactorySpec``, or a
+    module-level class or function (or ``functools.partial`` of one) with arguments msgpack
+    can carry, which becomes one. The child's interpreter, ``python`` (default: this one),
+    must be able to import it."""
 
     name: str
     device: str
     capabilities: EngineCapabilities
     max_model_len: int
+    block_size: int
 
     def __init__(
-        self, factory: Callable[[], Engine], *, label: str = "engine", python: str | None = None
+        self,
+        factory: FactorySpec | Callable[[], Engine],
+        *,
+        label: str = "engine",
+        python: str | None = None,
     ) -> None:
+        # Here, not at the top: the child imports this module too, and has no settings.
+        from shared.settings import process_environment
+
+        spec = factory if isinstance(factory, FactorySpec) else FactorySpec.of(factory)
         mine, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         try:
             self._proc = subprocess.Popen(
                 [python or sys.executable, "-m", __name__, str(theirs.fileno()), label],
                 pass_fds=(theirs.fileno(),),
-                env=env,
+                env=process_environment(pythonpath=[ROOT]),
                 cwd=ROOT,
             )
         except BaseException:
@@ -90,16 +119,24 @@ class ProcessEngine:
         self._conn = multiprocessing.connection.Connection(mine.detach())
         self._lock = threading.Lock()
         self._closed = False
-        self._stats = _NO_STATS
+        self._stats = IDLE_STATS
         self._has_work = False
         self._final_events: list[KvEvent] = []  # what closing the engine said, kept for drain
         try:
-            attributes = self._call("__init__", factory)
+            built = self._call(Build(factory=spec), Built)
         except BaseException:
             self._stop()
             raise
-        for key, value in attributes.items():
-            setattr(self, key, value)
+        self.name, self.device = built.name, built.device
+        self.max_model_len, self.block_size = built.max_model_len, built.block_size
+        self.capabilities = msgspec.structs.replace(
+            built.capabilities,
+            kv_export=False,
+            kv_import=False,
+            prefix_pinning=False,
+            host_kv_tier=False,
+            weight_source=False,
+        )
 
     @property
     def pid(self) -> int:
@@ -112,32 +149,34 @@ class ProcessEngine:
     # --- Engine protocol ---------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
-        self._call("add_request", request)
+        self._call(AddRequest(request=request), Done)
 
     def abort(self, request_id: str) -> None:
-        self._call("abort", request_id)
+        self._call(Abort(request_id=request_id), Done)
 
     def has_work(self) -> bool:
         return self._has_work
 
     def step(self) -> Sequence[EngineOutput]:
-        return self._call("step")
+        return self._call(Step(), Outputs).outputs
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    # --- KvEventSource (used only where the child's engine declares kv_events) ----------
 
     def drain_kv_events(self) -> list[KvEvent]:
         """Also after close (the events closing produced, once), as engines do."""
         if self._closed:
             events, self._final_events = self._final_events, []
             return events
-        return self._call("drain_kv_events")
+        return self._call(DrainKvEvents(), Events).events
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            self._final_events = self._call("close")
+            self._final_events = self._call(Close(), Events).events
         except EngineProcessDied:
             pass
         finally:
@@ -147,22 +186,25 @@ class ProcessEngine:
 
     # --- the pipe ----------------------------------------------------------------------
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _call(self, call: Call, expect: type[_R]) -> _R:
         if self._closed:
             raise RuntimeError("the engine is closed")
         with self._lock:
             try:
-                self._conn.send((op, args))
-                ok, value, stats, has_work = self._conn.recv()
+                self._conn.send_bytes(encode(call))
+                reply = decode_reply(self._conn.recv_bytes())
             except (EOFError, OSError) as e:
                 self._has_work = False
                 raise EngineProcessDied(
                     f"the engine process exited (code {self._proc.poll()})"
                 ) from e
-        self._stats, self._has_work = stats, has_work
-        if not ok:
-            raise value
-        return value
+        self._stats, self._has_work = reply.stats, reply.has_work
+        result = reply.result
+        if isinstance(result, Failed):
+            raise result.exception()
+        if not isinstance(result, expect):
+            raise RuntimeError(f"the engine process answered {type(call).__name__} with {result}")
+        return result
 
     def _stop(self) -> None:
         self._conn.close()
@@ -173,72 +215,103 @@ class ProcessEngine:
             self._proc.wait()
 
 
+# --- the child ------------------------------------------------------------------------------
+
+
+class _Child:
+    """The engine in the child, and one handler per call type."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.kv: KvEventSource | None = None
+        self.closed = False
+        self._handlers: dict[type[Call], Callable[..., Result]] = {
+            Build: self._build,
+            AddRequest: self._add,
+            Abort: self._abort,
+            Step: self._step,
+            DrainKvEvents: self._drain,
+            Close: self._close,
+        }
+
+    def handle(self, call: Call) -> Result:
+        if self.engine is None and not isinstance(call, Build):
+            raise RuntimeError(f"{type(call).__name__} before the engine was built")
+        return self._handlers[type(call)](call)
+
+    def _built(self) -> Engine:
+        assert self.engine is not None
+        return self.engine
+
+    def _build(self, call: Build) -> Built:
+        if self.engine is not None:
+            raise RuntimeError("the engine is built already")
+        self.engine = engine = call.factory.build()
+        self.kv = bind_features(engine).kv_events
+        return Built(
+            name=engine.name,
+            device=engine.device,
+            max_model_len=engine.max_model_len,
+            capabilities=engine.capabilities,
+            block_size=self.kv.block_size if self.kv is not None else 0,
+        )
+
+    def _add(self, call: AddRequest) -> Done:
+        self._built().add_request(call.request)
+        return Done()
+
+    def _abort(self, call: Abort) -> Done:
+        self._built().abort(call.request_id)
+        return Done()
+
+    def _step(self, _: Step) -> Outputs:
+        return Outputs(outputs=list(self._built().step()))
+
+    def _drain(self, _: DrainKvEvents | None = None) -> Events:
+        return Events(events=self.kv.drain_kv_events() if self.kv is not None else [])
+
+    def _close(self, _: Close) -> Events:
+        self._built().close()
+        self.closed = True
+        return self._drain()  # what closing produced (a cache cleared)
+
+    def state(self) -> tuple[EngineStats, bool]:
+        if self.engine is None or self.closed:
+            return IDLE_STATS, False
+        try:
+            return self.engine.stats(), self.engine.has_work()
+        except Exception:  # an engine that failed half-way: the call's own error says why
+            return IDLE_STATS, False
+
+
 def _serve(conn: multiprocessing.connection.Connection) -> None:
-    """The child: build the engine (the first call carries its factory), then answer calls
-    until closed or orphaned."""
+    """The child: build the engine (the first call), then answer calls until closed or
+    orphaned."""
     # Ctrl-C reaches the whole process group; the parent closes the engine on its way out.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    engine: Engine | None = None
-    op = ""
+    child = _Child()
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):  # the parent is gone
             break
         try:
-            # Unpickled here, so that a factory this interpreter cannot import is reported.
-            op, args = pickle.loads(data)
-            if op == "__init__" and engine is None:
-                (factory,) = args
-                engine = factory()
-                value: Any = {k: getattr(engine, k) for k in _ATTRIBUTES if hasattr(engine, k)}
-            elif op == "close" and engine is not None:
-                engine.close()  # then what closing produced (a cache cleared) goes back
-                value = _drain(engine)
-            elif op == "drain_kv_events" and engine is not None:
-                value = _drain(engine)
-            elif op in _OPS and engine is not None:
-                value = getattr(engine, op)(*args)
-            else:
-                raise ValueError(f"unknown engine call {op!r}")
-            reply = (True, value, *_state(engine))
+            # Decoded here, so that a factory this interpreter cannot import is reported.
+            result: Result = child.handle(decode_call(data))
         except Exception as e:  # sent to the parent, raised there
-            reply = (False, _picklable(e), *_state(engine))
+            result = Failed.of(e)
+        stats, has_work = child.state()
         try:
-            conn.send(reply)
+            conn.send_bytes(encode(Reply(result=result, stats=stats, has_work=has_work)))
         except (EOFError, OSError):
             break
-        if op == "close" or engine is None:
+        if child.closed or child.engine is None:
             break
-    if engine is not None and op != "close":
+    if child.engine is not None and not child.closed:
         try:
-            engine.close()
+            child.engine.close()
         except Exception:  # exiting anyway
             traceback.print_exc()
-
-
-def _drain(engine: Engine) -> list[KvEvent]:
-    drain = getattr(engine, "drain_kv_events", None)  # engines without a prefix index lack it
-    return drain() if drain is not None else []
-
-
-def _state(engine: Engine | None) -> tuple[EngineStats, bool]:
-    if engine is None:
-        return _NO_STATS, False
-    try:
-        return engine.stats(), engine.has_work()
-    except Exception:  # a closed engine
-        return _NO_STATS, False
-
-
-def _picklable(e: Exception) -> Exception:
-    """The exception itself when it crosses the pipe, else a RuntimeError that names it."""
-
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":  # the child: python -m services.task_executor.engines.process FD LABEL

@@ -47,7 +47,6 @@ def vllm_sampling(params: SamplingParams, vllm: Any) -> Any:
 
 class VLLMEngine:
     name = "vllm"
-    capabilities = EngineCapabilities(modes=frozenset({TaskMode.COLOCATED}), prefix_cache=True)
 
     def __init__(
         self,
@@ -82,6 +81,11 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
         )
         self._engine = vllm.LLMEngine.from_engine_args(args)
+        # vLLM hashes its blocks its own way: it caches prefixes but publishes no events a
+        # meshserve index could use.
+        self.capabilities = EngineCapabilities(
+            modes=frozenset({TaskMode.COLOCATED}), prefix_cache=enable_prefix_caching
+        )
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self.device = str(current_platform.device_type)
         self._vocab_size = int(self._engine.model_config.get_vocab_size())

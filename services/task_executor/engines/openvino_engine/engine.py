@@ -10,8 +10,8 @@ Two places where GenAI's rules differ from the Engine protocol's, and what is do
 - GenAI's ``ignore_eos`` also silences ``stop_token_ids``; meshserve stops on a stop token
   even with ignore_eos. For such requests the stop tokens are checked here, after each step.
 - GenAI reports neither per-request prefix-cache hits nor what its cache holds, so
-  ``num_cached_tokens`` and the stats' prefix-cache counters stay 0, and
-  ``drain_kv_events`` has nothing to tell a router until the engine closes.
+  ``num_cached_tokens`` and the stats' prefix-cache counters stay 0, and the engine
+  declares no ``kv_events``: it has nothing to tell a router.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from services.task_executor.engines.base import (
     EngineStats,
     check_prompt,
 )
-from services.task_executor.engines.kv_events import AllBlocksCleared, KvEvent
 from services.task_executor.engines.openvino_engine.convert import ensure_ir, is_complete
 from shared.messages.api import SamplingParams
 from shared.messages.tasks import TaskMode
@@ -120,7 +119,6 @@ class _Request:
 class OpenVINOEngine:
     name = "openvino"
     device = "cpu"
-    capabilities = EngineCapabilities(modes=frozenset({TaskMode.COLOCATED}), prefix_cache=True)
 
     def __init__(
         self,
@@ -193,6 +191,9 @@ class OpenVINOEngine:
         sched.max_num_batched_tokens = max_num_batched_tokens
         sched.dynamic_split_fuse = True
         sched.enable_prefix_caching = enable_prefix_caching
+        self.capabilities = EngineCapabilities(
+            modes=frozenset({TaskMode.COLOCATED}), prefix_cache=enable_prefix_caching
+        )
         props: dict[str, Any] = {
             "INFERENCE_PRECISION_HINT": self.inference_precision,
             "KV_CACHE_PRECISION": self.kv_cache_precision,
@@ -204,7 +205,6 @@ class OpenVINOEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._closed = False
-        self._final_events: list[KvEvent] = []
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -280,14 +280,7 @@ class OpenVINOEngine:
         if self._pipe.has_non_finished_requests():
             self._pipe.step()
         self._closed = True
-        self._final_events = [AllBlocksCleared()]
         del self._pipe
-
-    def drain_kv_events(self) -> list[KvEvent]:
-        """The prefix-cache events since the last call: none while open (GenAI does not expose
-        its cache's contents), one clearing the instance's entries once closed."""
-        events, self._final_events = self._final_events, []
-        return events
 
     # --- helpers ---------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from services.task_executor.engines.base import (
     EngineStats,
     check_prompt,
 )
-from services.task_executor.engines.kv_events import KvEvent
+from services.task_executor.engines.capabilities import TensorSource
 from services.task_executor.engines.torch_engine import sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
@@ -58,8 +58,9 @@ from services.task_executor.engines.torch_engine.scheduler import (
     blocks_needed,
     schedule,
 )
-from services.task_executor.engines.torch_engine.weights import load_weights
+from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from shared.messages.api import SamplingParams
+from shared.messages.kv import KvEvent
 from shared.messages.tasks import TaskMode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -163,9 +164,6 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
 
 class TorchEngine:
     name = "torch"
-    capabilities = EngineCapabilities(
-        modes=frozenset({TaskMode.COLOCATED}), prefix_cache=True, kv_export=True, kv_import=True
-    )
 
     def __init__(
         self,
@@ -186,8 +184,13 @@ class TorchEngine:
         overlap_on_cpu: bool = False,
         cpu_kernels: bool = True,
         cuda_graphs: bool = True,
+        tensors: TensorSource | None = None,
     ) -> None:
-        """``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
+        """``tensors``: where the weights come from (default: the checkpoint's safetensors
+        files in ``model_dir``; a host cache may hand them over instead). ``model_dir`` still
+        gives the config.
+
+        ``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
         one, blocks evicted from the device are copied there, and ``offload_kv`` works.
 
         ``async_scheduling``: overlap the host side of steady decoding with the forward (one
@@ -216,10 +219,21 @@ class TorchEngine:
         self.device = str(torch_device)
         self.config = load_model_config(model_dir)
         self.model_fingerprint = model_fingerprint(model_dir)
-        if not enable_prefix_caching:
-            self.capabilities = dataclasses.replace(self.capabilities, prefix_cache=False)
+        cached = enable_prefix_caching
+        self.capabilities = EngineCapabilities(
+            modes=frozenset({TaskMode.COLOCATED}),
+            prefix_cache=cached,
+            kv_events=cached,
+            kv_export=True,
+            kv_import=True,
+            prefix_pinning=cached,
+            host_kv_tier=cached and num_host_kv_blocks > 0,
+            weight_source=True,
+        )
         self.dtype = resolve_dtype(dtype, self.config, torch_device)
-        self.weights = load_weights(model_dir, self.config, dtype=self.dtype, device=torch_device)
+        if tensors is None:
+            tensors = CheckpointTensors(Path(model_dir))
+        self.weights = load_weights(tensors, self.config, dtype=self.dtype, device=torch_device)
 
         cfg = self.config
         wanted_len = max_model_len or cfg.max_position_embeddings

@@ -28,18 +28,18 @@ from collections.abc import Sequence
 
 import torch
 
-from services.task_executor.engines.kv_events import (
-    DEVICE,
-    HOST,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KvEvent,
-)
 from services.task_executor.engines.torch_engine.kv_cache import (
     NoFreeBlocksError,
     PagedKVCache,
     blocks_for,
+)
+from shared.messages.kv import (
+    DEVICE,
+    HOST,
+    KvAllCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    KvEvent,
 )
 
 
@@ -358,9 +358,9 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every cached block (the engine is closing); pins and owners are dropped."""
         if self._block_of:
-            self._events.append(AllBlocksCleared(DEVICE))
+            self._events.append(KvAllCleared(tier=DEVICE))
         if self.host is not None and len(self.host):
-            self._events.append(AllBlocksCleared(HOST))
+            self._events.append(KvAllCleared(tier=HOST))
             self.host.clear()
         self._hash_of.clear()
         self._parent_of.clear()
@@ -383,7 +383,7 @@ class PrefixCache:
             del self._parent_of[b], self._block_of[h]
             hashes.append(h)
         self._alloc.free(blocks)
-        self._events.append(BlockRemoved(hashes, DEVICE))
+        self._events.append(KvBlocksRemoved(block_hashes=hashes, tier=DEVICE))
 
     def _copy_to_host(self, blocks: list[int]) -> int:
         assert self.host is not None
@@ -406,7 +406,7 @@ class PrefixCache:
             self.host.kv[layer, 0].index_copy_(0, dst, k.index_select(0, src).cpu())
             self.host.kv[layer, 1].index_copy_(0, dst, v.index_select(0, src).cpu())
         if removed:
-            self._events.append(BlockRemoved(removed, HOST))
+            self._events.append(KvBlocksRemoved(block_hashes=removed, tier=HOST))
         self._emit_stored(stored, HOST)
         return len(blocks)
 
@@ -431,16 +431,24 @@ class PrefixCache:
         self._emit_stored([(block_hash, parent)], DEVICE)
         return b
 
+    def _stored(self, run: list[int], parent: int | None, tier: str) -> KvBlocksStored:
+        return KvBlocksStored(
+            block_hashes=run,
+            parent_block_hash=parent,
+            token_counts=[self.block_size] * len(run),
+            tier=tier,
+        )
+
     def _emit_stored(self, stored: list[tuple[int, int | None]], tier: str) -> None:
-        """One BlockStored per run of blocks that chain into each other."""
+        """One KvBlocksStored per run of blocks that chain into each other."""
         run: list[int] = []
         parent: int | None = None
         for h, p in stored:
             if run and p != run[-1]:
-                self._events.append(BlockStored(run, parent, [self.block_size] * len(run), tier))
+                self._events.append(self._stored(run, parent, tier))
                 run = []
             if not run:
                 parent = p
             run.append(h)
         if run:
-            self._events.append(BlockStored(run, parent, [self.block_size] * len(run), tier))
+            self._events.append(self._stored(run, parent, tier))

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from services.task_executor.engines.capabilities import TensorSource
 from services.task_executor.engines.torch_engine import linear
 from services.task_executor.engines.torch_engine.config import ModelConfig
 
@@ -63,30 +66,37 @@ def shard_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-class _Checkpoint:
-    """Every shard of a checkpoint behind one name -> tensor lookup (memory-mapped reads)."""
+class CheckpointTensors:
+    """Every shard of a checkpoint behind one name -> tensor lookup (memory-mapped reads): the
+    ``TensorSource`` a TorchEngine reads when it is handed none."""
 
     def __init__(self, model_dir: Path) -> None:
         self._where: dict[str, Path] = {}
-        self._handles = {}
+        self._handles: dict[Path, Any] = {}
         for path in shard_files(model_dir):
             handle = safe_open(str(path), framework="pt", device="cpu")
             self._handles[path] = handle
             self._where.update(dict.fromkeys(handle.keys(), path))
 
-    def __contains__(self, name: str) -> bool:
+    def names(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def __contains__(self, name: object) -> bool:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        return self._handles[self._where[name]].get_tensor(name)
+        tensor: torch.Tensor = self._handles[self._where[name]].get_tensor(name)
+        return tensor
 
 
 def load_weights(
-    model_dir: Path | str, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+    tensors: TensorSource, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
 ) -> ModelWeights:
-    ckpt = _Checkpoint(Path(model_dir))
+    """The runner's weights from a checkpoint's tensors (``CheckpointTensors(model_dir)``, or
+    any other ``TensorSource`` with the checkpoint's names)."""
+    ckpt = tensors
     packed = linear.can_pack(dtype, device)
     if dtype == torch.bfloat16 and device.type == "cpu" and not packed:
         log.warning(

@@ -1,0 +1,128 @@
+"""What an engine can do beyond generating: one sub-protocol per capability, and the check,
+made when a model loads, that every capability an engine declares is backed by its methods.
+
+An engine declares its capabilities as data (``Engine.capabilities``, an
+``EngineCapabilities``); ``bind_features`` checks the declaration against the sub-protocols
+once and hands the TE typed handles (``EngineFeatures``), each the engine itself or None. The
+TE uses those handles and never probes an engine for a method: a capability it was not
+declared does not exist for it, and a declaration the engine cannot keep fails the load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+
+from services.task_executor.engines.base import Engine, EngineRequest
+from shared.messages.kv import KvEvent
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.task_executor.engines.torch_engine.kv_transfer import KvExport
+
+
+class CapabilityError(Exception):
+    """An engine declares a capability it does not implement, or is asked for one it lacks."""
+
+
+@runtime_checkable
+class KvEventSource(Protocol):
+    """``kv_events``: what entered and left the prefix cache, for a global prompt index."""
+
+    block_size: int  # tokens per block: the granularity of the chained hashes
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """The events since the last call, in order (also after close, which clears the
+        cache: the clearing events come out once)."""
+        ...
+
+
+@runtime_checkable
+class KvExporter(Protocol):
+    """``kv_export``: a request's KV leaves for another instance (PD: the prefill side)."""
+
+    def add_request(self, request: EngineRequest, *, retain_kv: bool = False) -> None:
+        """``retain_kv``: keep the request's KV after it finishes, for ``export_kv``."""
+        ...
+
+    def export_kv(self, request_id: str, *, release: bool = False) -> KvExport: ...
+
+
+@runtime_checkable
+class KvImporter(Protocol):
+    """``kv_import``: a request continues from KV computed elsewhere (PD: the decode side)."""
+
+    def import_kv(self, export: KvExport, request: EngineRequest) -> None: ...
+
+
+@runtime_checkable
+class PrefixPinning(Protocol):
+    """``prefix_pinning``: a prefix stays cached under a cache id (context caching)."""
+
+    def pin_prefix(self, cache_id: str, token_ids: Sequence[int]) -> int: ...
+
+    def unpin_prefix(self, cache_id: str) -> bool: ...
+
+    def pinned_prefix(self, cache_id: str) -> tuple[list[int], int] | None: ...
+
+
+@runtime_checkable
+class HostKvTier(Protocol):
+    """``host_kv_tier``: cached blocks move to host memory and back."""
+
+    def offload_kv(self, block_hashes: Sequence[int]) -> int: ...
+
+    def populate_kv(self, block_hashes: Sequence[int]) -> int: ...
+
+
+class TensorSource(Protocol):
+    """``weight_source``: named tensors an engine builds its weights from instead of reading
+    the checkpoint itself (a checkpoint's safetensors files, or a host cache holding them).
+    Names and layouts are the checkpoint's (Hugging Face names)."""
+
+    def names(self) -> Iterable[str]: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineFeatures:
+    """The capabilities of one loaded engine, as typed handles (None: not declared)."""
+
+    kv_events: KvEventSource | None = None
+    kv_export: KvExporter | None = None
+    kv_import: KvImporter | None = None
+    prefix_pinning: PrefixPinning | None = None
+    host_kv_tier: HostKvTier | None = None
+
+
+_P = TypeVar("_P")
+
+
+def _backed(engine: Engine, declared: bool, protocol: type[_P], flag: str) -> _P | None:
+    if not declared:
+        return None
+    if not isinstance(engine, protocol):
+        raise CapabilityError(
+            f"the {engine.name} engine declares {flag} but does not implement {protocol.__name__}"
+        )
+    return engine
+
+
+def bind_features(engine: Engine) -> EngineFeatures:
+    """Check the engine's declared capabilities against its methods (CapabilityError for a
+    declaration it cannot keep) and return the handles for those it declares."""
+    caps = engine.capabilities
+    if caps.kv_events and not caps.prefix_cache:
+        raise CapabilityError(f"the {engine.name} engine declares kv_events without prefix_cache")
+    return EngineFeatures(
+        kv_events=_backed(engine, caps.kv_events, KvEventSource, "kv_events"),
+        kv_export=_backed(engine, caps.kv_export, KvExporter, "kv_export"),
+        kv_import=_backed(engine, caps.kv_import, KvImporter, "kv_import"),
+        prefix_pinning=_backed(engine, caps.prefix_pinning, PrefixPinning, "prefix_pinning"),
+        host_kv_tier=_backed(engine, caps.host_kv_tier, HostKvTier, "host_kv_tier"),
+    )
