@@ -3,7 +3,9 @@
 Messages are msgpack-encoded tagged Structs. A handler returns a reply Message (or
 None); a MeshserveError it raises travels back as an ErrorReply and is raised again on
 the caller's side, so a remote failure looks like a local one. Transport failures (no
-responder, timeout, closed connection) become Unavailable."""
+responder, timeout, closed connection) become PeerUnreachable: the caller cannot tell
+whether the peer acted on the call. A request id given to publish or request travels in a
+header and is bound to the logs of the handler on the other side."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared.errors import BadRequest, Internal, MeshserveError, Unavailable, from_reply
+from shared.errors import BadRequest, Internal, MeshserveError, PeerUnreachable, from_reply
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.base import Message, decoder_for, encode
@@ -77,7 +79,7 @@ class Bus:
         try:
             await self._nc.publish(subject, encode(msg), headers=headers)
         except nats.errors.Error as e:
-            raise Unavailable(f"bus publish on {subject} failed: {e}") from e
+            raise PeerUnreachable(f"bus publish on {subject} failed: {e}") from e
 
     async def request(
         self,
@@ -92,11 +94,11 @@ class Bus:
         try:
             resp = await self._nc.request(subject, encode(msg), timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as e:
-            raise Unavailable(f"nobody serves {subject}") from e
+            raise PeerUnreachable(f"nobody serves {subject}") from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
-            raise Unavailable(f"no reply on {subject} within {timeout:.1f}s") from e
+            raise PeerUnreachable(f"no reply on {subject} within {timeout:.1f}s") from e
         except nats.errors.Error as e:
-            raise Unavailable(f"bus request on {subject} failed: {e}") from e
+            raise PeerUnreachable(f"bus request on {subject} failed: {e}") from e
         try:
             out = decoder_for(reply, ErrorReply).decode(resp.data)
         except msgspec.DecodeError as e:
@@ -121,7 +123,8 @@ class Bus:
         async def handle(m: Msg) -> None:
             # Logs of this handler carry the request id the frontend assigned, if any.
             request_id = (m.headers or {}).get(REQUEST_ID_HEADER)
-            with structlog.contextvars.bound_contextvars(request_id=request_id):
+            context = {"request_id": request_id} if request_id else {}
+            with structlog.contextvars.bound_contextvars(**context):
                 reply = await dispatch(m)
             if m.reply and reply is not None:
                 try:

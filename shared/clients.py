@@ -1,5 +1,5 @@
 """One small client per peer. Each owns its subjects, encoding and timeouts; transport
-failures surface as shared.errors.Unavailable."""
+failures surface as shared.errors.PeerUnreachable, a peer's refusal as the error it sent."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from shared.messages.cluster import ClusterView, GetView, Leave
 from shared.messages.jobs import ChatJob, JobAccepted
 from shared.messages.scaling import ControlAck, ScaleUp
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted
+from shared.runner import Lifecycle
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -43,9 +44,13 @@ class TaskExecutorClient:
             request_id=task.request_id,
         )
 
-    async def cancel(self, te_id: str, request_id: str) -> None:
+    async def cancel(self, te_id: str, request_id: str, attempt: int) -> None:
         # Fire and forget: a TE that is gone has nothing left to cancel.
-        await self._bus.publish(self._s.te_task(te_id), CancelTask(request_id=request_id))
+        await self._bus.publish(
+            self._s.te_task(te_id),
+            CancelTask(request_id=request_id, attempt=attempt),
+            request_id=request_id,
+        )
 
     async def control(self, te_id: str, cmd: Message) -> ControlAck:
         return await self._bus.request(
@@ -89,9 +94,9 @@ class ViewWatcher:
         self._fetch: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[ClusterView], None]] = []
 
-    async def start(self) -> None:
+    async def start(self, life: Lifecycle) -> None:
         await self._bus.subscribe(self._s.view(), {ClusterView: self._on_view})
-        self._fetch = asyncio.create_task(self._initial())
+        self._fetch = life.spawn(self._initial(), name="initial view", one_shot=True)
 
     async def _initial(self) -> None:
         while self.view.version < 0:
@@ -134,8 +139,8 @@ class Heartbeater:
         self._task: asyncio.Task[None] | None = None
         self._now = asyncio.Event()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+    def start(self, life: Lifecycle) -> None:
+        self._task = life.spawn(self._loop(), name="heartbeat")
 
     def beat_now(self) -> None:
         self._now.set()

@@ -1,16 +1,33 @@
 """One error hierarchy. Each error knows its HTTP status, its OpenAI error type and code,
-and whether retrying the same call later can succeed."""
+whether retrying can succeed, and how long to wait first (``retry_after_s``).
+
+Retry decisions are made on the class, never on a code string:
+
+- ``PeerUnreachable``: no answer came (nobody listens, a timeout, the connection is down).
+  The peer may have acted on the call: whoever retries elsewhere must first cancel it there.
+- ``Refused``: the peer answered that it cannot take the call now (it does not serve that
+  model at the moment, is draining, the deadline has passed). It did not act on it.
+- ``NoCapacity``: nothing could take the request within its deadline; the client may retry
+  after ``retry_after_s``.
+- ``InstanceLost``: the instance running a request went away or gave it back (its process
+  died, it is shutting down); the request moves to another instance.
+
+Errors cross the bus as ``ErrorReply`` with their class name, and are raised again as the
+same class on the other side (``from_reply``).
+"""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 from shared.messages.api import ErrorReply
 
 
 class MeshserveError(Exception):
-    status: int = 500
-    error_type: str = "internal_error"
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "internal_error"
     code: str = "internal_error"
-    retryable: bool = False
+    retryable: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -35,9 +52,10 @@ class MeshserveError(Exception):
             retryable=self.retryable,
             retry_after_s=self.retry_after_s,
             param=self.param,
+            kind=type(self).__name__,
         )
 
-    def to_openai(self) -> dict:
+    def to_openai(self) -> dict[str, Any]:
         """The body an OpenAI client expects: {"error": {message, type, param, code}}."""
         return {
             "error": {
@@ -67,6 +85,12 @@ class NotFound(MeshserveError):
     code = "not_found"
 
 
+class MethodNotAllowed(MeshserveError):
+    status = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
 class Conflict(MeshserveError):
     status = 409
     error_type = "invalid_request_error"
@@ -87,12 +111,36 @@ class RateLimited(MeshserveError):
 
 
 class Unavailable(MeshserveError):
-    """No capacity within the deadline, or a peer is gone. Retry after retry_after_s."""
+    """The service cannot serve the request now; retry after ``retry_after_s``."""
 
     status = 503
     error_type = "service_unavailable"
     code = "unavailable"
     retryable = True
+
+
+class PeerUnreachable(Unavailable):
+    """No answer from a peer; it may still have acted on the call."""
+
+    code = "peer_unreachable"
+
+
+class Refused(Unavailable):
+    """A peer declined the call without acting on it."""
+
+    code = "refused"
+
+
+class NoCapacity(Unavailable):
+    """No instance could take the request within its deadline."""
+
+    code = "no_capacity"
+
+
+class InstanceLost(Unavailable):
+    """The instance running a request is gone or gave it back; it moves elsewhere."""
+
+    code = "instance_lost"
 
 
 class Internal(MeshserveError):
@@ -101,12 +149,30 @@ class Internal(MeshserveError):
     code = "internal_error"
 
 
+_ALL: tuple[type[MeshserveError], ...] = (
+    BadRequest,
+    Unauthorized,
+    NotFound,
+    MethodNotAllowed,
+    Conflict,
+    PayloadTooLarge,
+    RateLimited,
+    Unavailable,
+    PeerUnreachable,
+    Refused,
+    NoCapacity,
+    InstanceLost,
+    Internal,
+)
+_BY_KIND: dict[str, type[MeshserveError]] = {cls.__name__: cls for cls in _ALL}
+# A peer that predates ``kind`` (or an unknown kind): the status decides, as it did then.
 _BY_STATUS: dict[int, type[MeshserveError]] = {
     cls.status: cls
     for cls in (
         BadRequest,
         Unauthorized,
         NotFound,
+        MethodNotAllowed,
         Conflict,
         PayloadTooLarge,
         RateLimited,
@@ -116,6 +182,6 @@ _BY_STATUS: dict[int, type[MeshserveError]] = {
 
 
 def from_reply(reply: ErrorReply) -> MeshserveError:
-    """Rebuild the domain error a peer sent over the bus."""
-    cls = _BY_STATUS.get(reply.status, Internal)
+    """Rebuild the domain error a peer sent over the bus, as its own class."""
+    cls = _BY_KIND.get(reply.kind) or _BY_STATUS.get(reply.status, Internal)
     return cls(reply.message, param=reply.param, retry_after_s=reply.retry_after_s, code=reply.code)

@@ -10,12 +10,14 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 from shared.bus import Bus
 from shared.logging import get_logger, setup_logging
 from shared.settings import Settings
+
+_log = get_logger(__name__)
 
 
 class Service(Protocol):
@@ -26,12 +28,26 @@ class Service(Protocol):
 ServiceFactory = Callable[[Settings, Bus], Awaitable[Service]]
 
 
-class Lifecycle:
-    """running → draining → stopped, with one event a run() loop waits on."""
+class ServiceFailed(Exception):
+    """A background task of the service died; the service stopped because of it."""
 
-    def __init__(self) -> None:
+
+class Lifecycle:
+    """running → draining → stopped, with one event a run() loop waits on, and the
+    service's background tasks under supervision.
+
+    A background task that dies (raises, or a loop that returns while the service runs) is
+    fatal: it is logged with its reason, the service is asked to stop, and ``stopped()``
+    raises ``ServiceFailed``, so run() re-raises, the process exits non-zero, and whatever
+    runs it (the launcher, the node pool, a container runtime) starts a fresh one. A loop
+    that died silently would leave a process that looks alive and does nothing."""
+
+    def __init__(self, name: str = "service") -> None:
+        self.name = name
         self.state = "running"
         self._stop = asyncio.Event()
+        self._tasks: dict[asyncio.Task[Any], bool] = {}  # task -> may end on its own
+        self.failure: BaseException | None = None
 
     @property
     def stopping(self) -> bool:
@@ -45,8 +61,49 @@ class Lifecycle:
     async def wait(self) -> None:
         await self._stop.wait()
 
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], *, name: str, one_shot: bool = False
+    ) -> asyncio.Task[Any]:
+        """Run ``coro`` as a supervised background task. ``one_shot``: it may return (a
+        start-up fetch); a loop may not."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks[task] = one_shot
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        one_shot = self._tasks.pop(task, False)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None and (one_shot or self.stopping):
+            return
+        if self.failure is None:
+            self.failure = error or RuntimeError(f"background task {task.get_name()} returned")
+            _log.error(
+                "background task died; stopping the service",
+                service=self.name,
+                task=task.get_name(),
+                error=f"{type(self.failure).__name__}: {self.failure}",
+                exc_info=error,
+            )
+        self.request_stop()
+
+    async def cancel_tasks(self) -> None:
+        """Cancel the background tasks still running and wait for them."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def stopped(self) -> None:
+        """The service is down; raises ServiceFailed if a background task killed it."""
         self.state = "stopped"
+        if self.failure is not None:
+            raise ServiceFailed(
+                f"{self.name}: a background task died: {type(self.failure).__name__}: "
+                f"{self.failure}"
+            ) from self.failure
 
 
 async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 

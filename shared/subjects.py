@@ -7,7 +7,14 @@ import dataclasses
 
 from shared.messages.api import ErrorReply
 from shared.messages.base import Message
-from shared.messages.cluster import ClusterView, GetView, JEHeartbeat, Leave, TEHeartbeat
+from shared.messages.cluster import (
+    ClusterView,
+    GetView,
+    JEHeartbeat,
+    Leave,
+    MemberDown,
+    TEHeartbeat,
+)
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
 from shared.messages.kv import KvEventBatch
 from shared.messages.scaling import ControlAck, Drain, LoadModel, ScaleUp, UnloadModel
@@ -54,14 +61,15 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "Load or unload a model, or drain the TE.",
     ),
     "token_stream": SubjectSpec(
-        "{cluster}.inbox.{owner}.{request_id}",
+        "{cluster}.inbox.{owner}.{attempt_key}",
         "publish",
         (TokenChunk, JobHeld),
         (),
         "TE (tokens), job executor (JobHeld)",
         "the frontend that owns the request",
-        "Tokens of one request, streamed straight from the TE to the frontend; and the "
-        "notice that a JE holds the job while a model scales up.",
+        "Tokens of one attempt of a request (attempt_key: request id and attempt number), "
+        "streamed straight from the TE to the frontend; and the notice that a JE holds the "
+        "job while a model scales up.",
     ),
     "heartbeat": SubjectSpec(
         "{cluster}.cm.heartbeat",
@@ -80,6 +88,16 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "cluster manager",
         "JEs, scaler, frontends",
         "The cluster view, pushed on every change and periodically.",
+    ),
+    "member_down": SubjectSpec(
+        "{cluster}.cm.member_down",
+        "publish",
+        (MemberDown,),
+        (),
+        "cluster manager",
+        "frontends",
+        "A member was declared gone (liveness deadline passed, or it left): every request "
+        "depending on it moves at once.",
     ),
     "get_view": SubjectSpec(
         "{cluster}.cm.get_view",
@@ -129,12 +147,12 @@ class Subjects:
     def te_control(self, te_id: str) -> str:
         return self._fill("te_control", te_id=te_id)
 
-    def token_stream(self, owner: str, request_id: str) -> str:
-        return self._fill("token_stream", owner=owner, request_id=request_id)
+    def token_stream(self, owner: str, attempt_key: str) -> str:
+        return self._fill("token_stream", owner=owner, attempt_key=attempt_key)
 
     def token_streams(self, owner: str) -> str:
         """Wildcard over every token stream one frontend owns."""
-        return self._fill("token_stream", owner=owner, request_id="*")
+        return self._fill("token_stream", owner=owner, attempt_key="*")
 
     def heartbeat(self) -> str:
         return self._fill("heartbeat")
@@ -144,6 +162,9 @@ class Subjects:
 
     def get_view(self) -> str:
         return self._fill("get_view")
+
+    def member_down(self) -> str:
+        return self._fill("member_down")
 
     def kv_events(self, te_id: str) -> str:
         return self._fill("kv_events", te_id=te_id)

@@ -11,8 +11,17 @@ import msgspec
 from services.cluster_manager.membership import Member, expired, identity, member_id
 from services.cluster_manager.registry import scan_models
 from shared.bus import Bus
+from shared.errors import MeshserveError
 from shared.logging import get_logger
-from shared.messages.cluster import ClusterView, GetView, JEHeartbeat, Leave, ModelInfo, TEHeartbeat
+from shared.messages.cluster import (
+    ClusterView,
+    GetView,
+    JEHeartbeat,
+    Leave,
+    MemberDown,
+    ModelInfo,
+    TEHeartbeat,
+)
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
@@ -21,6 +30,8 @@ from shared.subjects import Keys, Subjects
 log = get_logger(__name__)
 
 RESCAN_INTERVAL = 5.0
+# Past a deadline before the sweeper looks again (a member seen after the sweep began).
+SWEEP_SLACK_S = 0.01
 
 
 class ClusterManager:
@@ -30,7 +41,7 @@ class ClusterManager:
         self._store = store
         self._subjects = Subjects(settings.cluster)
         self._keys = Keys(settings.cluster)
-        self._life = Lifecycle()
+        self._life = Lifecycle("cluster_manager")
         self._members: dict[str, Member] = {}
         self._last_seen: dict[str, float] = {}
         self._models: list[ModelInfo] = []
@@ -48,15 +59,13 @@ class ClusterManager:
             },
         )
         await self._bus.subscribe(self._subjects.get_view(), {GetView: self._on_get_view})
-        tasks = [
-            asyncio.create_task(t) for t in (self._sweeper(), self._publisher(), self._scanner())
-        ]
+        self._life.spawn(self._sweeper(), name="sweeper")
+        self._life.spawn(self._publisher(), name="view publisher")
+        self._life.spawn(self._scanner(), name="model scanner")
         try:
             await self._life.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._life.cancel_tasks()
             await self._store.close()
             self._life.stopped()
 
@@ -93,21 +102,37 @@ class ClusterManager:
             self._last_seen.pop(msg.member_id, None)
             log.info("member left", member=msg.member_id)
             self._changed()
+            await self._member_down(msg.member_id, "left")
+
+    async def _member_down(self, member: str, reason: str) -> None:
+        """Tell whoever depends on the member (frontends streaming from it) at once."""
+        try:
+            await self._bus.publish(
+                self._subjects.member_down(), MemberDown(member_id=member, reason=reason)
+            )
+        except MeshserveError as e:  # the view's next push says it too, a little later
+            log.warning("member-down notice failed", member=member, error=str(e))
 
     async def _on_get_view(self, _: GetView) -> ClusterView:
         return self.view()
 
     async def _sweeper(self) -> None:
+        """Declare a member dead the moment its liveness deadline passes: sleep until the
+        earliest deadline (a new heartbeat only moves deadlines later)."""
         timeout = self._settings.liveness_timeout.total_seconds()
         while True:
-            await asyncio.sleep(min(timeout / 4, 0.5))
-            dead = expired(self._last_seen, now=time.monotonic(), timeout=timeout)
+            now = time.monotonic()
+            dead = expired(self._last_seen, now=now, timeout=timeout)
             for mid in dead:
                 self._members.pop(mid, None)
                 self._last_seen.pop(mid, None)
                 log.warning("member declared dead", member=mid, silent_for_s=timeout)
             if dead:
                 self._changed()
+                for mid in dead:
+                    await self._member_down(mid, f"no heartbeat for {timeout:g}s")
+            earliest = min(self._last_seen.values(), default=now) + timeout
+            await asyncio.sleep(max(earliest - time.monotonic(), 0.0) + SWEEP_SLACK_S)
 
     async def _publisher(self) -> None:
         """Push the view at once on a change, and every heartbeat interval regardless, so
@@ -119,7 +144,7 @@ class ClusterManager:
             self._dirty.clear()
             try:
                 await self._bus.publish(self._subjects.view(), self.view())
-            except Exception as e:  # the bus reconnects by itself; keep pushing
+            except MeshserveError as e:  # the bus reconnects by itself; keep pushing
                 log.warning("view push failed", error=str(e))
 
     async def _scanner(self) -> None:

@@ -10,12 +10,14 @@ import time
 import uuid
 from typing import Any
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from services.frontend import responses as R
 from services.frontend.catalog import ModelCatalog
 from services.frontend.generation import Generation, StreamRouter
+from services.frontend.liveness import Liveness
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 from services.frontend.stop import StopMatcher
 from services.frontend.validation import (
@@ -29,10 +31,13 @@ from shared.errors import (
     BadRequest,
     Internal,
     MeshserveError,
+    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
 )
 from shared.logging import get_logger
+from shared.messages.api import SamplingParams
+from shared.messages.cluster import MemberDown
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -100,9 +105,9 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPNotFound:
         resp = _error_response(NotFound(f"Unknown request URL: {request.method} {request.path}."))
     except web.HTTPMethodNotAllowed:
-        err = BadRequest(f"Method {request.method} is not allowed on {request.path}.")
-        err.status = 405
-        resp = _error_response(err)
+        resp = _error_response(
+            MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
+        )
     except web.HTTPException:
         raise
     except Exception:
@@ -118,10 +123,14 @@ class Frontend:
         self._bus = bus
         self._subjects = Subjects(settings.cluster)
         self.frontend_id = f"fe-{uuid.uuid4().hex[:8]}"
-        self._life = Lifecycle()
+        self._life = Lifecycle("frontend")
         self._view = ViewWatcher(bus, self._subjects)
         self._catalog = ModelCatalog(self._view)
-        self._router = StreamRouter(self.frontend_id, self._subjects)
+        # Grace for a member missing from the view before it counts as gone without a notice
+        # (a restarted cluster manager hears every heartbeat within one interval).
+        self._liveness = Liveness(grace_s=2 * settings.heartbeat_interval.total_seconds())
+        self._view.listeners.append(self._liveness.on_view)
+        self._router = StreamRouter(self.frontend_id, self._subjects, self._liveness)
         self._jobs = JobExecutorClient(bus, self._subjects)
         self._tes = TaskExecutorClient(bus, self._subjects)
         self.port: int | None = None
@@ -137,7 +146,8 @@ class Frontend:
         return app
 
     async def run(self) -> None:
-        await self._view.start()
+        await self._view.start(self._life)
+        await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
         await self._bus.subscribe_raw(
             self._subjects.token_streams(self.frontend_id), self._router.on_msg
         )
@@ -159,11 +169,15 @@ class Frontend:
         finally:
             # Stop accepting, let in-flight requests finish within the grace period.
             await runner.cleanup()
-            await self._view.stop()
+            self._liveness.close()
+            await self._life.cancel_tasks()
             self._life.stopped()
 
     async def shutdown(self) -> None:
         self._life.request_stop()
+
+    async def _on_member_down(self, msg: MemberDown) -> None:
+        self._liveness.on_member_down(msg)
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -269,8 +283,31 @@ class Frontend:
             eos_token_ids=tok.eos_token_ids,
         )
         rid = R.chat_id() if chat else R.completion_id()
+        # Every log line about this request, in every service, carries its id (the one the
+        # client gets back); the bus carries it to the job executor and the TE.
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            log.debug(
+                "request accepted",
+                model=req.model,
+                prompt_tokens=len(prompt),
+                max_tokens=sampling.max_tokens,
+                stream=req.is_stream,
+            )
+            return await self._run(request, req, tok, prompt, sampling, rid, chat=chat)
+
+    async def _run(
+        self,
+        request: web.Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        tok: Any,
+        prompt: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        *,
+        chat: bool,
+    ) -> web.StreamResponse:
         gen = Generation(
-            request_id=rid.split("-", 1)[1],
+            request_id=rid,
             model=req.model,
             prompt_token_ids=prompt,
             sampling=sampling,
@@ -278,7 +315,6 @@ class Frontend:
             router=self._router,
             jobs=self._jobs,
             tes=self._tes,
-            view=self._view,
         )
         created = int(time.time())
         t0 = time.monotonic()
@@ -295,6 +331,12 @@ class Frontend:
             if gen.first_token_at is not None:
                 TTFT.labels(req.model).observe(gen.first_token_at - t0)
             TOKENS.labels(req.model).inc(len(gen.generated))
+            log.debug(
+                "request finished",
+                completion_tokens=len(gen.generated),
+                finish_reason=gen.finish_reason,
+                seconds=round(time.monotonic() - t0, 3),
+            )
         usage = R.usage(len(prompt), len(gen.generated), gen.cached_tokens)
         reason = "stop" if stops.stopped else _finish_reason(gen.finish_reason)
         build = R.chat_completion if chat else R.completion

@@ -13,7 +13,7 @@ from collections import defaultdict
 from services.job_executor.scheduling import pick_te
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
-from shared.errors import Internal, MeshserveError, NotFound, Unavailable
+from shared.errors import Internal, MeshserveError, NoCapacity, NotFound, PeerUnreachable, Refused
 from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
@@ -35,7 +35,7 @@ class JobExecutor:
         self._bus = bus
         self._subjects = Subjects(settings.cluster)
         self.je_id = f"je-{uuid.uuid4().hex[:8]}"
-        self._life = Lifecycle()
+        self._life = Lifecycle("job_executor")
         self._view = ViewWatcher(bus, self._subjects)
         self._view.listeners.append(self._on_view)
         self._tes = TaskExecutorClient(bus, self._subjects)
@@ -70,19 +70,18 @@ class JobExecutor:
                 self._placed[te_id] = [t for t in self._placed[te_id] if t > at]
 
     async def run(self) -> None:
-        await self._view.start()
+        await self._view.start(self._life)
         sub = await self._bus.subscribe(
             self._subjects.job_submit(), {ChatJob: self._on_job}, queue="je", concurrent=True
         )
-        self._hb.start()
+        self._hb.start(self._life)
         try:
             await self._life.wait()
             # Stop taking jobs, then let the ones being placed finish.
             await asyncio.wait_for(sub.close(), self._settings.shutdown_grace.total_seconds())
         finally:
-            await self._hb.stop()
+            await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)
-            await self._view.stop()
             self._life.stopped()
 
     async def shutdown(self) -> None:
@@ -96,7 +95,7 @@ class JobExecutor:
             self._inflight -= 1
 
     async def _place(self, job: ChatJob) -> JobAccepted:
-        log.debug("job received", request_id=job.request_id, model=job.model, attempt=job.attempt)
+        log.debug("job received", model=job.model, attempt=job.attempt)
         refused: set[str] = set()  # TEs that refused or did not answer, until the next view
         held = False
         while True:
@@ -119,34 +118,42 @@ class JobExecutor:
             if decision.te_id is not None:
                 try:
                     await self._tes.place(decision.te_id, self._task(job))
-                except Unavailable as e:
-                    # Refused, or no answer in time: it may still have taken the task, so
-                    # cancel it there before trying elsewhere.
-                    log.info("placement failed", te=decision.te_id, error=str(e))
+                except Refused as e:
+                    log.info("placement refused", te=decision.te_id, error=e.message)
+                    refused.add(decision.te_id)
+                    continue
+                except PeerUnreachable as e:
+                    # No answer in time: it may still have taken the task, so cancel it
+                    # there before trying elsewhere.
+                    log.info("placement unanswered", te=decision.te_id, error=e.message)
                     with contextlib.suppress(MeshserveError):
-                        await self._tes.cancel(decision.te_id, job.request_id)
+                        await self._tes.cancel(decision.te_id, job.request_id, job.attempt)
                     refused.add(decision.te_id)
                     continue
                 self._placed[decision.te_id].append(time.time())
-                log.info("job placed", request_id=job.request_id, te=decision.te_id)
+                log.info("job placed", te=decision.te_id, attempt=job.attempt)
                 return JobAccepted(
-                    request_id=job.request_id, te_id=decision.te_id, je_id=self.je_id
+                    request_id=job.request_id,
+                    te_id=decision.te_id,
+                    je_id=self.je_id,
+                    attempt=job.attempt,
                 )
             if not held:
                 held = True
                 with contextlib.suppress(MeshserveError):
                     await self._bus.publish(
-                        job.reply_to, JobHeld(request_id=job.request_id, je_id=self.je_id)
+                        job.reply_to,
+                        JobHeld(request_id=job.request_id, je_id=self.je_id, attempt=job.attempt),
+                        request_id=job.request_id,
                     )
             if decision.scale_up or refused:
                 await self._demand(job.model)
             remaining = job.deadline - time.time()
             if remaining <= 0 or self._life.stopping:
-                raise Unavailable(
+                raise NoCapacity(
                     f"No instance of model `{job.model}` could take the request in time; "
                     "retry later.",
                     retry_after_s=self._settings.retry_after.total_seconds(),
-                    code="no_capacity",
                 )
             await self._view.wait_change(min(remaining, 0.5))
             refused.clear()
@@ -179,6 +186,7 @@ class JobExecutor:
             sampling=job.sampling,
             reply_to=job.reply_to,
             deadline=job.deadline,
+            attempt=job.attempt,
         )
 
 

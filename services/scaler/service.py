@@ -28,7 +28,7 @@ class Scaler:
         self._settings = settings
         self._bus = bus
         self._subjects = Subjects(settings.cluster)
-        self._life = Lifecycle()
+        self._life = Lifecycle("scaler")
         self._view = ViewWatcher(bus, self._subjects)
         self._tes = TaskExecutorClient(bus, self._subjects)
         self._cfg = ScalerConfig(keep_alive_s=settings.keep_alive.total_seconds())
@@ -38,7 +38,7 @@ class Scaler:
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
-        await self._view.start()
+        await self._view.start(self._life)
         await self._bus.subscribe(self._subjects.scale_demand(), {ScaleUp: self._on_demand})
         try:
             while not self._life.stopping:
@@ -50,7 +50,7 @@ class Scaler:
                 waiter.cancel()
                 stopper.cancel()
         finally:
-            await self._view.stop()
+            await self._life.cancel_tasks()
             self._life.stopped()
 
     async def shutdown(self) -> None:

@@ -25,18 +25,17 @@ class NodePool:
     def __init__(self, *, settings: Settings, pool_id: str | None = None) -> None:
         self._settings = settings
         self.pool_id = pool_id or f"pool-{uuid.uuid4().hex[:6]}"
-        self._life = Lifecycle()
+        self._life = Lifecycle("node pool")
         self._procs: dict[str, asyncio.subprocess.Process] = {}
 
     async def run(self) -> None:
-        slots = [asyncio.create_task(self._keep_alive(i)) for i in range(self._settings.pool_size)]
+        for i in range(self._settings.pool_size):
+            self._life.spawn(self._keep_alive(i), name=f"slot {i}")
         try:
             await self._life.wait()
         finally:
             codes = await self._stop_all()
-            for t in slots:
-                t.cancel()
-            await asyncio.gather(*slots, return_exceptions=True)
+            await self._life.cancel_tasks()
             self._life.stopped()
         if bad := {te: rc for te, rc in codes.items() if rc != 0}:
             raise RuntimeError(f"task executors did not stop cleanly: {bad}")

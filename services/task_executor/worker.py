@@ -26,14 +26,22 @@ from typing import TypeVar
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.capabilities import EngineFeatures, bind_features
 from services.task_executor.engines.factory import choose_engine, create_engine
+from services.task_executor.engines.process import EngineProcessDied
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
-from shared.errors import BadRequest, Unavailable
+from shared.errors import (
+    BadRequest,
+    InstanceLost,
+    Internal,
+    MeshserveError,
+    PeerUnreachable,
+    Refused,
+)
 from shared.logging import get_logger
 from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import ControlAck, Drain, LoadModel, UnloadModel
-from shared.messages.tasks import RETRY_ELSEWHERE, CancelTask, ChatTask, TaskAccepted, TokenChunk
+from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -52,11 +60,13 @@ STEP_STOP_TIMEOUT_S = 30.0
 
 @dataclasses.dataclass(slots=True)
 class _Stream:
-    """One placement of a task: its tokens go to reply_to. The engine knows it by engine_id,
-    unique per placement, so tokens a cancelled copy still produces never reach a later copy
-    of the same task."""
+    """One placement of a task: its tokens go to reply_to. ``key`` is the attempt's (the
+    frontend's placement); the engine knows it by engine_id, unique per placement on this TE,
+    so tokens a cancelled copy still produces never reach a later copy of the same task."""
 
     request_id: str
+    attempt: int
+    key: str
     engine_id: str
     reply_to: str
     prompt_tokens: int
@@ -83,7 +93,7 @@ class TaskExecutor:
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine"
         )
-        self._life = Lifecycle()
+        self._life = Lifecycle(f"task_executor {te_id}")
         self.state = TEState.IDLE
         self.model: str | None = None
         self.engine: Engine | None = None
@@ -91,10 +101,10 @@ class TaskExecutor:
         self._error: str | None = None
         self._failed_model: str | None = None
         self._generated_tokens = 0
-        self._streams: dict[str, _Stream] = {}  # by task id
+        self._streams: dict[str, _Stream] = {}  # by attempt key
         self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
         self._placements = 0
-        # Accepted, not yet handed to the engine (that happens between iterations), by task id.
+        # Accepted, not yet handed to the engine (between iterations), by attempt key.
         self._adds: dict[str, EngineRequest] = {}
         self._aborts: set[str] = set()  # engine ids
         self._work = asyncio.Event()
@@ -157,9 +167,9 @@ class TaskExecutor:
             self._subjects.te_control(self.te_id),
             {LoadModel: self._on_load, UnloadModel: self._on_unload, Drain: self._on_drain},
         )
-        self._hb.start()
-        loop_task = asyncio.create_task(self._engine_loop())
-        kv_task = asyncio.create_task(self._kv_publisher())
+        self._hb.start(self._life)
+        loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
+        self._life.spawn(self._kv_publisher(), name="kv event publisher")
         self.ready.set()
         try:
             await self._life.wait()
@@ -171,16 +181,13 @@ class TaskExecutor:
             # engine is closed under it.
             self._closing = True
             self._work.set()
-            try:
-                await asyncio.wait_for(loop_task, STEP_STOP_TIMEOUT_S)
-            except TimeoutError:
+            _, pending = await asyncio.wait({loop_task}, timeout=STEP_STOP_TIMEOUT_S)
+            if pending:
                 log.error("engine step did not finish; closing anyway")
-            kv_task.cancel()
             if self._control_task is not None and not self._control_task.done():
                 # An unload closing its engine, or a load that would leave one behind.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(self._control_task), STEP_STOP_TIMEOUT_S)
-            await self._hb.stop()
+                await asyncio.wait({self._control_task}, timeout=STEP_STOP_TIMEOUT_S)
+            await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             if self.engine is not None:
                 self.engine.close()
@@ -197,9 +204,9 @@ class TaskExecutor:
         """Let running requests finish within grace; hand the rest back for a retry."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace)
-        for request_id, stream in list(self._streams.items()):
+        for stream in list(self._streams.values()):
             self._aborts.add(stream.engine_id)
-            await self._finish(request_id, RETRY_ELSEWHERE, error="task executor stopping")
+            await self._finish(stream, InstanceLost(f"task executor {self.te_id} is stopping"))
         self._work.set()
 
     # -- control -------------------------------------------------------------------------
@@ -210,7 +217,7 @@ class TaskExecutor:
         self.state, self.model = TEState.LOADING, cmd.model
         self._error = self._failed_model = None
         self._hb.beat_now()
-        self._control_task = asyncio.create_task(self._load(cmd))
+        self._control_task = self._life.spawn(self._load(cmd), name="load", one_shot=True)
         return ControlAck(te_id=self.te_id, ok=True)
 
     async def _load(self, cmd: LoadModel) -> None:
@@ -252,7 +259,7 @@ class TaskExecutor:
             return ControlAck(te_id=self.te_id, ok=False, error=f"TE is {self.state}, not ready")
         self.state = TEState.DRAINING
         self._hb.beat_now()
-        self._control_task = asyncio.create_task(self._unload(cmd))
+        self._control_task = self._life.spawn(self._unload(cmd), name="unload", one_shot=True)
         return ControlAck(te_id=self.te_id, ok=True)
 
     async def _unload(self, cmd: UnloadModel) -> None:
@@ -280,9 +287,9 @@ class TaskExecutor:
 
     async def _on_task(self, task: ChatTask) -> TaskAccepted:
         if self.state != TEState.READY or self.engine is None or task.model != self.model:
-            raise Unavailable(f"TE {self.te_id} does not serve {task.model} now ({self.state})")
+            raise Refused(f"TE {self.te_id} does not serve {task.model} now ({self.state})")
         if time.time() > task.deadline:
-            raise Unavailable("the task's deadline has passed")
+            raise Refused("the task's deadline has passed")
         if task.mode not in self.engine.capabilities.modes:
             raise BadRequest(
                 f"the {self.engine.name} engine of TE {self.te_id} cannot run a {task.mode} task "
@@ -298,37 +305,42 @@ class TaskExecutor:
                 param="messages",
                 code="context_length_exceeded",
             )
-        if task.request_id in self._streams:
+        accepted = TaskAccepted(request_id=task.request_id, te_id=self.te_id, attempt=task.attempt)
+        if task.key in self._streams:
             # The same task again while it is still ours (a placement whose answer was lost
             # or late, retried): it is running or queued already.
-            return TaskAccepted(request_id=task.request_id, te_id=self.te_id)
+            return accepted
         # A task placed again after a cancel (the JE cancels and retries when the TE answered
         # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
         # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
         self._placements += 1
         stream = _Stream(
             request_id=task.request_id,
-            engine_id=f"{task.request_id}@{self._placements}",
+            attempt=task.attempt,
+            key=task.key,
+            engine_id=f"{task.key}@{self._placements}",
             reply_to=task.reply_to,
             prompt_tokens=n,
         )
-        self._streams[task.request_id] = self._engine_streams[stream.engine_id] = stream
-        self._adds[task.request_id] = EngineRequest(
+        self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
+        self._adds[stream.key] = EngineRequest(
             stream.engine_id, task.prompt_token_ids, task.sampling
         )
         self._last_active = time.time()
         self._idle.clear()
         self._work.set()
-        return TaskAccepted(request_id=task.request_id, te_id=self.te_id)
+        log.debug("task accepted", attempt=task.attempt, prompt_tokens=n)
+        return accepted
 
     async def _on_cancel(self, msg: CancelTask) -> None:
-        if (stream := self._close_stream(msg.request_id)) is not None:
-            if self._adds.pop(msg.request_id, None) is None:  # not queued: in the engine
+        if (stream := self._close_stream(msg.key)) is not None:
+            log.debug("task cancelled", attempt=msg.attempt, generated=stream.generated)
+            if self._adds.pop(msg.key, None) is None:  # not queued: in the engine
                 self._aborts.add(stream.engine_id)
             self._work.set()
 
-    def _close_stream(self, request_id: str) -> _Stream | None:
-        stream = self._streams.pop(request_id, None)
+    def _close_stream(self, key: str) -> _Stream | None:
+        stream = self._streams.pop(key, None)
         if stream is not None:
             del self._engine_streams[stream.engine_id]
         return stream
@@ -357,17 +369,37 @@ class TaskExecutor:
                         await previous
                     emitting = asyncio.create_task(self._emit(outputs))
                 except Exception as e:
-                    log.exception("engine iteration failed")
+                    streams = list(self._streams.values())
+                    log.exception(
+                        "engine iteration failed", request_ids=[s.request_id for s in streams]
+                    )
                     await _settle(emitting)  # the last good tokens go out first
                     emitting = None
-                    for request_id, stream in list(self._streams.items()):
+                    failure = engine_failure(e, self.te_id)
+                    for stream in streams:
                         with contextlib.suppress(Exception):
                             engine.abort(stream.engine_id)
-                        await self._finish(request_id, "error", error=f"engine failure: {e}")
+                        await self._finish(stream, failure)
+                    if isinstance(e, EngineProcessDied):
+                        await self._lose_engine(engine, e)
                     break
             await _settle(emitting)
             if not self._streams:
                 self._idle.set()
+
+    async def _lose_engine(self, engine: Engine, e: Exception) -> None:
+        """The engine's process died: this TE serves nothing until the scaler loads a model
+        again (the heartbeat reports the failure, as for a failed load)."""
+        async with self._step_lock:
+            if self.engine is not engine:
+                return
+            self.engine, self._features = None, EngineFeatures()
+        with contextlib.suppress(Exception):
+            engine.close()
+        log.error("engine process died; model unloaded", model=self.model, error=str(e))
+        self._failed_model, self._error = self.model, f"{type(e).__name__}: {e}"
+        self.state, self.model = TEState.IDLE, None
+        self._hb.beat_now()
 
     def _collect_kv_events(self) -> None:
         if (source := self._features.kv_events) is not None:
@@ -393,7 +425,7 @@ class TaskExecutor:
         self._kv_seq += 1
         try:
             await self._bus.publish(self._subjects.kv_events(self.te_id), batch)
-        except Unavailable as e:
+        except PeerUnreachable as e:
             log.warning("kv event publish failed", error=str(e))
 
     async def _apply_queued(self, engine: Engine) -> None:
@@ -401,13 +433,14 @@ class TaskExecutor:
             engine.abort(engine_id)
         self._aborts.clear()
         adds, self._adds = self._adds, {}
-        for request_id, req in adds.items():
-            if req.request_id not in self._engine_streams:
+        for req in adds.values():
+            stream = self._engine_streams.get(req.request_id)
+            if stream is None:
                 continue  # cancelled before it started
             try:
                 engine.add_request(req)
-            except ValueError as e:
-                await self._finish(request_id, "error", error=str(e))
+            except ValueError as e:  # a prompt this engine can never serve
+                await self._finish(stream, BadRequest(str(e), param="messages"))
 
     async def _emit(self, outputs: Sequence[EngineOutput]) -> None:
         if outputs:
@@ -420,6 +453,7 @@ class TaskExecutor:
             self._generated_tokens += len(out.new_token_ids)
             chunk = TokenChunk(
                 request_id=stream.request_id,
+                attempt=stream.attempt,
                 seq=stream.seq,
                 token_ids=out.new_token_ids,
                 finish_reason=out.finish_reason if out.finished else None,
@@ -430,28 +464,53 @@ class TaskExecutor:
             )
             stream.seq += 1
             if out.finished:
-                self._close_stream(stream.request_id)
+                self._close_stream(stream.key)
+                log.debug(
+                    "task finished",
+                    request_id=stream.request_id,
+                    attempt=stream.attempt,
+                    reason=out.finish_reason,
+                    generated=stream.generated,
+                )
             try:
                 await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
-            except Unavailable as e:
-                log.warning("token publish failed", request_id=out.request_id, error=str(e))
+            except PeerUnreachable as e:
+                log.warning("token publish failed", request_id=stream.request_id, error=str(e))
 
-    async def _finish(self, request_id: str, reason: str, *, error: str | None = None) -> None:
-        stream = self._close_stream(request_id)
-        if stream is None:
+    async def _finish(self, stream: _Stream, failure: MeshserveError) -> None:
+        """End a stream with an error: a retryable one sends the request elsewhere."""
+        if self._close_stream(stream.key) is None:
             return
+        log.info(
+            "task ended early",
+            request_id=stream.request_id,
+            attempt=stream.attempt,
+            failure=type(failure).__name__,
+            error=failure.message,
+        )
         chunk = TokenChunk(
-            request_id=request_id,
+            request_id=stream.request_id,
+            attempt=stream.attempt,
             seq=stream.seq,
             token_ids=[],
-            finish_reason=reason,
+            finish_reason="error",
             prompt_tokens=stream.prompt_tokens,
             completion_tokens=stream.generated,
-            error=error,
+            error=failure.message,
             te_id=self.te_id,
+            failure=failure.to_reply(),
         )
-        with contextlib.suppress(Unavailable):
-            await self._bus.publish(stream.reply_to, chunk, request_id=request_id)
+        with contextlib.suppress(PeerUnreachable):
+            await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
+
+
+def engine_failure(e: Exception, te_id: str) -> MeshserveError:
+    """What a failed engine iteration means for its requests: a dead engine process is the
+    instance lost (they continue on another TE); an error inside the engine is not retried
+    (the same request would likely fail the next engine too)."""
+    if isinstance(e, EngineProcessDied):
+        return InstanceLost(f"the engine process of TE {te_id} died: {e}")
+    return Internal(f"engine failure: {type(e).__name__}: {e}")
 
 
 async def _settle(task: asyncio.Task[None] | None) -> None:

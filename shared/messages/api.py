@@ -19,7 +19,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ErrorReply(Message):
-    """A request failed. status is the HTTP status the frontend returns for it."""
+    """A request failed. status is the HTTP status the frontend returns for it; kind is the
+    error's class (shared.errors), which the receiver raises again."""
 
     status: int
     code: str
@@ -27,3 +28,4 @@ class ErrorReply(Message):
     retryable: bool = False
     retry_after_s: float | None = None
     param: str | None = None
+    kind: str = ""

@@ -71,6 +71,14 @@ class Leave(Message):
     member_id: str
 
 
+class MemberDown(Message):
+    """Published by the cluster manager when it declares a member gone (silent past the
+    liveness deadline, or left): whoever depends on it moves on at once."""
+
+    member_id: str
+    reason: str = ""
+
+
 class ModelInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     path: str

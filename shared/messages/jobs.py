@@ -6,13 +6,14 @@ import msgspec
 
 from shared.messages.api import SamplingParams
 from shared.messages.base import Message
+from shared.messages.tasks import attempt_key
 
 
 class ChatJob(Message):
     """One chat or completion request, tokenized. The JE places it as tasks; tokens flow
     from the TE straight to reply_to."""
 
-    request_id: str
+    request_id: str  # the client's request, the same in every attempt
     model: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -21,11 +22,16 @@ class ChatJob(Message):
     attempt: int = 0  # >0 when the frontend resubmits after its TE died
     exclude_te_ids: list[str] = msgspec.field(default_factory=list)
 
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)
+
 
 class JobAccepted(Message):
     request_id: str
     te_id: str
     je_id: str
+    attempt: int = 0
 
 
 class JobHeld(Message):
@@ -34,3 +40,8 @@ class JobHeld(Message):
 
     request_id: str
     je_id: str
+    attempt: int = 0
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from shared.messages.api import SamplingParams
+from shared.messages.api import ErrorReply, SamplingParams
 from shared.messages.base import Message
 
 
@@ -18,34 +18,47 @@ class TaskMode(enum.StrEnum):
     STAGE = "stage"
 
 
+def attempt_key(request_id: str, attempt: int) -> str:
+    """One placement of a request (the frontend places it again after losing an instance):
+    what a token stream, a task on a TE and a cancel are keyed by."""
+    return f"{request_id}-{attempt}"
+
+
 class ChatTask(Message):
-    request_id: str
+    request_id: str  # the client's request, the same in every attempt (and in every log line)
     model: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str  # the frontend's inbox; the TE streams TokenChunk messages there
     deadline: float  # unix seconds; a TE drops work that can no longer be useful
     mode: TaskMode = TaskMode.COLOCATED
+    attempt: int = 0
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)
 
 
 class TaskAccepted(Message):
     request_id: str
     te_id: str
+    attempt: int = 0
 
 
 class CancelTask(Message):
     request_id: str
+    attempt: int = 0
 
-
-# finish_reason of a last chunk whose TE gave the request up (unloading, shutting down):
-# the frontend resubmits it, with the tokens it has so far, to another TE.
-RETRY_ELSEWHERE = "retry"
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)
 
 
 class TokenChunk(Message):
-    """New tokens of one request. seq counts chunks from 0 so a reader can spot a gap.
-    finish_reason is set on the last chunk: "stop", "length", "error" (see error) or
-    RETRY_ELSEWHERE."""
+    """New tokens of one attempt of a request. seq counts chunks from 0 so a reader can spot
+    a gap. The last chunk has finish_reason set: "stop" or "length", or "error" with
+    ``failure`` saying what went wrong (a retryable failure moves the request to another
+    instance after its retry_after_s; any other ends it with that error)."""
 
     request_id: str
     seq: int
@@ -54,5 +67,11 @@ class TokenChunk(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # failure's message (kept for readers that predate failure)
     te_id: str = ""  # the sender: a frontend drops chunks of a TE its attempt did not land on
+    attempt: int = 0
+    failure: ErrorReply | None = None
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)

@@ -35,7 +35,16 @@ def processes_of(cluster: str) -> list[int]:
 
 
 class Cluster:
-    def __init__(self, models_dir: Path, nats: str, redis: str, **settings: str) -> None:
+    def __init__(
+        self,
+        models_dir: Path,
+        nats: str,
+        redis: str,
+        *,
+        env: dict[str, str] | None = None,
+        stderr: Path | None = None,
+        **settings: str,
+    ) -> None:
         self.name = f"e2e-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.env = {
@@ -51,18 +60,24 @@ class Cluster:
             "MESHSERVE_TORCH_THREADS": "1",
             "MESHSERVE_LOG_LEVEL": "warning",
             **{f"MESHSERVE_{k.upper()}": v for k, v in settings.items()},
+            **(env or {}),
         }
+        self.stderr = stderr
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
     def start(self, timeout: float = 180) -> Cluster:
+        err = self.stderr.open("w") if self.stderr is not None else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up"],
             env=self.env,
             text=True,
             stdout=subprocess.PIPE,
+            stderr=err,
             stdin=subprocess.DEVNULL,
         )
+        if err is not None:
+            err.close()  # the child has its own copy
         got: list[str] = []
         reader = threading.Thread(
             target=lambda: got.append(self.proc.stdout.readline()), daemon=True

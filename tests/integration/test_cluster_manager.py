@@ -12,7 +12,9 @@ import pytest
 from services.cluster_manager.service import ClusterManager
 from shared.bus import Bus
 from shared.clients import ClusterClient, ViewWatcher
-from shared.messages.cluster import ClusterView, TEHeartbeat, TEState
+from shared.messages.base import decoder_for
+from shared.messages.cluster import ClusterView, MemberDown, TEHeartbeat, TEState
+from shared.runner import Lifecycle, ServiceFailed
 from shared.settings import Settings
 from shared.store import Store
 from shared.subjects import Keys, Subjects
@@ -64,7 +66,7 @@ async def cm(bus: Bus, store: Store, cluster: str, tmp_path: Path):
     mgr = ClusterManager(settings=settings, bus=bus, store=store)
     task = asyncio.create_task(mgr.run())
     watcher = ViewWatcher(bus, Subjects(cluster))
-    await watcher.start()
+    await watcher.start(Lifecycle("test"))
     await until(lambda: watcher.view.version >= 0)
     yield mgr, watcher
     await watcher.stop()
@@ -108,3 +110,43 @@ async def test_get_view_answers_on_demand(cm, bus: Bus, cluster: str):
     view = await ClusterClient(bus, Subjects(cluster)).get_view()
     assert isinstance(view, ClusterView) and view.cluster == cluster
     assert msgspec.json.encode(view)
+
+
+async def test_a_silent_member_is_declared_down_at_its_deadline(cm, bus: Bus, cluster: str):
+    """One notice, published when the liveness deadline (1 s after the last heartbeat)
+    passes: not a sweep period later."""
+    downs: list[tuple[float, MemberDown]] = []
+    dec = decoder_for(MemberDown)
+
+    async def on_down(m) -> None:  # type: ignore[no-untyped-def]
+        downs.append((time.monotonic(), dec.decode(m.data)))
+
+    await bus.subscribe_raw(Subjects(cluster).member_down(), on_down)
+    client = ClusterClient(bus, Subjects(cluster))
+    for _ in range(3):
+        await client.heartbeat(hb("te-q"))
+        await bus.flush()
+        last = time.monotonic()
+        await asyncio.sleep(0.3)
+    await until(lambda: bool(downs), timeout=4)
+    at, msg = downs[0]
+    assert msg.member_id == "te-q" and "heartbeat" in msg.reason
+    assert 1.0 <= at - last < 1.15, at - last
+
+
+async def test_a_dead_background_loop_takes_the_service_down(
+    bus: Bus, store: Store, cluster: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """A loop that dies (here the sweeper) must not leave a cluster manager that looks alive
+    and declares nobody dead: run() ends with the reason, so the process exits non-zero and
+    the launcher starts a fresh one (tests/e2e/test_lifecycle.py)."""
+
+    async def broken_sweeper(self) -> None:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.2)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(ClusterManager, "_sweeper", broken_sweeper)
+    settings = Settings(cluster=cluster, models_dir=tmp_path)
+    mgr = ClusterManager(settings=settings, bus=bus, store=store)
+    with pytest.raises(ServiceFailed, match="injected fault"):
+        await asyncio.wait_for(mgr.run(), 5)

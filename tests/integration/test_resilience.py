@@ -16,45 +16,12 @@ from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from services.scaler.service import Scaler
 from services.task_executor.worker import TaskExecutor
-from shared.bus import Bus
 from shared.embedded import free_port
 from shared.settings import Settings
 from shared.store import Store
+from tests.integration.services import Running
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis]
-
-
-class Running:
-    """Services in this event loop, each on its own NATS connection so that one can die
-    (connection dropped, no goodbye) while the others live."""
-
-    def __init__(self, settings: Settings, nats_url: str) -> None:
-        self.settings, self.nats_url = settings, nats_url
-        self.items: list[tuple[object, asyncio.Task, Bus]] = []
-
-    async def start(self, make) -> object:
-        bus = await Bus.connect(self.nats_url, name="pytest-svc", cluster=self.settings.cluster)
-        svc = make(bus)
-        self.items.append((svc, asyncio.create_task(svc.run()), bus))
-        return svc
-
-    async def kill(self, svc) -> None:
-        """Die like a SIGKILLed process: the task stops, the connection drops, no Leave."""
-        for item in self.items:
-            if item[0] is svc:
-                item[1].cancel()
-                with contextlib.suppress(BaseException):
-                    await item[1]
-                await item[2]._nc.close()
-                self.items.remove(item)
-                return
-
-    async def stop(self) -> None:
-        for svc, task, bus in reversed(self.items):
-            await svc.shutdown()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 15)
-            await bus.close()
 
 
 @pytest.fixture

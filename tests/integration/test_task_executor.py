@@ -14,13 +14,13 @@ from services.task_executor.engines.torch_engine.prefix_cache import chain_hashe
 from services.task_executor.worker import TaskExecutor
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient
-from shared.errors import BadRequest, Unavailable
+from shared.errors import BadRequest, InstanceLost, Refused, from_reply
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
 from shared.messages.cluster import TEState
 from shared.messages.kv import KvBlocksStored, KvEventBatch
 from shared.messages.scaling import LoadModel, UnloadModel
-from shared.messages.tasks import RETRY_ELSEWHERE, ChatTask, TaskMode, TokenChunk
+from shared.messages.tasks import ChatTask, TaskMode, TokenChunk
 from shared.settings import Settings
 from shared.subjects import Subjects
 
@@ -115,11 +115,11 @@ async def test_refuses_another_model_and_expired_deadlines(te, cluster: str):
     _, client = te
     other = task(cluster, "r3")
     other.model = "other"
-    with pytest.raises(Unavailable):
+    with pytest.raises(Refused):  # said so: nothing to cancel there before trying elsewhere
         await client.place("te-t", other)
     late = task(cluster, "r4")
     late.deadline = time.time() - 1
-    with pytest.raises(Unavailable):
+    with pytest.raises(Refused):
         await client.place("te-t", late)
 
 
@@ -128,7 +128,7 @@ async def test_cancel_stops_generation(te, bus: Bus, cluster: str):
     got = await collect(bus, Subjects(cluster).token_stream("fe", "r5"))
     await client.place("te-t", task(cluster, "r5", max_tokens=2000))
     await asyncio.wait_for(got.first.wait(), 20)
-    await client.cancel("te-t", "r5")
+    await client.cancel("te-t", "r5", 0)
     await asyncio.sleep(0.5)
     n = len(got.chunks)
     await asyncio.sleep(0.3)
@@ -152,13 +152,13 @@ async def test_a_task_placed_again_runs_once_whether_or_not_it_was_cancelled_bet
             async with worker._step_lock:  # no step runs: the first copy's chunks stop
                 await asyncio.sleep(0.2)  # its last published ones land
                 got = await collect(bus, subjects.token_stream("fe", rid))  # the new copy's
-                await client.cancel("te-t", rid)
+                await client.cancel("te-t", rid, 0)
                 await client.place("te-t", task(cluster, rid, max_tokens=6))
         else:
             async with worker._step_lock:  # the engine is busy: nothing queued is applied yet
                 await client.place("te-t", task(cluster, rid, max_tokens=6))
                 if cancel_between:
-                    await client.cancel("te-t", rid)
+                    await client.cancel("te-t", rid, 0)
                 await client.place("te-t", task(cluster, rid, max_tokens=6))
         await asyncio.wait_for(got.done.wait(), 20)
         await asyncio.sleep(0.2)  # nothing more may follow
@@ -197,7 +197,7 @@ async def test_tokens_a_cancelled_copy_computes_never_reach_the_copy_placed_afte
     assert await asyncio.to_thread(entered.wait, 10)  # a step of the first copy is running
     await asyncio.sleep(0.2)  # the chunks published before it land
     got = await collect(bus, subjects.token_stream("fe", rid))  # from here on: the new copy's
-    await client.cancel("te-t", rid)
+    await client.cancel("te-t", rid, 0)
     await client.place("te-t", task(cluster, rid, max_tokens=6))
     release.set()
     await asyncio.wait_for(got.done.wait(), 20)
@@ -217,7 +217,10 @@ async def test_unload_hands_running_requests_back_for_a_retry(te, bus: Bus, clus
     ack = await client.control("te-t", UnloadModel(reason="test"))
     assert ack.ok and worker.state == TEState.DRAINING  # acknowledged before the drain
     await asyncio.wait_for(got.done.wait(), 5)
-    assert got.chunks[-1].finish_reason == RETRY_ELSEWHERE
+    last = got.chunks[-1]
+    assert last.finish_reason == "error" and last.failure is not None
+    failure = from_reply(last.failure)
+    assert isinstance(failure, InstanceLost) and failure.retryable  # moves to another TE
     await until_idle(worker)
     assert worker.engine is None
 
