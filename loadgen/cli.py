@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,9 @@ def _tokenizer_paths(specs: list[str], models: set[str]) -> dict[str, Path | Non
             per[name] = Path(path)
         else:
             default = Path(s)
-    models_dir = Path(os.environ.get("MESHSERVE_MODELS_DIR", "models"))
+    from shared.settings import Settings
+
+    models_dir = Settings.load().models_dir
     out: dict[str, Path | None] = {}
     for m in models:
         p = per.get(m, default)
@@ -140,7 +141,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     models_map = parse_models_map(args.models_map)
     planned = plan(reqs, model=args.model, models_map=models_map)  # names only, for checks
     served = {p.model for p in planned}
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
+    from shared.settings import Settings
+
+    api_key = args.api_key or Settings.load().loadgen.api_key or "unused"
     try:
         listed = asyncio.run(list_models(url, api_key=api_key))
     except EndpointError as e:
@@ -407,7 +410,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         for k, v in (("engine", args.engine), ("dtype", args.dtype), ("device", args.device))
         if v
     }
-    settings = Settings(**overrides)
+    settings = Settings.load(**overrides)
     name = args.name or args.model_dir.name
     prof = measure_profile(
         args.model_dir,

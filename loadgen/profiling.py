@@ -134,7 +134,7 @@ def measure_profile(
             decode_ctx_s=ctx_s,
             prefill_s=a,
             prefill_s2=b,
-            max_num_seqs=settings.max_num_seqs,
+            max_num_seqs=settings.task_executor.max_num_seqs,
             max_prefill_tokens=getattr(engine, "max_prefill_tokens", 2048),
             chunked_prefill=getattr(engine, "chunked_prefill", False),
             kv_blocks=st.total_kv_blocks,
@@ -143,7 +143,7 @@ def measure_profile(
             source={
                 "engine": engine.name,
                 "device": engine.device,
-                "dtype": settings.dtype,
+                "dtype": settings.task_executor.dtype,
                 "model_dir": str(model_dir),
                 "measured_at": time.strftime("%Y-%m-%d %H:%M"),
                 "prefill_lengths": list(prefill_lengths),

@@ -51,7 +51,10 @@ from services.task_executor.engines.base import Engine, EngineRequest  # noqa: E
 from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
 from services.task_executor.engines.torch_engine.config import load_model_config  # noqa: E402
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
-from services.task_executor.engines.torch_engine.weights import load_weights  # noqa: E402
+from services.task_executor.engines.torch_engine.weights import (  # noqa: E402
+    CheckpointTensors,
+    load_weights,
+)
 from shared.messages.api import SamplingParams  # noqa: E402
 
 ENGINES = ("torch", "torch-sync", "torch-eager", "vllm")
@@ -77,7 +80,9 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """Bytes of weights one decode step streams at ``dtype`` (``ModelWeights.decode_bytes``),
     read off the checkpoint onto the meta device: no memory, whichever engines run."""
     config = load_model_config(model_dir)
-    weights = load_weights(model_dir, config, dtype=dtype, device=torch.device("meta"))
+    weights = load_weights(
+        CheckpointTensors(model_dir), config, dtype=dtype, device=torch.device("meta")
+    )
     return weights.decode_bytes()
 
 

@@ -4,7 +4,6 @@ one service (what compose.yaml and a DaemonSet call)."""
 from __future__ import annotations
 
 import argparse
-import os
 import runpy
 import sys
 
@@ -30,18 +29,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.command == "up":
-        for flag, var in (
-            ("port", "HTTP_PORT"),
-            ("models_dir", "MODELS_DIR"),
-            ("pool_size", "POOL_SIZE"),
-            ("cluster", "CLUSTER"),
-        ):
-            if getattr(args, flag) is not None:
-                os.environ[f"MESHSERVE_{var}"] = str(getattr(args, flag))
         from services.launcher import Launcher
         from shared.settings import Settings
 
-        sys.exit(Launcher(Settings()).run())
+        flags = {
+            "http_port": args.port,
+            "models_dir": args.models_dir,
+            "pool_size": args.pool_size,
+            "cluster": args.cluster,
+        }
+        settings = Settings.load(**{k: v for k, v in flags.items() if v is not None})
+        sys.exit(Launcher(settings).run())
     sys.argv = [SERVICE_NAMES[args.command]]
     runpy.run_module(SERVICE_NAMES[args.command], run_name="__main__", alter_sys=True)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from shared.embedded import EmbeddedServer, die_with_parent, free_port
-from shared.settings import Settings
+from shared.settings import Settings, process_environment
 
 # Start order; stop order is the reverse, so the frontend stops taking requests first and
 # the cluster manager, which everybody reports to, goes last.
@@ -55,15 +54,18 @@ class Launcher:
 
     def _infra(self) -> Settings:
         updates: dict[str, object] = {}
-        for kind, field in (("nats", "nats_url"), ("redis", "redis_url")):
-            if getattr(self.settings, field) is None:
+        for kind, field, url in (
+            ("nats", "nats_url", self.settings.nats_url),
+            ("redis", "redis_url", self.settings.redis_url),
+        ):
+            if url is None:
                 server = EmbeddedServer(kind).start()
                 self._servers.append(server)
                 updates[field] = server.url
                 say(f"started embedded {kind} at {server.url}")
-        if self.settings.http_port == 0:
+        if self.settings.frontend.http_port == 0:
             updates["http_port"] = free_port()
-        return self.settings.model_copy(update=updates)
+        return self.settings.with_values(**updates)
 
     def _spawn(self, name: str, env: dict[str, str], crashes: list[float] | None = None) -> None:
         # Own session, so a terminal's Ctrl-C reaches only the launcher, which then stops
@@ -93,10 +95,10 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._request_stop)
         try:
             settings = self._infra()
-            env = {**os.environ, **settings.env()}
+            env = process_environment(**settings.env())
             for name in SERVICES:
                 self._spawn(name, env)
-            base = f"http://{settings.http_host}:{settings.http_port}"
+            base = f"http://{settings.frontend.http_host}:{settings.frontend.http_port}"
             announced = False
             while not self._stop:
                 if not announced and (body := self._healthy(base)):
@@ -137,7 +139,7 @@ class Launcher:
         failed: list[str] = []
         for name in reversed(SERVICES):
             # The node pool gives its TEs shutdown_grace + 5 s before killing them.
-            grace = self.settings.shutdown_grace.total_seconds() + (
+            grace = self.settings.membership.shutdown_grace.total_seconds() + (
                 15 if name == "task_executor" else 5
             )
             child = self._children.get(name)

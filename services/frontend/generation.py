@@ -141,7 +141,7 @@ class Generation:
         """Yield token ids as they arrive until the request finishes."""
         exclude: list[str] = []
         loop = asyncio.get_running_loop()
-        deadline_at = loop.time() + self.settings.request_timeout.total_seconds()
+        deadline_at = loop.time() + self.settings.frontend.request_timeout.total_seconds()
         for n in range(MAX_ATTEMPTS):
             attempt = self.router.open(self.request_id, n)
             deadline = loop.call_at(deadline_at, attempt.events.put_nowait, _Deadline())
@@ -174,12 +174,12 @@ class Generation:
                 self.router.close(attempt)
         raise Unavailable(
             f"The request failed on {MAX_ATTEMPTS} task executors; retry later.",
-            retry_after_s=self.settings.retry_after.total_seconds(),
+            retry_after_s=self.settings.job_executor.retry_after.total_seconds(),
         )
 
     async def _submit(self, attempt: Attempt, exclude: list[str]) -> JobAccepted | None:
         """The job placed (None: the JE holding it was declared gone before it was)."""
-        placement = self.settings.placement_timeout.total_seconds()
+        placement = self.settings.job_executor.placement_timeout.total_seconds()
         job = ChatJob(
             request_id=self.request_id,
             model=self.model,
@@ -211,7 +211,7 @@ class Generation:
         except PeerUnreachable as e:  # the bus's own failure, not a JE's verdict
             raise Unavailable(
                 "No job executor answered in time; retry later.",
-                retry_after_s=self.settings.retry_after.total_seconds(),
+                retry_after_s=self.settings.job_executor.retry_after.total_seconds(),
             ) from e
         finally:
             submit.cancel()

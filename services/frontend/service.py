@@ -44,7 +44,7 @@ from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024**2
+MAX_BODY = web.AppKey("max_body_bytes", int)
 
 REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
 TTFT = Histogram(
@@ -101,7 +101,8 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except MeshserveError as e:
         resp = _error_response(e)
     except web.HTTPRequestEntityTooLarge:
-        resp = _error_response(PayloadTooLarge(f"The request body exceeds {MAX_BODY_BYTES} bytes."))
+        limit = request.app[MAX_BODY]
+        resp = _error_response(PayloadTooLarge(f"The request body exceeds {limit} bytes."))
     except web.HTTPNotFound:
         resp = _error_response(NotFound(f"Unknown request URL: {request.method} {request.path}."))
     except web.HTTPMethodNotAllowed:
@@ -128,7 +129,9 @@ class Frontend:
         self._catalog = ModelCatalog(self._view)
         # Grace for a member missing from the view before it counts as gone without a notice
         # (a restarted cluster manager hears every heartbeat within one interval).
-        self._liveness = Liveness(grace_s=2 * settings.heartbeat_interval.total_seconds())
+        self._liveness = Liveness(
+            grace_s=2 * settings.membership.heartbeat_interval.total_seconds()
+        )
         self._view.listeners.append(self._liveness.on_view)
         self._router = StreamRouter(self.frontend_id, self._subjects, self._liveness)
         self._jobs = JobExecutorClient(bus, self._subjects)
@@ -136,7 +139,9 @@ class Frontend:
         self.port: int | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+        limit = self._settings.frontend.max_body_bytes
+        app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
+        app[MAX_BODY] = limit
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -154,16 +159,18 @@ class Frontend:
         runner = web.AppRunner(
             self.app(),
             access_log=None,
-            shutdown_timeout=self._settings.shutdown_grace.total_seconds(),
+            shutdown_timeout=self._settings.membership.shutdown_grace.total_seconds(),
             # A client that hangs up cancels its handler, whose cleanup cancels the
             # generation on its TE instead of running it to max_tokens for nobody.
             handler_cancellation=True,
         )
         await runner.setup()
-        site = web.TCPSite(runner, self._settings.http_host, self._settings.http_port)
+        site = web.TCPSite(
+            runner, self._settings.frontend.http_host, self._settings.frontend.http_port
+        )
         await site.start()
         self.port = runner.addresses[0][1]
-        log.info("listening", url=f"http://{self._settings.http_host}:{self.port}/v1")
+        log.info("listening", url=f"http://{self._settings.frontend.http_host}:{self.port}/v1")
         try:
             await self._life.wait()
         finally:

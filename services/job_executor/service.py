@@ -43,7 +43,7 @@ class JobExecutor:
         self._hb = Heartbeater(
             ClusterClient(bus, self._subjects),
             self._heartbeat,
-            settings.heartbeat_interval.total_seconds(),
+            settings.membership.heartbeat_interval.total_seconds(),
         )
         # te_id -> unix times of placements not yet covered by that TE's load report
         self._placed: dict[str, list[float]] = defaultdict(list)
@@ -78,7 +78,7 @@ class JobExecutor:
         try:
             await self._life.wait()
             # Stop taking jobs, then let the ones being placed finish.
-            await asyncio.wait_for(sub.close(), self._settings.shutdown_grace.total_seconds())
+            await asyncio.wait_for(sub.close(), self._settings.membership.shutdown_grace.total_seconds())
         finally:
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)
@@ -153,7 +153,7 @@ class JobExecutor:
                 raise NoCapacity(
                     f"No instance of model `{job.model}` could take the request in time; "
                     "retry later.",
-                    retry_after_s=self._settings.retry_after.total_seconds(),
+                    retry_after_s=self._settings.job_executor.retry_after.total_seconds(),
                 )
             await self._view.wait_change(min(remaining, 0.5))
             refused.clear()

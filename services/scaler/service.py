@@ -31,7 +31,7 @@ class Scaler:
         self._life = Lifecycle("scaler")
         self._view = ViewWatcher(bus, self._subjects)
         self._tes = TaskExecutorClient(bus, self._subjects)
-        self._cfg = ScalerConfig(keep_alive_s=settings.keep_alive.total_seconds())
+        self._cfg = ScalerConfig(keep_alive_s=settings.scaler.keep_alive.total_seconds())
         self._demands: dict[str, float] = {}
         self._pending: dict[str, tuple[str, float]] = {}  # te_id -> (model, sent at)
         self._failed: dict[str, tuple[int, float]] = {}  # model -> (failures in a row, last)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import uuid
@@ -14,7 +13,7 @@ from shared.bus import Bus
 from shared.embedded import die_with_parent
 from shared.logging import get_logger
 from shared.runner import Lifecycle
-from shared.settings import Settings
+from shared.settings import Settings, process_environment
 
 log = get_logger(__name__)
 
@@ -29,7 +28,7 @@ class NodePool:
         self._procs: dict[str, asyncio.subprocess.Process] = {}
 
     async def run(self) -> None:
-        for i in range(self._settings.pool_size):
+        for i in range(self._settings.task_executor.pool_size):
             self._life.spawn(self._keep_alive(i), name=f"slot {i}")
         try:
             await self._life.wait()
@@ -46,7 +45,7 @@ class NodePool:
     async def _keep_alive(self, slot: int) -> None:
         while not self._life.stopping:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
-            env = {**os.environ, **self._settings.env()}
+            env = process_environment(**self._settings.env())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -73,7 +72,7 @@ class NodePool:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
-        grace = self._settings.shutdown_grace.total_seconds() + 5
+        grace = self._settings.membership.shutdown_grace.total_seconds() + 5
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
         except TimeoutError:

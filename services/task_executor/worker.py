@@ -120,7 +120,7 @@ class TaskExecutor:
         self._hb = Heartbeater(
             ClusterClient(bus, self._subjects),
             self._heartbeat,
-            settings.heartbeat_interval.total_seconds(),
+            settings.membership.heartbeat_interval.total_seconds(),
         )
         # The load or unload in progress (one at a time: each starts from its own state).
         self._control_task: asyncio.Task[None] | None = None
@@ -175,7 +175,7 @@ class TaskExecutor:
             await self._life.wait()
             self.state = TEState.DRAINING
             self._hb.beat_now()
-            await self._drain(self._settings.shutdown_grace.total_seconds())
+            await self._drain(self._settings.membership.shutdown_grace.total_seconds())
         finally:
             # Let a step in flight finish (a thread cannot be interrupted) before the
             # engine is closed under it.
@@ -263,7 +263,7 @@ class TaskExecutor:
         return ControlAck(te_id=self.te_id, ok=True)
 
     async def _unload(self, cmd: UnloadModel) -> None:
-        await self._drain(self._settings.shutdown_grace.total_seconds())
+        await self._drain(self._settings.membership.shutdown_grace.total_seconds())
         async with self._step_lock:
             engine, self.engine = self.engine, None
         if engine is not None:
@@ -525,14 +525,14 @@ async def _settle(task: asyncio.Task[None] | None) -> None:
 
 def main() -> None:
     te_id, pool_id = sys.argv[1], sys.argv[2]
-    settings = Settings()
+    settings = Settings.load()
     # Pre-warm: pay for the engine's imports now, before any model is assigned. (The vLLM and
     # OpenVINO engines run in a child process, which imports their packages; here only the
     # wrappers.)
     import torch
 
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    if settings.task_executor.torch_threads:
+        torch.set_num_threads(settings.task_executor.torch_threads)
     prewarm = {
         "torch": "services.task_executor.engines.torch_engine",
         "vllm": "services.task_executor.engines.vllm_engine",
@@ -543,7 +543,7 @@ def main() -> None:
     async def factory(settings: Settings, bus: Bus) -> TaskExecutor:
         return TaskExecutor(settings=settings, bus=bus, te_id=te_id, pool_id=pool_id)
 
-    run_service(f"task_executor.{te_id}", factory)
+    run_service(f"task_executor.{te_id}", factory, settings)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ async def test_all_streams_of_a_killed_te_move_at_once(
         shutdown_grace=timedelta(seconds=1),
         torch_threads=1,
     )
-    base = f"http://127.0.0.1:{settings.http_port}"
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
     run = Running(settings, nats_url)
     store = await Store.connect(redis_url)
     victim = te_process(settings, "te-victim")

@@ -40,7 +40,7 @@ async def services(bus: Bus, store: Store, cluster: str, demo_model_dir: Path, t
         Frontend(settings=settings, bus=bus),
     ]
     tasks = [asyncio.create_task(s.run()) for s in svcs]
-    base = f"http://127.0.0.1:{settings.http_port}"
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
     async with aiohttp.ClientSession() as http:
         for _ in range(100):
             try:

@@ -69,7 +69,7 @@ async def test_every_service_logs_the_request_id(
         heartbeat_interval=timedelta(seconds=0.2),
         shutdown_grace=timedelta(seconds=1),
     )
-    base = f"http://127.0.0.1:{settings.http_port}"
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
     run = Running(settings, nats_url)
     store = await Store.connect(redis_url)
     try:

@@ -58,7 +58,7 @@ async def wait_port(base: str) -> None:
 
 async def test_job_survives_the_death_of_the_job_executor_holding_it(cluster_env):
     settings, run = cluster_env
-    base = f"http://127.0.0.1:{settings.http_port}"
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
     await wait_port(base)
     je1 = await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
     await asyncio.sleep(0.5)  # je1 is the only JE: it takes the job and holds it (no TE yet)
@@ -99,7 +99,7 @@ async def test_a_model_that_cannot_load_fails_fast_with_its_error(
     await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
     await run.start(lambda bus: Scaler(settings=settings, bus=bus))
     await run.start(lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-b", pool_id="p"))
-    base = f"http://127.0.0.1:{settings.http_port}"
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
     body = {"model": "broken", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     async with aiohttp.ClientSession() as http:
         for _ in range(200):  # the registry rescans every few seconds

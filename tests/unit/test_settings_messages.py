@@ -20,36 +20,56 @@ def test_settings_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHSERVE_MODELS_DIR", str(tmp_path))
     monkeypatch.setenv("MESHSERVE_HTTP_PORT", "9000")
     monkeypatch.setenv("MESHSERVE_KEEP_ALIVE", "2.5")
-    s = Settings()
-    assert (s.cluster, s.nats_url, s.redis_url, s.http_port) == (
+    monkeypatch.setenv("MESHSERVE_VLLM_ENFORCE_EAGER", "true")
+    monkeypatch.setenv("CC", "clang")
+    s = Settings.load()
+    assert (s.cluster, s.nats_url, s.redis_url, s.frontend.http_port) == (
         "blue",
         "nats://n:4222",
         "redis://r:6379",
         9000,
     )
-    assert s.models_dir == tmp_path and s.keep_alive == timedelta(seconds=2.5)
+    assert s.models_dir == tmp_path and s.scaler.keep_alive == timedelta(seconds=2.5)
+    assert s.vllm.enforce_eager and s.torch.cc == "clang"
+    # Constructing settings reads nothing from the environment: only load() does.
+    assert Settings().cluster == "default"
 
 
-def test_settings_env_round_trip_to_a_child(monkeypatch):
+def test_settings_env_round_trip_to_a_child():
     s = Settings(
         cluster="c1",
         keep_alive=timedelta(seconds=3),
         pool_size=4,
         model_engines={"demo": "torch", "big": "vllm"},
         nats_url="nats://x:1",
+        max_prefill_tokens=64,
     )
-    for k, v in s.env().items():
-        monkeypatch.setenv(k, v)
-    assert Settings() == s
+    assert Settings.load(s.env()) == s
 
 
 def test_settings_toml_file_and_env_precedence(monkeypatch, tmp_path):
     cfg = tmp_path / "meshserve.toml"
-    cfg.write_text('[meshserve]\ncluster = "from-file"\npool_size = 5\n')
+    cfg.write_text(
+        '[meshserve]\ncluster = "from-file"\npool_size = 5\nkeep_alive = 4\n'
+        "[meshserve.torch]\ncuda_graphs = false\n"
+        "[meshserve.scaler]\nkeep_alive = 9\n"
+    )
     monkeypatch.setenv("MESHSERVE_CONFIG", str(cfg))
     monkeypatch.setenv("MESHSERVE_POOL_SIZE", "7")
-    s = Settings()
-    assert s.cluster == "from-file" and s.pool_size == 7
+    s = Settings.load()
+    assert s.cluster == "from-file" and s.task_executor.pool_size == 7
+    assert not s.torch.cuda_graphs and s.scaler.keep_alive == timedelta(seconds=9)
+    assert Settings.load(pool_size=1).task_executor.pool_size == 1  # given values win
+
+
+def test_flat_and_nested_names_are_one_setting():
+    flat = Settings(http_port=9001, vllm_python="/v/bin/python", log_level="debug")
+    nested = Settings(
+        frontend={"http_port": 9001}, vllm={"python": "/v/bin/python"}, log={"level": "debug"}
+    )
+    assert flat == nested
+    assert flat.with_values(http_port=9002).frontend.http_port == 9002
+    assert flat.frontend.http_port == 9001  # frozen: with_values copies
 
 
 @pytest.mark.parametrize(
@@ -58,12 +78,18 @@ def test_settings_toml_file_and_env_precedence(monkeypatch, tmp_path):
         ("MESHSERVE_CLUSTER", "a.b"),
         ("MESHSERVE_HTTP_PORT", "70000"),
         ("MESHSERVE_ENGINE", "tensorrt"),
+        ("MESHSERVE_MODEL_ENGINES", '{"demo": "tensorrt"}'),
     ],
 )
 def test_invalid_settings_are_rejected(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValidationError):
-        Settings()
+        Settings.load()
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValidationError):
+        Settings(http_prot=80)
 
 
 def test_every_subject_and_key_carries_the_cluster_name():

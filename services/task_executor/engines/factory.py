@@ -23,11 +23,11 @@ def choose_engine(settings: Settings, model: str | None = None) -> str:
     """The model's own engine if one is set, else MESHSERVE_ENGINE; auto means vLLM where
     a CUDA device and vLLM (in this venv, or in MESHSERVE_VLLM_PYTHON's) are present, and
     meshserve's torch engine elsewhere."""
-    if model is not None and model in settings.model_engines:
-        return settings.model_engines[model]
-    if settings.engine != "auto":
-        return settings.engine
-    has_vllm = bool(settings.vllm_python) or importlib.util.find_spec("vllm") is not None
+    if model is not None and model in settings.task_executor.model_engines:
+        return settings.task_executor.model_engines[model]
+    if settings.task_executor.engine != "auto":
+        return settings.task_executor.engine
+    has_vllm = bool(settings.vllm.python) or importlib.util.find_spec("vllm") is not None
     if has_vllm and cuda_available():
         return "vllm"
     return "torch"
@@ -48,16 +48,16 @@ def create_engine(
 
         return TorchEngine(
             model_path,
-            device=settings.device,
-            dtype=settings.dtype,
-            kv_cache_bytes=settings.kv_cache_bytes,
-            max_num_seqs=settings.max_num_seqs,
-            max_prefill_tokens=settings.max_prefill_tokens,
-            chunked_prefill=settings.chunked_prefill,
-            enable_prefix_caching=settings.prefix_caching,
-            num_host_kv_blocks=settings.host_kv_blocks,
-            cpu_kernels=settings.cpu_kernels,
-            cuda_graphs=settings.cuda_graphs,
+            device=settings.task_executor.device,
+            dtype=settings.task_executor.dtype,
+            kv_cache_bytes=settings.task_executor.kv_cache_bytes,
+            max_num_seqs=settings.task_executor.max_num_seqs,
+            max_prefill_tokens=settings.torch.max_prefill_tokens,
+            chunked_prefill=settings.torch.chunked_prefill,
+            enable_prefix_caching=settings.task_executor.prefix_caching,
+            num_host_kv_blocks=settings.torch.host_kv_blocks,
+            cpu_kernels=settings.torch.cpu_kernels,
+            cuda_graphs=settings.torch.cuda_graphs,
             tensors=tensors,
         )
     if kind == "openvino":
@@ -81,7 +81,7 @@ def create_engine(
         return ProcessEngine(
             functools.partial(VLLMEngine, model_path, **vllm_engine_args(settings)),
             label=f"vllm-{model}",
-            python=settings.vllm_python or None,
+            python=settings.vllm.python or None,
         )
     raise ValueError(f"unknown engine {kind!r}")
 
@@ -89,11 +89,11 @@ def create_engine(
 def openvino_engine_args(settings: Settings) -> dict[str, Any]:
     """The OpenVINOEngine arguments a TE's settings give."""
     return {
-        "weight_format": settings.openvino_weight_format,
-        "kv_cache_bytes": settings.kv_cache_bytes,
-        "max_num_seqs": settings.max_num_seqs,
-        "enable_prefix_caching": settings.prefix_caching,
-        "num_threads": settings.torch_threads or None,
+        "weight_format": settings.openvino.weight_format,
+        "kv_cache_bytes": settings.task_executor.kv_cache_bytes,
+        "max_num_seqs": settings.task_executor.max_num_seqs,
+        "enable_prefix_caching": settings.task_executor.prefix_caching,
+        "num_threads": settings.task_executor.torch_threads or None,
     }
 
 
@@ -107,10 +107,10 @@ def openvino_engine(model_path: Path, **kwargs: Any) -> Any:
 def vllm_engine_args(settings: Settings) -> dict[str, Any]:
     """The VLLMEngine arguments a TE's settings give."""
     return {
-        "dtype": settings.dtype,
-        "max_num_seqs": settings.max_num_seqs,
-        "gpu_memory_fraction": settings.gpu_memory_fraction,
-        "kv_cache_bytes": settings.kv_cache_bytes,
-        "enable_prefix_caching": settings.prefix_caching,
-        "enforce_eager": settings.vllm_enforce_eager,
+        "dtype": settings.task_executor.dtype,
+        "max_num_seqs": settings.task_executor.max_num_seqs,
+        "gpu_memory_fraction": settings.task_executor.gpu_memory_fraction,
+        "kv_cache_bytes": settings.task_executor.kv_cache_bytes,
+        "enable_prefix_caching": settings.task_executor.prefix_caching,
+        "enforce_eager": settings.vllm.enforce_eager,
     }
