@@ -1,5 +1,5 @@
 """Every NATS subject meshserve uses, built in this one place. No other code writes a
-subject string. The catalogue also drives proto/subjects.md (scripts/gen-proto)."""
+subject string. The catalogue also drives proto/subjects.md (scripts/gen-docs)."""
 
 from __future__ import annotations
 

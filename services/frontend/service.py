@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -207,6 +208,7 @@ class Frontend:
                     "running": te.running,
                     "waiting": te.waiting,
                     "generated_tokens": te.generated_tokens,
+                    "capabilities": msgspec.to_builtins(te.engine_capabilities),
                 }
                 for te in view.tes
             ],

@@ -49,6 +49,14 @@ def test_models_are_listed(client):
     assert client.models.retrieve("demo").id == "demo"
 
 
+def test_health_shows_what_each_engine_can_do(client, cluster_up):
+    greedy(client, max_tokens=2)  # the demo model is loaded somewhere
+    ready = [te for te in health(cluster_up.url)["task_executors"] if te["state"] == "ready"]
+    assert ready and ready[0]["engine"] == "torch"
+    caps = ready[0]["capabilities"]
+    assert caps["modes"] == ["colocated"] and caps["prefix_cache"] and caps["kv_events"]
+
+
 def test_chat_non_streaming(client):
     r = greedy(client)
     choice = r.choices[0]

@@ -15,7 +15,7 @@ def test_proto_matches_the_messages():
     stale = sorted(k for k in expected if on_disk.get(k) != expected[k])
     extra = sorted(set(on_disk) - set(expected))
     assert not stale and not extra, (
-        f"proto/ is out of date (stale: {stale}, extra: {extra}); run scripts/gen-proto"
+        f"proto/ is out of date (stale: {stale}, extra: {extra}); run scripts/gen-docs"
     )
 
 
