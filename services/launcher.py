@@ -95,7 +95,7 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._request_stop)
         try:
             settings = self._infra()
-            env = process_environment(**settings.env())
+            env = process_environment(settings.env())
             for name in SERVICES:
                 self._spawn(name, env)
             base = f"http://{settings.frontend.http_host}:{settings.frontend.http_port}"

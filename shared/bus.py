@@ -100,7 +100,7 @@ class Bus:
         except nats.errors.Error as e:
             raise PeerUnreachable(f"bus request on {subject} failed: {e}") from e
         try:
-            out = decoder_for(reply, ErrorReply).decode(resp.data)
+            out: M | ErrorReply = decoder_for(reply, ErrorReply).decode(resp.data)
         except msgspec.DecodeError as e:
             raise Internal(f"undecodable reply on {subject}: {e}") from e
         if isinstance(out, ErrorReply):
@@ -164,7 +164,7 @@ class Bus:
         """A plain subscription for hot paths that decode themselves (token streams)."""
         return await self._nc.subscribe(subject, cb=cb)
 
-    async def flush(self, timeout: float = 2.0) -> None:
+    async def flush(self, timeout: int = 2) -> None:
         await self._nc.flush(timeout=timeout)
 
     async def close(self) -> None:

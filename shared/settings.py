@@ -66,60 +66,65 @@ class LogSettings(Section):
     env_prefix = "LOG_"
 
     format: Literal["console", "json"] = Field(
-        "console", description="Readable logs in a terminal, JSON lines in production."
+        default="console", description="Readable logs in a terminal, JSON lines in production."
     )
     level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="The least severe level logged."
+        default="info", description="The least severe level logged."
     )
 
 
 class MembershipSettings(Section):
     heartbeat_interval: Duration = Field(
-        timedelta(seconds=1), description="How often TEs and JEs report to the cluster manager."
+        default=timedelta(seconds=1),
+        description="How often TEs and JEs report to the cluster manager.",
     )
     liveness_timeout: Duration = Field(
-        timedelta(seconds=5),
+        default=timedelta(seconds=5),
         description="A member silent for this long is declared dead: it leaves the view and "
         "the requests streaming from it move to other instances.",
     )
     shutdown_grace: Duration = Field(
-        timedelta(seconds=10), description="How long a stopping service drains in-flight work."
+        default=timedelta(seconds=10),
+        description="How long a stopping service drains in-flight work.",
     )
 
 
 class FrontendSettings(Section):
-    http_host: str = Field("127.0.0.1", description="Address the frontend listens on.")
-    http_port: int = Field(8080, ge=0, le=65535, description="Port of the OpenAI-compatible API.")
+    http_host: str = Field(default="127.0.0.1", description="Address the frontend listens on.")
+    http_port: int = Field(
+        default=8080, ge=0, le=65535, description="Port of the OpenAI-compatible API."
+    )
     request_timeout: Duration = Field(
-        timedelta(minutes=10), description="Upper bound on one request's whole lifetime."
+        default=timedelta(minutes=10), description="Upper bound on one request's whole lifetime."
     )
     max_body_bytes: int = Field(
-        32 * 1024**2, ge=1024, description="Largest request body accepted (413 above it)."
+        default=32 * 1024**2, ge=1024, description="Largest request body accepted (413 above it)."
     )
 
 
 class JobExecutorSettings(Section):
     placement_timeout: Duration = Field(
-        timedelta(seconds=60),
+        default=timedelta(seconds=60),
         description="How long a job may wait for a TE of its model (including a scale-up "
         "from zero) before it fails with 503.",
     )
     retry_after: Duration = Field(
-        timedelta(seconds=5), description="Retry-After sent with a 503 for lack of capacity."
+        default=timedelta(seconds=5),
+        description="Retry-After sent with a 503 for lack of capacity.",
     )
 
 
 class ScalerSettings(Section):
     keep_alive: Duration = Field(
-        timedelta(seconds=60),
+        default=timedelta(seconds=60),
         description="A model instance idle for this long is unloaded (scale to zero).",
     )
 
 
 class TaskExecutorSettings(Section):
-    pool_size: int = Field(2, ge=0, description="Pre-warmed TE processes per node pool.")
+    pool_size: int = Field(default=2, ge=0, description="Pre-warmed TE processes per node pool.")
     engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
-        "auto",
+        default="auto",
         description="Engine for TEs: auto picks vllm where a CUDA device and vLLM (here or in "
         "MESHSERVE_VLLM_PYTHON) are present, else torch.",
     )
@@ -127,44 +132,46 @@ class TaskExecutorSettings(Section):
         default_factory=dict,
         description='Per-model engine, overriding MESHSERVE_ENGINE, as JSON: {"demo": "openvino"}.',
     )
-    device: str = Field("auto", description="Engine device: auto, cpu, cuda, cuda:N.")
+    device: str = Field(default="auto", description="Engine device: auto, cpu, cuda, cuda:N.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
+        default="auto",
         description="Weights and activations: auto is the checkpoint's on CUDA and float32 on CPU.",
     )
-    max_num_seqs: int = Field(32, ge=1, description="Most requests one TE batches at once.")
+    max_num_seqs: int = Field(default=32, ge=1, description="Most requests one TE batches at once.")
     kv_cache_bytes: int = Field(
-        512 * 1024**2,
+        default=512 * 1024**2,
         ge=1024**2,
         description="KV cache memory per TE, in bytes (vLLM on a GPU sizes its own from "
         "gpu_memory_fraction).",
     )
     gpu_memory_fraction: float = Field(
-        0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
+        default=0.85, gt=0, le=1, description="Share of GPU memory a vLLM TE may take."
     )
     prefix_caching: bool = Field(
-        True, description="Reuse the KV of shared prompt prefixes (every engine)."
+        default=True, description="Reuse the KV of shared prompt prefixes (every engine)."
     )
-    torch_threads: int = Field(0, ge=0, description="Intra-op threads per TE; 0: torch's default.")
+    torch_threads: int = Field(
+        default=0, ge=0, description="Intra-op threads per TE; 0: torch's default."
+    )
 
 
 class TorchEngineSettings(Section):
     max_prefill_tokens: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Prompt tokens computed per iteration (default: the engine's for its "
         "device: 256 on CPU, 2048 on CUDA).",
     )
     chunked_prefill: bool = Field(
-        True,
+        default=True,
         description="A prompt over what is left of max_prefill_tokens computes in chunks over "
         "several iterations, beside the running requests' decode steps.",
     )
     host_kv_blocks: int = Field(
-        0, ge=0, description="KV blocks of the prefix cache's host-memory tier (0: none)."
+        default=0, ge=0, description="KV blocks of the prefix cache's host-memory tier (0: none)."
     )
     cpu_kernels: bool = Field(
-        True,
+        default=True,
         description="On CPU, decode attention in a C kernel compiled for the host on first use "
         "(needs a C compiler; without one, torch's ops run).",
     )
@@ -174,12 +181,12 @@ class TorchEngineSettings(Section):
         "$XDG_CACHE_HOME/meshserve/kernels, else ~/.cache/meshserve/kernels).",
     )
     cc: str = Field(
-        "cc",
+        default="cc",
         description="The C compiler that builds the CPU kernels.",
         json_schema_extra=_env("CC"),
     )
     cuda_graphs: bool = Field(
-        True,
+        default=True,
         description="On CUDA, decode iterations replay CUDA graphs captured per batch and "
         "context-length bucket; false launches every kernel from Python.",
     )
@@ -189,16 +196,16 @@ class OpenVINOSettings(Section):
     env_prefix = "OPENVINO_"
 
     weight_format: Literal["int8", "fp16", "fp32", "int4"] = Field(
-        "int8", description="Weights of the OpenVINO IR a TE converts to and serves."
+        default="int8", description="Weights of the OpenVINO IR a TE converts to and serves."
     )
     export_python: str = Field(
-        "",
+        default="",
         description="Python with optimum-intel that converts checkpoints to IR; empty: this "
         "one if it has the exporter, else the export venv.",
         json_schema_extra=_env("MESHSERVE_OV_EXPORT_PYTHON"),
     )
     export_venv: str = Field(
-        "",
+        default="",
         description="Where the export venv is built on first use; empty: .venv-ov-export in "
         "a writable checkout, else ~/.cache/meshserve/venv-ov-export.",
         json_schema_extra=_env("MESHSERVE_OV_EXPORT_VENV"),
@@ -209,18 +216,18 @@ class VLLMSettings(Section):
     env_prefix = "VLLM_"
 
     python: str = Field(
-        "",
+        default="",
         description="Python of a venv that holds vLLM, to run vLLM engines from (vLLM's CPU "
         "build needs a venv of its own: scripts/install-vllm-cpu); empty: the TE's own.",
     )
     enforce_eager: bool = Field(
-        False, description="No torch.compile or CUDA graphs: starts faster, runs slower."
+        default=False, description="No torch.compile or CUDA graphs: starts faster, runs slower."
     )
 
 
 class LoadgenSettings(Section):
     api_key: str = Field(
-        "",
+        default="",
         description="API key meshserve-loadgen sends when --api-key is not given.",
         json_schema_extra=_env("OPENAI_API_KEY"),
     )
@@ -233,19 +240,19 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     cluster: str = Field(
-        "default",
+        default="default",
         pattern=r"^[A-Za-z0-9_-]+$",
         description="Prefix of every NATS subject and Redis key; clusters sharing one NATS "
         "and one Redis never see each other.",
     )
     nats_url: str | None = Field(
-        None, description="NATS server URL. Unset: `meshserve up` starts an embedded one."
+        default=None, description="NATS server URL. Unset: `meshserve up` starts an embedded one."
     )
     redis_url: str | None = Field(
-        None, description="Redis URL. Unset: `meshserve up` starts an embedded one."
+        default=None, description="Redis URL. Unset: `meshserve up` starts an embedded one."
     )
     models_dir: Path = Field(
-        Path("models"),
+        default=Path("models"),
         validate_default=True,
         description="Directory of Hugging Face checkpoints, one per subdirectory; the "
         "subdirectory name is the model id.",
@@ -402,10 +409,12 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 # --- child processes --------------------------------------------------------------------------
 
 
-def process_environment(*, pythonpath: Sequence[Path] = (), **extra: str) -> dict[str, str]:
-    """The environment for a child process: this process's own, with ``pythonpath`` put
-    first on PYTHONPATH and ``extra`` set (a service's settings: ``settings.env()``)."""
-    env = {**os.environ, **extra}
+def process_environment(
+    extra: Mapping[str, str] | None = None, *, pythonpath: Sequence[Path] = ()
+) -> dict[str, str]:
+    """The environment for a child process: this process's own, with ``extra`` set (a
+    service's settings: ``settings.env()``) and ``pythonpath`` put first on PYTHONPATH."""
+    env = {**os.environ, **(extra or {})}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [*(str(p) for p in pythonpath), env.get("PYTHONPATH")])

@@ -45,7 +45,7 @@ class NodePool:
     async def _keep_alive(self, slot: int) -> None:
         while not self._life.stopping:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
-            env = process_environment(**self._settings.env())
+            env = process_environment(self._settings.env())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -80,7 +80,7 @@ class NodePool:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
-        return {te: p.returncode for te, p in items}
+        return {te: await p.wait() for te, p in items}  # each has exited: no waiting
 
 
 async def create(settings: Settings, bus: Bus) -> NodePool:

@@ -51,7 +51,7 @@ def te_process(settings: Settings, te_id: str, pool_id: str = "p") -> subprocess
     """A task executor in its own process (pre-warmed, no model), as a node pool starts it."""
     return subprocess.Popen(
         [sys.executable, "-m", "services.task_executor.worker", te_id, pool_id],
-        env=process_environment(**settings.env()),
+        env=process_environment(settings.env()),
         stdin=subprocess.DEVNULL,
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.task_executor.engines.base import Engine, EngineRequest
 from shared.messages.kv import KvEvent
@@ -100,29 +100,33 @@ class EngineFeatures:
     host_kv_tier: HostKvTier | None = None
 
 
-_P = TypeVar("_P")
-
-
-def _backed(engine: Engine, declared: bool, protocol: type[_P], flag: str) -> _P | None:
-    if not declared:
-        return None
-    if not isinstance(engine, protocol):
-        raise CapabilityError(
-            f"the {engine.name} engine declares {flag} but does not implement {protocol.__name__}"
-        )
-    return engine
-
-
 def bind_features(engine: Engine) -> EngineFeatures:
     """Check the engine's declared capabilities against its methods (CapabilityError for a
     declaration it cannot keep) and return the handles for those it declares."""
     caps = engine.capabilities
     if caps.kv_events and not caps.prefix_cache:
         raise CapabilityError(f"the {engine.name} engine declares kv_events without prefix_cache")
-    return EngineFeatures(
-        kv_events=_backed(engine, caps.kv_events, KvEventSource, "kv_events"),
-        kv_export=_backed(engine, caps.kv_export, KvExporter, "kv_export"),
-        kv_import=_backed(engine, caps.kv_import, KvImporter, "kv_import"),
-        prefix_pinning=_backed(engine, caps.prefix_pinning, PrefixPinning, "prefix_pinning"),
-        host_kv_tier=_backed(engine, caps.host_kv_tier, HostKvTier, "host_kv_tier"),
+    # What the engine implements, then what it offers: both, or it does not load.
+    implemented = EngineFeatures(
+        kv_events=engine if isinstance(engine, KvEventSource) else None,
+        kv_export=engine if isinstance(engine, KvExporter) else None,
+        kv_import=engine if isinstance(engine, KvImporter) else None,
+        prefix_pinning=engine if isinstance(engine, PrefixPinning) else None,
+        host_kv_tier=engine if isinstance(engine, HostKvTier) else None,
+    )
+    checks: tuple[tuple[str, bool, object, type], ...] = (
+        ("kv_events", caps.kv_events, implemented.kv_events, KvEventSource),
+        ("kv_export", caps.kv_export, implemented.kv_export, KvExporter),
+        ("kv_import", caps.kv_import, implemented.kv_import, KvImporter),
+        ("prefix_pinning", caps.prefix_pinning, implemented.prefix_pinning, PrefixPinning),
+        ("host_kv_tier", caps.host_kv_tier, implemented.host_kv_tier, HostKvTier),
+    )
+    for flag, declared, handle, protocol in checks:
+        if declared and handle is None:
+            raise CapabilityError(
+                f"the {engine.name} engine declares {flag} but does not implement "
+                f"{protocol.__name__}"
+            )
+    return dataclasses.replace(
+        implemented, **{flag: None for flag, declared, _, _ in checks if not declared}
     )
