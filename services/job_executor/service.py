@@ -78,7 +78,9 @@ class JobExecutor:
         try:
             await self._life.wait()
             # Stop taking jobs, then let the ones being placed finish.
-            await asyncio.wait_for(sub.close(), self._settings.membership.shutdown_grace.total_seconds())
+            await asyncio.wait_for(
+                sub.close(), self._settings.membership.shutdown_grace.total_seconds()
+            )
         finally:
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)

@@ -45,6 +45,7 @@ def create_engine(
         )
     if kind == "torch":
         from services.task_executor.engines.torch_engine import TorchEngine
+        from services.task_executor.engines.torch_engine.cpu_kernels import Toolchain
 
         return TorchEngine(
             model_path,
@@ -57,6 +58,7 @@ def create_engine(
             enable_prefix_caching=settings.task_executor.prefix_caching,
             num_host_kv_blocks=settings.torch.host_kv_blocks,
             cpu_kernels=settings.torch.cpu_kernels,
+            kernel_toolchain=Toolchain(cc=settings.torch.cc, cache_dir=settings.torch.kernel_cache),
             cuda_graphs=settings.torch.cuda_graphs,
             tensors=tensors,
         )
@@ -94,6 +96,8 @@ def openvino_engine_args(settings: Settings) -> dict[str, Any]:
         "max_num_seqs": settings.task_executor.max_num_seqs,
         "enable_prefix_caching": settings.task_executor.prefix_caching,
         "num_threads": settings.task_executor.torch_threads or None,
+        "export_python": settings.openvino.export_python or None,
+        "export_venv": settings.openvino.export_venv or None,
     }
 
 

@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from shared.settings import Settings, process_environment
+
 # The formats optimum-intel's exporter offers that the CPU plugin runs well; bf16 is not one
 # of them (bf16 is an inference precision of the plugin, not a storage format of the IR).
 WEIGHT_FORMATS = ("int8", "fp16", "fp32", "int4")
@@ -75,13 +77,15 @@ def ensure_ir(
     *,
     out_dir: Path | str | None = None,
     python: Path | str | None = None,
+    export_venv: Path | str | None = None,
     force: bool = False,
     quiet: bool = True,
 ) -> Path:
     """The IR directory for ``model_dir`` in ``weight_format``, exported first if missing.
 
     ``out_dir`` puts it elsewhere (a read-only model cache); ``python`` is an interpreter
-    that has optimum-intel (default: this one if it has it, else the export venv)."""
+    that has optimum-intel (default: this one if it has it, else the export venv, built at
+    ``export_venv`` on first use; settings: MESHSERVE_OV_EXPORT_PYTHON and _VENV)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
     model_dir = Path(model_dir).resolve()
@@ -94,7 +98,7 @@ def ensure_ir(
     with _locked(target.parent / f".{target.name}.lock"):
         if is_complete(target) and not force:
             return target  # another process converted it while we waited
-        exporter = Path(python) if python else export_python(quiet=quiet)
+        exporter = Path(python) if python else export_python(export_venv, quiet=quiet)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             # mkdtemp makes it private; the IR is shared by every TE user on the host.
@@ -139,26 +143,22 @@ def _export(python: Path, model_dir: Path, weight_format: str, out: Path, *, qui
         str(out),
     ]
     # The checkpoint is local: without these the exporter still asks the Hub about it.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = process_environment({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     _run(cmd, env=env, quiet=quiet, what=f"exporting {model_dir} to OpenVINO {weight_format}")
 
 
 # --- the exporter's interpreter ------------------------------------------------------------
 
 
-def export_python(*, quiet: bool = True) -> Path:
-    """An interpreter with optimum-intel: $MESHSERVE_OV_EXPORT_PYTHON, this one if it has the
-    exporter, else the export venv (created on first use)."""
-    if env := os.environ.get("MESHSERVE_OV_EXPORT_PYTHON"):
-        return Path(env)
+def export_python(venv: Path | str | None = None, *, quiet: bool = True) -> Path:
+    """An interpreter with optimum-intel: this one if it has the exporter, else the export
+    venv (at ``venv``, or the default; created on first use)."""
     if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.intel"):
         return Path(sys.executable)
-    return ensure_export_venv(quiet=quiet)
+    return ensure_export_venv(Path(venv) if venv else None, quiet=quiet)
 
 
 def default_export_venv() -> Path:
-    if env := os.environ.get("MESHSERVE_OV_EXPORT_VENV"):
-        return Path(env)
     if (REPO_ROOT / "pyproject.toml").is_file() and os.access(REPO_ROOT, os.W_OK):
         return REPO_ROOT / ".venv-ov-export"
     return Path.home() / ".cache" / "meshserve" / "venv-ov-export"
@@ -259,10 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quiet", action="store_true", help="show the exporter's output only on failure"
     )
     args = p.parse_args(argv)
+    ov = Settings.load().openvino
     started = time.monotonic()
     try:
         path = ensure_ir(
-            args.model_dir, args.weight_format, out_dir=args.out, force=args.force, quiet=args.quiet
+            args.model_dir,
+            args.weight_format,
+            out_dir=args.out,
+            python=ov.export_python or None,
+            export_venv=ov.export_venv or None,
+            force=args.force,
+            quiet=args.quiet,
         )
     except (ConversionError, FileNotFoundError, ValueError) as e:
         print(f"convert-openvino: {e}", file=sys.stderr)

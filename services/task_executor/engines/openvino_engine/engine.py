@@ -136,13 +136,20 @@ class OpenVINOEngine:
         kv_cache_precision: str | None = None,
         num_threads: int | None = None,
         properties: Mapping[str, Any] | None = None,
+        export_python: str | None = None,
+        export_venv: str | None = None,
     ) -> None:
         """``model_dir`` is the Hugging Face checkpoint; its IR in ``weight_format`` is made on
         first use unless ``ir_dir`` names one. ``inference_precision`` ("f32", "bf16") defaults
         to the plugin's choice (bf16 where the CPU has bf16 units); ``kv_cache_precision``
         ("f32", "bf16", "f16", "u8") defaults to the inference precision. f32/f32 gives the
-        same greedy tokens as transformers in float32."""
-        path = Path(ir_dir) if ir_dir is not None else ensure_ir(model_dir, weight_format)
+        same greedy tokens as transformers in float32. ``export_python`` / ``export_venv``:
+        the interpreter that converts the checkpoint (``convert.ensure_ir``)."""
+        path = (
+            Path(ir_dir)
+            if ir_dir is not None
+            else ensure_ir(model_dir, weight_format, python=export_python, export_venv=export_venv)
+        )
         if not is_complete(path):
             raise FileNotFoundError(f"{path} holds no OpenVINO IR (openvino_model.xml/.bin)")
         self.ir_dir = path

@@ -20,6 +20,7 @@ returns None and the engine keeps torch's ops: same results, slower.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -51,12 +52,17 @@ class KernelError(RuntimeError):
     """The compiled kernel refused its arguments (a bug: the wrapper checks them first)."""
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get("MESHSERVE_KERNEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "meshserve" / "kernels"
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    """How kernels are built here: the C compiler, and where built libraries are kept (one
+    per source, flags, compiler version and CPU). A TE's come from its settings
+    (``MESHSERVE_KERNEL_CACHE``, ``CC``)."""
+
+    cc: str = "cc"
+    cache_dir: Path = Path.home() / ".cache" / "meshserve" / "kernels"
+
+
+DEFAULT_TOOLCHAIN = Toolchain()
 
 
 def _cpu_flags() -> str:
@@ -77,10 +83,10 @@ def _compiler_version(cc: str) -> str:
     return out.stdout
 
 
-def build(source: Path = SOURCE) -> Path:
+def build(source: Path = SOURCE, toolchain: Toolchain = DEFAULT_TOOLCHAIN) -> Path:
     """The shared library for ``source`` on this host, compiled unless cached. Raises
     ``RuntimeError`` when no compiler is found or every flag set fails."""
-    cc = os.environ.get("CC") or "cc"
+    cc = toolchain.cc
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
     text = source.read_bytes()
@@ -92,7 +98,7 @@ def build(source: Path = SOURCE) -> Path:
                 [text, " ".join(flags + libs).encode(), version.encode(), _cpu_flags().encode()]
             )
         ).hexdigest()[:24]
-        target = cache_dir() / f"{source.stem}-{key}.so"
+        target = toolchain.cache_dir / f"{source.stem}-{key}.so"
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -112,9 +118,9 @@ def build(source: Path = SOURCE) -> Path:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(toolchain: Toolchain) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(SOURCE, toolchain)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("C decode attention unavailable, using torch ops: %s", e)
         return None
@@ -177,7 +183,13 @@ class DecodeAttention:
 
 
 def decode_attention(
-    *, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    toolchain: Toolchain = DEFAULT_TOOLCHAIN,
 ) -> DecodeAttention | None:
     """The C kernel for this model and device, or None where torch's ops must run (not a CPU,
     a dtype or shape the kernel does not take, no compiler)."""
@@ -189,7 +201,7 @@ def decode_attention(
         or head_dim > MAX_HEAD_DIM
     ):
         return None
-    lib = _library()
+    lib = _library(toolchain)
     if lib is None:
         return None
     return DecodeAttention(getattr(lib, _SYMBOLS[dtype]), dtype)

@@ -32,6 +32,7 @@ from services.task_executor.engines.base import (
 from services.task_executor.engines.capabilities import TensorSource
 from services.task_executor.engines.torch_engine import sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
+from services.task_executor.engines.torch_engine.cpu_kernels import DEFAULT_TOOLCHAIN, Toolchain
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
@@ -183,6 +184,7 @@ class TorchEngine:
         async_scheduling: bool = True,
         overlap_on_cpu: bool = False,
         cpu_kernels: bool = True,
+        kernel_toolchain: Toolchain | None = None,
         cuda_graphs: bool = True,
         tensors: TensorSource | None = None,
     ) -> None:
@@ -207,7 +209,8 @@ class TorchEngine:
         iteration that stalls them (see ``scheduler``).
 
         ``cpu_kernels``: on CPU, decode attention runs in a C kernel compiled for the host on
-        first use (``cpu_kernels.py``); False, or no C compiler, keeps torch's ops.
+        first use (``cpu_kernels.py``, with ``kernel_toolchain``: the compiler and where built
+        kernels are kept); False, or no C compiler, keeps torch's ops.
 
         ``cuda_graphs``: on CUDA, decode iterations replay graphs captured per batch and
         context bucket (``cuda_graphs.py``); False launches every kernel from Python."""
@@ -286,6 +289,7 @@ class TorchEngine:
             dtype=self.dtype,
             device=torch_device,
             cpu_kernels=cpu_kernels,
+            toolchain=kernel_toolchain or DEFAULT_TOOLCHAIN,
         )
         if cuda_graphs and torch_device.type == "cuda":
             self.runner.graphs = DecodeGraphs(

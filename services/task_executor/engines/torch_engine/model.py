@@ -26,7 +26,11 @@ from services.task_executor.engines.torch_engine.attention import (
     gathered_decode_attention,
 )
 from services.task_executor.engines.torch_engine.config import ModelConfig
-from services.task_executor.engines.torch_engine.cpu_kernels import decode_attention
+from services.task_executor.engines.torch_engine.cpu_kernels import (
+    DEFAULT_TOOLCHAIN,
+    Toolchain,
+    decode_attention,
+)
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.linear import linear
@@ -181,9 +185,11 @@ class Transformer:
         dtype: torch.dtype,
         device: torch.device,
         cpu_kernels: bool = True,
+        toolchain: Toolchain = DEFAULT_TOOLCHAIN,
     ) -> None:
         """``cpu_kernels``: decode attention in meshserve's C kernel on CPU where it compiles
-        and takes the model's dtype and shape; False keeps torch's ops everywhere."""
+        (with ``toolchain``) and takes the model's dtype and shape; False keeps torch's ops
+        everywhere."""
         self.config = config
         self.weights = weights
         self.device = device
@@ -198,6 +204,7 @@ class Transformer:
                 num_heads=config.num_heads,
                 num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim,
+                toolchain=toolchain,
             )
             if cpu_kernels
             else None
