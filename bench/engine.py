@@ -17,7 +17,7 @@ run's bound.
 OpenVINO (per IR weight format, --ov-formats, on the Qwen2-0.5B-shaped checkpoint): the same
 decode workload and a prefill of a --prefill-len prompt through OpenVINOEngine, beside OpenVINO
 GenAI's ContinuousBatchingPipeline called directly (and LLMPipeline on SDPA at batch 1), and
-the bound for the IR's weight bytes (scripts/bench_openvino.py says how each is timed). Then,
+the bound for the IR's weight bytes (bench/openvino.py says how each is timed). Then,
 unless --no-ov-api, meshserve's API (a cluster started here with MESHSERVE_ENGINE=openvino)
 beside GenAI called directly, on the same request shapes, runs alternating. IRs are converted
 on first use (optimum-intel in .venv-ov-export; scripts/convert-openvino does it ahead).
@@ -35,7 +35,7 @@ measures it where it is meant to pay.
 A summary table and the goals close the run. ``--no-decode`` / ``--no-openvino`` /
 ``--no-ov-api`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip parts.
 
-Checkpoints come from shared.modelgen and are generated under --models-dir when missing.
+Checkpoints come from devtools.modelgen and are generated under --models-dir when missing.
 
 On a shared host a busy neighbour ruins CPU timings (with every core in use, each parallel op
 waits for a descheduled thread). Each timed run therefore starts once the other processes are
@@ -49,8 +49,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
-import platform
 import signal
 import statistics
 import sys
@@ -61,51 +59,32 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_common import (  # noqa: E402
+from bench.common import (
+    MODELS,
+    RESULTS,
+    Col,
     Neighbours,
+    Table,
     bound_tok_s,
     engine_decode,
+    ensure_model,
     first_token_s,
     measure_bandwidth,
     median,
+    models_dir,
+    names,
+    numbers,
     prompts_for,
     with_bandwidth,
+    write_result,
 )
+from services.task_executor.engines.base import Engine
+from services.task_executor.engines.torch_engine import TorchEngine
+from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 
-from services.task_executor.engines.base import Engine  # noqa: E402
-from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
-from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
-
-MODELS: dict[str, tuple[str, str]] = {
-    # name: (directory under --models-dir, shared.modelgen function)
-    "demo": ("demo", "make_demo_model"),
-    "bench-qwen2-0.5b": ("bench-qwen2-0.5b", "make_bench_model"),
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_SIZE = 16
 OV_BLOCK_SIZE = 32  # GenAI's paged-attention block on CPU (openvino_engine.CPU_BLOCK_SIZE)
-
-
-def ensure_model(name: str, models_dir: Path) -> Path:
-    subdir, maker = MODELS[name]
-    path = models_dir / subdir
-    if not (path / "config.json").is_file():
-        from shared import modelgen
-
-        print(f"generating {name} at {path} ...", file=sys.stderr, flush=True)
-        getattr(modelgen, maker)(path)
-    return path
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
 
 
 # --- torch decode: the engine beside transformers generate and the bound ---------------------
@@ -171,7 +150,8 @@ def bench_model(
         with torch.inference_mode():
             hf_decode(hf, prompts_for(1, args.prompt_len, vocab, seed=99), 4)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    table = decode_table(lambda: rows[0]["engine_tok_s"] if rows else None)
     for b in args.batches:
         eng_rates, prefill_s, hf_rates, bandwidths = [], [], [], []
         for rep in range(args.reps):
@@ -208,26 +188,30 @@ def bench_model(
             "hf_samples": hf_rates,
         }
         rows.append(row)
-        print_row(row, rows[0], flush=True)
+        table.row(row)
     engine.close()
     return rows
 
 
-HEADER = (
-    f"{'model':<18} {'dtype':<9} {'batch':>5} {'engine tok/s':>12} {'hf tok/s':>9} "
-    f"{'eng/hf':>6} {'bound tok/s':>11} {'%bound':>6} {'vs b1':>6} {'prefill ms':>10}"
-)
+def decode_table(batch1_tok_s: Callable[[], float | None]) -> Table:
+    """The torch decode table; ``vs b1`` is a row's tok/s over batch 1's."""
 
+    def over(num: float, den: float | None) -> float | None:
+        return num / den if den else None
 
-def print_row(row: dict[str, Any], first: dict[str, Any], *, flush: bool = False) -> None:
-    hf = row["hf_tok_s"]
-    eng = row["engine_tok_s"]
-    print(
-        f"{row['model']:<18} {row['dtype']:<9} {row['batch']:>5} {eng:>12.1f} "
-        f"{(f'{hf:.1f}' if hf else '-'):>9} {(f'{eng / hf:.2f}' if hf else '-'):>6} "
-        f"{row['bound_tok_s']:>11.1f} {row['pct_bound']:>5.0f}% "
-        f"{eng / first['engine_tok_s']:>5.1f}x {row['engine_prefill_ms']:>10.1f}",
-        flush=flush,
+    return Table(
+        [
+            Col("model", "model", left=True, width=18),
+            Col("dtype", "dtype", left=True, width=9),
+            Col("batch", "batch", width=5),
+            Col("engine_tok_s", "engine tok/s", ".1f"),
+            Col("hf_tok_s", "hf tok/s", ".1f"),
+            Col(lambda r: over(r["engine_tok_s"], r["hf_tok_s"]), "eng/hf", ".2f"),
+            Col("bound_tok_s", "bound tok/s", ".1f"),
+            Col("pct_bound", "%bound", ".0f"),
+            Col(lambda r: over(r["engine_tok_s"], batch1_tok_s()), "vs b1", ".1f"),
+            Col("engine_prefill_ms", "prefill ms", ".1f"),
+        ]
     )
 
 
@@ -235,7 +219,7 @@ def print_row(row: dict[str, Any], first: dict[str, Any], *, flush: bool = False
 
 
 def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list[dict[str, Any]]:
-    import bench_openvino
+    from bench import openvino as bench_openvino
 
     print(
         f"\nOpenVINO ({', '.join(args.ov_formats)} IR): engine vs GenAI ContinuousBatchingPipeline"
@@ -243,7 +227,7 @@ def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list
         f" {args.new_tokens} new tokens; prefill of {args.prefill_len} tokens; median of"
         f" {args.reps} (goal: batch 1 >= 70% of the bound)\n"
     )
-    print(bench_openvino.HEADER)
+    bench_openvino.TABLE.header()
     rows: list[dict[str, Any]] = []
     for name in args.ov_models:
         rows += bench_openvino.bench_openvino(
@@ -259,7 +243,7 @@ def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list
             inference_precision=args.ov_precision,
             direct=not args.no_ov_direct,
             llm_pipeline=not args.no_ov_sdpa,
-            on_row=lambda r: print(bench_openvino.format_row(r), flush=True),
+            on_row=bench_openvino.TABLE.row,
         )
     return rows
 
@@ -267,7 +251,7 @@ def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list
 def run_openvino_api_bench(
     args: argparse.Namespace, neighbours: Neighbours
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    import bench_openvino
+    from bench import openvino as bench_openvino
 
     print(
         f"\nmeshserve API (MESHSERVE_ENGINE=openvino, one TE) vs GenAI called directly on the"
@@ -276,7 +260,7 @@ def run_openvino_api_bench(
         f" prefill tok/s = {args.prefill_len} / TTFT; median of {args.reps}, runs alternate"
         " (goal: api/dir >= 0.95)\n"
     )
-    print(bench_openvino.API_HEADER)
+    bench_openvino.API_TABLE.header()
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     log_dir = args.out.parent / f"{args.out.stem}-logs"
@@ -293,7 +277,7 @@ def run_openvino_api_bench(
                 prefill_len=args.prefill_len,
                 reps=args.reps,
                 neighbours=neighbours,
-                on_row=lambda r: print(bench_openvino.format_api_row(r), flush=True),
+                on_row=bench_openvino.API_TABLE.row,
             )
         except (RuntimeError, OSError) as e:
             print(f"{name}: the API benchmark failed: {e}", flush=True)
@@ -369,23 +353,22 @@ def bench_prefix_cache(
         "cached_samples_s": cached,
     }
     row["ttft_ratio"] = row["ttft_cached_ms"] / row["ttft_uncached_ms"]
-    print_prefix_row(row, flush=True)
+    PREFIX_TABLE.row(row)
     return row
 
 
-PREFIX_HEADER = (
-    f"{'model':<18} {'engine':<8} {'dtype':<9} {'prefix':>6} {'ttft uncached ms':>16} "
-    f"{'ttft cached ms':>14} {'ratio':>6} {'prefill tok/s':>13}"
+PREFIX_TABLE = Table(
+    [
+        Col("model", "model", left=True, width=18),
+        Col("engine", "engine", left=True, width=8),
+        Col("dtype", "dtype", left=True, width=9),
+        Col("cached_prefix_len", "prefix"),
+        Col("ttft_uncached_ms", "ttft uncached ms", ".1f"),
+        Col("ttft_cached_ms", "ttft cached ms", ".1f"),
+        Col("ttft_ratio", "ratio", ".3f"),
+        Col("prefill_tok_s", "prefill tok/s", ".1f"),
+    ]
 )
-
-
-def print_prefix_row(row: dict[str, Any], *, flush: bool = False) -> None:
-    print(
-        f"{row['model']:<18} {row['engine']:<8} {row['dtype']:<9} {row['cached_prefix_len']:>6} "
-        f"{row['ttft_uncached_ms']:>16.1f} {row['ttft_cached_ms']:>14.1f} "
-        f"{row['ttft_ratio']:>6.3f} {row['prefill_tok_s']:>13.1f}",
-        flush=flush,
-    )
 
 
 def _torch_engine_for(path: Path, dtype: str) -> Callable[[int], Engine]:
@@ -429,7 +412,7 @@ def run_prefix_cache_bench(
         f" vs all {args.cached_prefix_len + args.suffix_len} new (goal: ratio <= 0.2);"
         f" prefill of {args.prefill_len} tokens; median of {args.reps}\n"
     )
-    print(PREFIX_HEADER)
+    PREFIX_TABLE.header()
     runs: list[tuple[str, str, str, Callable[[int], Engine], Path]] = []
     for name, dtype in plan:
         path = ensure_model(name, args.models_dir)
@@ -501,29 +484,29 @@ def bench_async(
         }
         row["ratio"] = row["async_tok_s"] / row["sync_tok_s"]
         rows.append(row)
-        print_async_row(row, flush=True)
+        ASYNC_TABLE.row(row)
     for engine in engines.values():
         engine.close()
     return rows
 
 
-ASYNC_HEADER = (
-    f"{'model':<18} {'dtype':<9} {'batch':>5} {'async tok/s':>11} {'sync tok/s':>10} "
-    f"{'ratio':>6} {'async min-max':>15} {'sync min-max':>15} {'ahead used/wasted':>17}"
+def _spread(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: f"{min(r[key]):.0f}-{max(r[key]):.0f}"
+
+
+ASYNC_TABLE = Table(
+    [
+        Col("model", "model", left=True, width=18),
+        Col("dtype", "dtype", left=True, width=9),
+        Col("batch", "batch", width=5),
+        Col("async_tok_s", "async tok/s", ".1f"),
+        Col("sync_tok_s", "sync tok/s", ".1f"),
+        Col("ratio", "ratio", ".3f"),
+        Col(_spread("async_samples"), "async min-max", width=15),
+        Col(_spread("sync_samples"), "sync min-max", width=15),
+        Col(lambda r: f"{r['rows_used']}/{r['rows_wasted']}", "ahead used/wasted", width=17),
+    ]
 )
-
-
-def print_async_row(row: dict[str, Any], *, flush: bool = False) -> None:
-    def spread(xs: list[float]) -> str:
-        return f"{min(xs):.0f}-{max(xs):.0f}"
-
-    print(
-        f"{row['model']:<18} {row['dtype']:<9} {row['batch']:>5} {row['async_tok_s']:>11.1f} "
-        f"{row['sync_tok_s']:>10.1f} {row['ratio']:>6.3f} {spread(row['async_samples']):>15} "
-        f"{spread(row['sync_samples']):>15} "
-        f"{row['rows_used']:>8}/{row['rows_wasted']:<8}",
-        flush=flush,
-    )
 
 
 def run_async_bench(
@@ -534,7 +517,7 @@ def run_async_bench(
         f" {args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.reps}"
         " (runs alternate)\n"
     )
-    print(ASYNC_HEADER)
+    ASYNC_TABLE.header()
     rows = []
     for name, dtype in plan:
         path = ensure_model(name, args.models_dir)
@@ -595,28 +578,22 @@ def summary_rows(
 
 
 def print_summary(summary: list[dict[str, Any]], batches: list[int]) -> None:
-    def num(v: float | None, fmt: str = ".1f") -> str:
-        return "-" if v is None else format(v, fmt)
-
-    print(
-        "\nsummary: decode tok/s by batch; % of the bandwidth bound and the reference at"
+    cols = [
+        Col("model", "model", left=True, width=18),
+        Col("engine", "engine", left=True, width=8),
+        Col("variant", "dtype", left=True, width=9),
+        *(Col(lambda s, b=b: s["decode_tok_s"].get(b), f"b{b} tok/s", ".1f") for b in batches),
+        Col("pct_bound_b1", "%bound b1", ".0f"),
+        Col("ref_b1_tok_s", "ref b1", ".1f"),
+        Col("prefill_tok_s", "prefill tok/s", ".1f"),
+        Col("ttft_cached_over_uncached", "cached/uncached", ".3f"),
+    ]
+    Table(cols).print(
+        summary,
+        title="summary: decode tok/s by batch; % of the bandwidth bound and the reference at"
         " batch 1 (torch: transformers generate, openvino: GenAI called directly); prefill"
-        " tok/s; cached/uncached TTFT\n"
+        " tok/s; cached/uncached TTFT",
     )
-    cols = "".join(f"{f'b{b} tok/s':>10}" for b in batches)
-    print(
-        f"{'model':<18} {'engine':<8} {'dtype':<9}{cols} {'%bound b1':>9} {'ref b1':>7} "
-        f"{'prefill tok/s':>13} {'cached/uncached':>15}"
-    )
-    for s in summary:
-        cells = "".join(f"{num(s['decode_tok_s'].get(b)):>10}" for b in batches)
-        pct = s["pct_bound_b1"]
-        print(
-            f"{s['model']:<18} {s['engine']:<8} {s['variant']:<9}{cells} "
-            f"{(f'{pct:.0f}%' if pct is not None else '-'):>9} {num(s['ref_b1_tok_s']):>7} "
-            f"{num(s['prefill_tok_s']):>13} {num(s['ttft_cached_over_uncached'], '.3f'):>15}",
-            flush=True,
-        )
 
 
 def _goal(
@@ -680,13 +657,22 @@ def goals(
 
 
 def print_goals(goal_list: list[dict[str, Any]]) -> None:
-    print("\ngoals:")
-    for g in goal_list:
-        point = f" {g['point']}" if "point" in g else ""
-        print(
-            f"  {'met    ' if g['met'] else 'NOT MET'} {g['goal']}{point}: {g['model']}"
-            f" {g['engine']} {g['variant']} = {g['value']:.3f} (goal {g['target']})"
-        )
+    Table(
+        [
+            Col(lambda g: "met" if g["met"] else "NOT MET", "verdict", left=True, width=7),
+            Col(
+                lambda g: g["goal"] + (f" {g['point']}" if "point" in g else ""),
+                "goal",
+                left=True,
+                width=44,
+            ),
+            Col("model", "model", left=True, width=16),
+            Col("engine", "engine", left=True, width=8),
+            Col("variant", "variant", left=True, width=9),
+            Col("value", "value", ".3f"),
+            Col("target", "goal", width=8),
+        ]
+    ).print(goal_list, title="goals")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -694,24 +680,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--models", default="demo,bench-qwen2-0.5b", help="comma-separated: " + ", ".join(MODELS)
     )
-    p.add_argument(
-        "--models-dir",
-        type=Path,
-        default=Path(os.environ.get("MESHSERVE_MODELS_DIR", ROOT / "models")),
-    )
+    p.add_argument("--models-dir", type=Path, default=None, help="default: MESHSERVE_MODELS_DIR")
     p.add_argument("--demo-dtypes", default="float32,bfloat16")
     p.add_argument(
         "--bench-dtypes",
         default="float32,bfloat16",
         help="torch dtypes for the Qwen2-0.5B-shaped model",
     )
-    p.add_argument("--batches", default="1,8,16", type=_ints)
+    p.add_argument("--batches", default="1,8,16", type=numbers)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3, help="runs per point; medians are reported")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "engine.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "engine.json")
     p.add_argument(
         "--no-decode",
         action="store_true",
@@ -719,10 +701,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-openvino", action="store_true", help="skip every OpenVINO table and row")
     p.add_argument(
-        "--ov-formats", default="int8,fp16", type=_names, help="OpenVINO IR weight formats"
+        "--ov-formats", default="int8,fp16", type=names, help="OpenVINO IR weight formats"
     )
     p.add_argument(
-        "--ov-models", default="bench-qwen2-0.5b", type=_names, help="models run on OpenVINO"
+        "--ov-models", default="bench-qwen2-0.5b", type=names, help="models run on OpenVINO"
     )
     p.add_argument(
         "--ov-precision",
@@ -743,15 +725,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ov-api-formats",
         default=None,
-        type=_names,
+        type=names,
         help="weight formats of the API table (default: --ov-formats)",
     )
     p.add_argument(
-        "--ov-api-batches", default="1,8", type=_ints, help="concurrencies of the API table"
+        "--ov-api-batches", default="1,8", type=numbers, help="concurrencies of the API table"
     )
     p.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix cache table")
     p.add_argument("--no-async-ab", action="store_true", help="skip the async scheduling table")
-    p.add_argument("--async-batches", default="1,8", type=_ints)
+    p.add_argument("--async-batches", default="1,8", type=numbers)
     p.add_argument("--async-device", default="cpu", help="device of the async scheduling table")
     p.add_argument("--cached-prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16, help="new tokens after the prefix")
@@ -761,52 +743,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--new-tokens must be at least 2")
     if args.ov_api_formats is None:
         args.ov_api_formats = args.ov_formats
-    for name in _names(args.models) + args.ov_models:
+    for name in names(args.models) + args.ov_models:
         if name not in MODELS:
             p.error(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return args
 
 
-def _host(args: argparse.Namespace) -> dict[str, Any]:
-    host: dict[str, Any] = {
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "load_avg_start": os.getloadavg(),
-    }
+def _versions(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"threads": args.threads}
     if not args.no_openvino:
         import openvino
         import openvino_genai
 
-        host["openvino"] = openvino.__version__
-        host["openvino_genai"] = openvino_genai.__version__
-    return host
+        out["openvino"] = openvino.__version__
+        out["openvino_genai"] = openvino_genai.__version__
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.models_dir is None:
+        args.models_dir = models_dir()
     # SIGTERM unwinds like Ctrl-C, so a cluster started for the API table is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     started = time.monotonic()
-    host = _host(args)
     neighbours = Neighbours()
     bandwidth = neighbours.timed(measure_bandwidth)
     print(f"torch {torch.__version__}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s")
     rows: list[dict[str, Any]] = []
     plan: list[tuple[str, str]] = []
-    for name in _names(args.models):
+    for name in names(args.models):
         dtypes = args.demo_dtypes if name == "demo" else args.bench_dtypes
-        plan.extend((name, d) for d in _names(dtypes))
+        plan.extend((name, d) for d in names(dtypes))
     if not args.no_decode:
         print(
             f"\ntorch engine: {args.prompt_len}-token prompts, {args.new_tokens} new tokens,"
             f" median of {args.reps}\n"
         )
-        print(HEADER)
         for name, dtype in plan:
             path = ensure_model(name, args.models_dir)
             rows.extend(bench_model(name, path, dtype, args, neighbours))
@@ -823,9 +798,8 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summary_rows(rows, ov_rows, prefix_rows)
     goal_list = goals(rows, ov_rows, api_rows, prefix_rows)
-    host["load_avg_end"] = os.getloadavg()
     result = {
-        "host": host,
+        "versions": _versions(args),
         "bandwidth_gb_s": bandwidth,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -842,17 +816,13 @@ def main(argv: list[str] | None = None) -> int:
         "goals": goal_list,
         "errors": errors,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     if summary:
         print_summary(summary, args.batches)
     for r in async_rows:
         print(f"{r['model']} {r['dtype']} batch {r['batch']}: async/sync decode = {r['ratio']:.3f}")
     print_goals(goal_list)
-    print(
-        f"\n{result['wall_s']:.0f} s; {neighbours.retries} runs repeated for a busy neighbour;"
-        f" wrote {args.out}"
-    )
+    print(f"\n{result['wall_s']:.0f} s; {neighbours.retries} runs repeated for a busy neighbour")
     return 1 if errors else 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -32,30 +31,28 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_common import Neighbours, bound_tok_s, median, prompts_for  # noqa: E402
-from bench_engine import (  # noqa: E402
-    BLOCK_SIZE,
+from bench.common import (
     MODELS,
-    PREFIX_HEADER,
-    _ints,
-    _names,
-    bench_prefix_cache,
+    RESULTS,
+    Col,
+    Neighbours,
+    Table,
+    bound_tok_s,
     ensure_model,
+    median,
+    models_dir,
+    names,
+    numbers,
+    prompts_for,
+    write_result,
 )
-
-from services.task_executor.engines.base import Engine, EngineRequest  # noqa: E402
-from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
-from services.task_executor.engines.torch_engine.config import load_model_config  # noqa: E402
-from services.task_executor.engines.torch_engine.kv_cache import blocks_for  # noqa: E402
-from services.task_executor.engines.torch_engine.weights import (  # noqa: E402
-    CheckpointTensors,
-    load_weights,
-)
-from shared.messages.api import SamplingParams  # noqa: E402
+from bench.engine import BLOCK_SIZE, PREFIX_TABLE, bench_prefix_cache
+from services.task_executor.engines.base import Engine, EngineRequest
+from services.task_executor.engines.torch_engine import TorchEngine
+from services.task_executor.engines.torch_engine.config import load_model_config
+from services.task_executor.engines.torch_engine.kv_cache import blocks_for
+from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
+from shared.messages.api import SamplingParams
 
 ENGINES = ("torch", "torch-sync", "torch-eager", "vllm")
 
@@ -152,9 +149,20 @@ def bench_decode(
         f"\ndecode: {args.prompt_len}-token prompts, {args.new_tokens} new tokens, greedy;"
         f" median of {args.reps}; bound at {bandwidth:.0f} GB/s for {wbytes / 1e9:.2f} GB\n"
     )
-    print(
-        f"{'engine':<11} {'batch':>5} {'decode tok/s':>12} {'per req':>8} {'%bound':>7}"
-        f" {'ttft ms':>8} {'tok/s min-max':>15}"
+    table = Table(
+        [
+            Col("engine", "engine", left=True, width=11),
+            Col("batch", "batch", width=5),
+            Col("decode_tok_s", "decode tok/s", ".1f"),
+            Col("per_request_tok_s", "per req", ".1f", width=8),
+            Col("pct_bound", "%bound", ".1f", width=7),
+            Col("ttft_ms", "ttft ms", ".1f", width=8),
+            Col(
+                lambda r: f"{min(r['decode_samples']):.0f}-{max(r['decode_samples']):.0f}",
+                "tok/s min-max",
+                width=15,
+            ),
+        ]
     )
     rows = []
     names = list(engines)
@@ -183,12 +191,7 @@ def bench_decode(
                 "ttft_samples_s": ttfts[n],
             }
             rows.append(row)
-            print(
-                f"{n:<11} {b:>5} {row['decode_tok_s']:>12.1f} {row['per_request_tok_s']:>8.1f}"
-                f" {row['pct_bound']:>6.1f}% {row['ttft_ms']:>8.1f}"
-                f" {min(rates[n]):>7.0f}-{max(rates[n]):<7.0f}",
-                flush=True,
-            )
+            table.row(row)
     return rows
 
 
@@ -213,10 +216,10 @@ def ratios(rows: list[dict[str, Any]], num: str, den: str) -> list[dict[str, Any
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="bench-qwen2-0.5b", choices=sorted(MODELS))
-    p.add_argument("--models-dir", type=Path, default=ROOT / "models")
+    p.add_argument("--models-dir", type=Path, default=None, help="default: MESHSERVE_MODELS_DIR")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--engines", default=",".join(ENGINES), type=_names)
-    p.add_argument("--batches", default="1,8,16,64", type=_ints)
+    p.add_argument("--engines", default=",".join(ENGINES), type=names)
+    p.add_argument("--batches", default="1,8,16,64", type=numbers)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
@@ -226,7 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-prefix-cache", action="store_true", help="skip the prefix cache table")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM without CUDA graphs/compile")
     p.add_argument("--vllm-memory-fraction", type=float, default=0.3)
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "gpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     args = p.parse_args(argv)
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
@@ -242,13 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench-gpu: no CUDA device here", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    path = ensure_model(args.model, args.models_dir)
+    path = ensure_model(args.model, args.models_dir or models_dir())
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    host = {
+    host: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "machine": platform.machine(),
     }
     bandwidth = gpu_read_bandwidth()
     print(f"{host['gpu']}, torch {host['torch']} (CUDA {host['cuda']}), read {bandwidth:.0f} GB/s")
@@ -273,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             f"\nprefix cache: TTFT of {args.cached_prefix_len} cached + {args.suffix_len} new"
             f" tokens vs all new; prefill of {args.prefill_len} tokens; median of {args.reps}\n"
         )
-        print(PREFIX_HEADER)
-        neighbours = Neighbours()
-        neighbours.enabled = False  # a GPU's timings do not suffer from busy CPU neighbours
+        PREFIX_TABLE.header()
+        # A GPU's timings do not suffer from busy CPU neighbours.
+        neighbours = Neighbours(enabled=False)
         for kind, engine in engines.items():
             prefix_rows.append(
                 bench_prefix_cache(
@@ -289,26 +291,27 @@ def main(argv: list[str] | None = None) -> int:
         *ratios(rows, "torch", "torch-sync"),
         *ratios(rows, "torch", "torch-eager"),
     ]
-    print(f"\n{'ratio':<20} {'batch':>5} {'decode':>7} {'ttft':>6}")
-    for s in summary:
-        print(f"{s['ratio']:<20} {s['batch']:>5} {s['decode']:>7.3f} {s['ttft']:>6.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "host": host,
-                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "bandwidth_gb_s": bandwidth,
-                "weight_bytes": wbytes,
-                "startup_s": started,
-                "decode": rows,
-                "prefix_cache": prefix_rows,
-                "summary": summary,
-            },
-            indent=2,
-        )
+    Table(
+        [
+            Col("ratio", "ratio", left=True, width=20),
+            Col("batch", "batch", width=5),
+            Col("decode", "decode", ".3f", width=7),
+            Col("ttft", "ttft", ".3f"),
+        ]
+    ).print(summary, title="ratios")
+    write_result(
+        args.out,
+        {
+            "versions": host,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "bandwidth_gb_s": bandwidth,
+            "weight_bytes": wbytes,
+            "startup_s": started,
+            "decode": rows,
+            "prefix_cache": prefix_rows,
+            "summary": summary,
+        },
     )
-    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -19,9 +19,6 @@ nothing stays in cache), with weights packed for oneDNN at batch hint 1 and at
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import platform
 import statistics
 import sys
 import time
@@ -30,15 +27,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from services.task_executor.engines.torch_engine import cpu_kernels, linear  # noqa: E402
-from services.task_executor.engines.torch_engine.attention import (  # noqa: E402
-    additive_mask,
-    gathered_decode_attention,
-)
-from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache  # noqa: E402
+from bench.common import RESULTS, Col, Table, write_result
+from devtools.kernel_cases import decode_case
+from services.task_executor.engines.torch_engine import cpu_kernels, linear
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16
 HIDDEN, INTER, LAYERS = 896, 4864, 24
@@ -60,68 +51,21 @@ def _alternating(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, f
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeCase:
-    """One decode step's attention inputs over a paged cache (layer 0), as the model has them:
-    ``q`` ``[batch, heads, hd]``, the first heads of wider q/k/v rows; ``tables`` padded with
-    block 0; ``lens`` the tokens each request attends to."""
-
-    q: torch.Tensor
-    cache: PagedKVCache
-    tables: torch.Tensor
-    lens: torch.Tensor
-
-    def bias(self) -> torch.Tensor:
-        """The additive padding mask, built once per forward in the model."""
-        keys = torch.arange(self.tables.shape[1] * self.cache.block_size)
-        valid = keys[None, :] < self.lens[:, None]
-        return additive_mask(valid[:, None, None, :], self.q.dtype)
-
-    def torch_path(self, bias: torch.Tensor) -> torch.Tensor:
-        """The engine's fallback: gather whole blocks, then SDPA with GQA rows."""
-        ck, cv = self.cache.gather(0, self.tables)
-        return gathered_decode_attention(self.q, ck, cv, bias)
-
-    def kernel_path(self, kernel: cpu_kernels.DecodeAttention) -> torch.Tensor:
-        return kernel(self.q, self.cache.k[0], self.cache.v[0], self.tables, self.lens)
+ATTENTION_TABLE = Table(
+    [
+        Col("dtype", "dtype", left=True, width=8),
+        Col("batch", "batch"),
+        Col("context", "context", width=7),
+        Col("torch_us", "torch µs", ".0f", width=9),
+        Col("kernel_us", "kernel µs", ".0f", width=9),
+        Col("speedup", "speed-up", ".2f"),
+        Col("max_abs_diff", "max|diff|", ".1e", width=9),
+    ]
+)
 
 
-def decode_case(
-    *,
-    dtype: torch.dtype,
-    heads: int,
-    kv_heads: int,
-    hd: int,
-    block_size: int,
-    lens: list[int],
-    seed: int,
-) -> DecodeCase:
-    """Random K/V and queries, each request's blocks scattered over the cache as a busy
-    allocator leaves them."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(-(-n // block_size) for n in lens)
-    num_blocks = len(lens) * width + 3
-    cache = PagedKVCache(
-        num_layers=1,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_kv_heads=kv_heads,
-        head_dim=hd,
-        dtype=dtype,
-        device=CPU,
-    )
-    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
-    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), width, dtype=torch.int64)
-    for i, n in enumerate(lens):
-        used = -(-n // block_size)
-        tables[i, :used] = perm[i * width : i * width + used]
-    rows = torch.randn(len(lens), heads + 2 * kv_heads, hd, generator=gen).to(dtype)
-    return DecodeCase(rows[:, :heads], cache, tables, torch.tensor(lens, dtype=torch.int64))
-
-
-def attention_rows(reps: int) -> list[dict]:
+def attention_rows(reps: int, cases: list[tuple[int, int]]) -> list[dict]:
+    print("\ndecode attention per layer: torch's gather + SDPA against the C kernel\n")
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
         kernel = cpu_kernels.decode_attention(
@@ -130,7 +74,7 @@ def attention_rows(reps: int) -> list[dict]:
         if kernel is None:
             print(f"decode attention: no C kernel for {dtype} here (no compiler?)", flush=True)
             continue
-        for batch, ctx in ATTENTION_CASES:
+        for batch, ctx in cases:
             case = decode_case(
                 dtype=dtype,
                 heads=HEADS,
@@ -159,17 +103,13 @@ def attention_rows(reps: int) -> list[dict]:
                 "speedup": round(t["torch"] / t["kernel"], 2),
                 "max_abs_diff": diff,
             }
-            print(
-                f"decode attention {row['dtype']:<8} b{batch:<3} ctx {ctx:<5} torch "
-                f"{row['torch_us']:8.0f} us  kernel {row['kernel_us']:7.0f} us  "
-                f"{row['speedup']:5.2f}x  max|diff| {diff:.1e}",
-                flush=True,
-            )
+            ATTENTION_TABLE.row(row)
             rows.append(row)
     return rows
 
 
-def packing_rows(reps: int) -> list[dict]:
+def packing_rows(reps: int, batches: list[int], layers: int) -> list[dict]:
+    print("\none decode step's matmuls: plain F.linear, and weights packed by oneDNN\n")
     shapes = {
         "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
         "o": (HIDDEN, HIDDEN),
@@ -184,16 +124,27 @@ def packing_rows(reps: int) -> list[dict]:
         gen = torch.Generator().manual_seed(1)
         plain = [
             {k: (torch.randn(s, generator=gen) * 0.02).to(dtype) for k, s in shapes.items()}
-            for _ in range(LAYERS)
+            for _ in range(layers)
         ]
         hints = sorted({1, linear.PACK_BATCH_HINT})
         variants: dict[str, list[dict[str, torch.Tensor]]] = {"F.linear": plain}
+        table = Table(
+            [
+                Col("dtype", "dtype", left=True, width=8),
+                Col("batch", "batch"),
+                *(
+                    Col(f"{n}_ms", f"{n} ms", ".1f", width=10)
+                    for n in ["F.linear"] + [f"packed {h}" for h in hints]
+                ),
+                Col("hint_speedup", f"hint {linear.PACK_BATCH_HINT} ÷ 1", ".2f", width=10),
+            ]
+        )
         for hint in hints:
             variants[f"packed {hint}"] = [
                 {k: torch.ops.mkldnn._reorder_linear_weight(w, hint) for k, w in layer.items()}
                 for layer in plain
             ]
-        for batch in PACK_BATCHES:
+        for batch in batches:
             xs = {k: torch.randn(batch, s[1], generator=gen).to(dtype) for k, s in shapes.items()}
 
             def step(weights, xs=xs):
@@ -208,12 +159,7 @@ def packing_rows(reps: int) -> list[dict]:
                 **{f"{n}_ms": round(v * 1e3, 2) for n, v in t.items()},
                 "hint_speedup": round(t["packed 1"] / t[f"packed {linear.PACK_BATCH_HINT}"], 2),
             }
-            print(
-                f"packing {row['dtype']:<8} b{batch:<3} "
-                + "  ".join(f"{n} {v * 1e3:6.1f} ms" for n, v in t.items())
-                + f"  hint {linear.PACK_BATCH_HINT} vs 1: {row['hint_speedup']:.2f}x",
-                flush=True,
-            )
+            table.row(row)
             rows.append(row)
     return rows
 
@@ -227,21 +173,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--no-attention", action="store_true")
     p.add_argument("--no-packing", action="store_true")
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kernels.json")
+    p.add_argument(
+        "--cases",
+        type=lambda v: [tuple(int(x) for x in c.split("x")) for c in v.split(",")],
+        default=list(ATTENTION_CASES),
+        help="decode attention cases, BATCHxCONTEXT,... (default: %(default)s)",
+    )
+    p.add_argument(
+        "--pack-batches",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=list(PACK_BATCHES),
+        help="batch sizes of the packing comparison",
+    )
+    p.add_argument("--layers", type=int, default=LAYERS, help="layers of the packing step")
+    p.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = p.parse_args(argv)
     result = {
-        "host": {
-            "cpus": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(),
-        },
         "reps": args.reps,
-        "decode_attention": [] if args.no_attention else attention_rows(args.reps),
-        "packing": [] if args.no_packing else packing_rows(args.reps),
+        "decode_attention": [] if args.no_attention else attention_rows(args.reps, args.cases),
+        "packing": (
+            [] if args.no_packing else packing_rows(args.reps, args.pack_batches, args.layers)
+        ),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"written: {args.out}")
+    write_result(args.out, result)
     return 0
 
 

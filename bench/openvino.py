@@ -1,7 +1,7 @@
 """OpenVINO throughput: through OpenVINOEngine, through meshserve's API, and through OpenVINO
 GenAI called directly.
 
-Helpers for ``scripts/bench_engine.py`` (no CLI of its own).
+Helpers for ``bench/engine.py`` (no CLI of its own).
 
 ``bench_openvino`` returns one row per (weight format, point), where a point is a decode batch
 size or a prefill:
@@ -33,7 +33,7 @@ decode tok/s (API: completion tokens after the first ÷ time from the first stre
 the last) and TTFT; prefill, one prompt of ``prefill_len`` tokens, prompt tokens ÷ TTFT.
 
 Every timed run gets prompts never seen before (a retried run would otherwise hit the prefix
-cache). Timings go through ``timed(fn, *args)`` when given (``bench_common.Neighbours.timed``,
+cache). Timings go through ``timed(fn, *args)`` when given (``bench.common.Neighbours.timed``,
 which retries runs a busy neighbour disturbed).
 """
 
@@ -54,8 +54,11 @@ from typing import Any
 import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
-from bench_common import (
+
+from bench.common import (
+    Col,
     Neighbours,
+    Table,
     bound_tok_s,
     call,
     cpu_ticks,
@@ -64,7 +67,6 @@ from bench_common import (
     prompts_for,
     with_bandwidth,
 )
-
 from services.task_executor.engines.openvino_engine import OpenVINOEngine
 from services.task_executor.engines.openvino_engine.engine import CPU_BLOCK_SIZE
 
@@ -352,29 +354,26 @@ def _direct_pipeline(
     return ov_genai.ContinuousBatchingPipeline(str(ir), sched, "CPU", props)
 
 
-HEADER = (
-    f"{'model':<18} {'weights':<7} {'point':<12} {'engine tok/s':>12} {'(best)':>7} "
-    f"{'direct tok/s':>12} {'eng/dir':>7} {'sdpa tok/s':>10} {'bound tok/s':>11} "
-    f"{'%bound':>6} {'(best)':>6} {'weight MB':>9}"
+def _pct(key: str) -> Callable[[dict[str, Any]], str | None]:
+    return lambda r: None if r[key] is None else f"{r[key]:.0f}%"
+
+
+TABLE = Table(
+    [
+        Col("model", "model", left=True, width=18),
+        Col("weight_format", "weights", left=True, width=7),
+        Col("point", "point", left=True, width=12),
+        Col("engine_tok_s", "engine tok/s", ".1f"),
+        Col("engine_best_tok_s", "(best)", ".1f", width=7),
+        Col("direct_tok_s", "direct tok/s", ".1f"),
+        Col("engine_vs_direct", "eng/dir", ".2f", width=7),
+        Col("llm_sdpa_tok_s", "sdpa tok/s", ".1f"),
+        Col("bound_tok_s", "bound tok/s", ".1f"),
+        Col(_pct("pct_bound"), "%bound"),
+        Col(_pct("pct_bound_best"), "(best)"),
+        Col(lambda r: r["weight_bytes"] / 1e6, "weight MB", ".0f", width=9),
+    ]
 )
-
-
-def _num(v: float | None, fmt: str = ".1f") -> str:
-    return "-" if v is None or v != v else format(v, fmt)
-
-
-def format_row(row: dict[str, Any]) -> str:
-    def pct(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f}%"
-
-    return (
-        f"{row['model']:<18} {row['weight_format']:<7} {row['point']:<12} "
-        f"{_num(row['engine_tok_s']):>12} {_num(row['engine_best_tok_s']):>7} "
-        f"{_num(row['direct_tok_s']):>12} {_num(row['engine_vs_direct'], '.2f'):>7} "
-        f"{_num(row['llm_sdpa_tok_s']):>10} {_num(row['bound_tok_s']):>11} "
-        f"{pct(row['pct_bound']):>6} {pct(row['pct_bound_best']):>6} "
-        f"{row['weight_bytes'] / 1e6:>9.0f}"
-    )
 
 
 # --- through meshserve's API, beside GenAI called directly ------------------------------------
@@ -489,8 +488,7 @@ def bench_openvino_api(
 ) -> list[dict[str, Any]]:
     """Rows of meshserve's API beside GenAI called directly, per weight format and point.
     The servers' logs go to ``log_dir``."""
-    import bench_vs_vllm as vs
-
+    from bench import vs_vllm as vs
     from services.task_executor.engines.factory import openvino_engine, openvino_engine_args
     from shared.settings import Settings
 
@@ -595,16 +593,16 @@ def bench_openvino_api(
     return rows
 
 
-API_HEADER = (
-    f"{'model':<18} {'weights':<7} {'point':<12} {'api tok/s':>9} {'direct tok/s':>12} "
-    f"{'api/dir':>7} {'api TTFT ms':>11} {'dir TTFT ms':>11} {'idle cluster cores':>18}"
+API_TABLE = Table(
+    [
+        Col("model", "model", left=True, width=18),
+        Col("weight_format", "weights", left=True, width=7),
+        Col("point", "point", left=True, width=12),
+        Col("api_tok_s", "api tok/s", ".1f", width=9),
+        Col("direct_tok_s", "direct tok/s", ".1f"),
+        Col("api_vs_direct", "api/dir", ".3f", width=7),
+        Col("api_ttft_ms", "api TTFT ms", ".1f"),
+        Col("direct_ttft_ms", "dir TTFT ms", ".1f"),
+        Col("cluster_cores_during_direct", "idle cluster cores", ".3f"),
+    ]
 )
-
-
-def format_api_row(row: dict[str, Any]) -> str:
-    return (
-        f"{row['model']:<18} {row['weight_format']:<7} {row['point']:<12} "
-        f"{_num(row['api_tok_s']):>9} {_num(row['direct_tok_s']):>12} "
-        f"{_num(row['api_vs_direct'], '.3f'):>7} {_num(row['api_ttft_ms']):>11} "
-        f"{_num(row['direct_ttft_ms']):>11} {_num(row['cluster_cores_during_direct'], '.3f'):>18}"
-    )

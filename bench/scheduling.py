@@ -20,22 +20,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_common import median, prompts_for  # noqa: E402
-
-from loadgen.stats import percentile  # noqa: E402
-from services.task_executor.engines.base import EngineRequest  # noqa: E402
-from services.task_executor.engines.torch_engine import TorchEngine  # noqa: E402
-from shared.messages.api import SamplingParams  # noqa: E402
+from bench.common import RESULTS, ROOT, Col, Table, median, prompts_for, write_result
+from loadgen.stats import percentile
+from services.task_executor.engines.base import EngineRequest
+from services.task_executor.engines.torch_engine import TorchEngine
+from shared.messages.api import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-prompt", type=int, default=2048)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--scenarios", default="closed,long")
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "scheduling.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "scheduling.json")
     args = p.parse_args(argv)
     scenarios = {"closed": closed, "long": long}
     chosen = [x.strip() for x in args.scenarios.split(",")]
@@ -201,22 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     for scen, by in table.items():
         keys = list(next(iter(by.values())))
-        print(f"\n{scen} (medians of {args.reps})")
-        widths = [max(12, len(k) + 2) for k in keys]
-        print(f"{'setting':<15}" + "".join(f"{k:>{w}}" for k, w in zip(keys, widths, strict=True)))
-        for name, row in by.items():
-            print(
-                f"{name:<15}"
-                + "".join(f"{row[k]:>{w}.3f}" for k, w in zip(keys, widths, strict=True))
-            )
+        cols = [Col("setting", "setting", left=True, width=14)]
+        cols += [Col(k, k, ".3f", width=max(12, len(k))) for k in keys]
+        Table(cols).print(
+            [{"setting": name, **row} for name, row in by.items()],
+            title=f"{scen} (medians of {args.reps})",
+        )
     out: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "medians": table,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {args.out}")
+    write_result(args.out, out)
     return 0
 
 

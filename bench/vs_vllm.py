@@ -56,15 +56,13 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from vllm_cpu import ensure_vllm  # noqa: E402
-
-from loadgen.client import Record, stream_completion  # noqa: E402
-from loadgen.stats import percentile  # noqa: E402
-from shared.embedded import die_with_parent, free_port  # noqa: E402
-from shared.tokenization import ModelTokenizer  # noqa: E402
+from bench.common import RESULTS, ROOT, Col, Neighbours, Table, models_dir, write_result
+from devtools.vllm_cpu import ensure_vllm
+from loadgen.client import Record, stream_completion
+from loadgen.prompts import TokenPool, prompt_ids, tokenizer_pool
+from loadgen.stats import percentile
+from shared.embedded import die_with_parent, free_port
+from shared.settings import process_environment
 
 MODEL_ID = "bench-qwen2-0.5b"
 VLLM_KV_BYTES = 1 << 30  # meshserve's TE default is 512 MiB; 8 × 640 tokens need 60 MB
@@ -79,17 +77,6 @@ PHASES = ("c1", "c8", "uncached_1k", "prefix_warm", "cached_prefix_1k")
 QUIET_CORES = 0.2
 NOISY_CORES = 0.33
 C8 = 8
-WORDS = (
-    "the of and to in is was for on that with as by at from his her they this which but be "
-    "are have had were not one all their there been when who will more no if out so said what "
-    "up its about into than them can only other new some could time these two may then do "
-    "first any my now such like our over man me even most made after also did many before must "
-    "through back years where much your way well down should because each just those people "
-    "how too little state good very make world still own see men work long get here between "
-    "both life being under never day same another know while last might us great old year off "
-    "come since against go came right used take three harbour lantern river mountain signal "
-    "engine window letter garden winter morning copper silver orchard valley bridge station"
-).split()
 
 
 def say(msg: str) -> None:
@@ -100,27 +87,22 @@ def say(msg: str) -> None:
 
 
 class Prompts:
-    """Token-id prompts made from synthetic text, distinct from their first block on unless
-    a prefix is shared on purpose; the same seeds give the same prompts for every server."""
+    """Token-id prompts as a trace replay builds them (``loadgen.prompts``): the server
+    counts exactly the tokens asked for; each prompt is distinct from its first token on
+    unless it shares a prefix on purpose (the blocks of its ``hash_ids``); the same keys give
+    the same prompts for every server."""
+
+    BLOCK = 16
 
     def __init__(self, model_dir: Path) -> None:
-        self.tok = ModelTokenizer.from_dir(model_dir)
+        self.pool: TokenPool = tokenizer_pool(model_dir, need_text=False)
 
-    def ids(self, n: int, seed: str) -> list[int]:
-        rng = random.Random(seed)
-        out: list[int] = []
-        while len(out) < n:
-            text = " ".join(rng.choice(WORDS) for _ in range(n))
-            out += self.tok.encode(text, add_special_tokens=False)
-        ids = out[:n]
-        assert len(ids) == n
-        return ids
+    def ids(self, n: int, key: str, *, shared_blocks: int = 0) -> list[int]:
+        """``n`` tokens: ``shared_blocks`` blocks every prompt with them has, then its own."""
+        return prompt_ids(self.pool, n, list(range(shared_blocks)), self.BLOCK, key)
 
     def batch(self, n_prompts: int, n_tokens: int, tag: str) -> list[list[int]]:
-        prompts = [self.ids(n_tokens, f"{tag}-{i}") for i in range(n_prompts)]
-        heads = {tuple(p[:16]) for p in prompts}
-        assert len(heads) == len(prompts), "synthetic prompts share a first block"
-        return prompts
+        return [self.ids(n_tokens, f"{tag}-{i}") for i in range(n_prompts)]
 
 
 # --------------------------------------------------------------------------- processes
@@ -298,7 +280,7 @@ def start_vllm(
     # A stable path: vLLM keys its torch.compile cache on it, and a cache hit saves about a
     # minute of start-up.
     view = model_view(model_dir, py.parent.parent / "model-view" / MODEL_ID)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = {k: v for k, v in process_environment().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     if preload:
         env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [env.get("LD_PRELOAD")])])
@@ -345,7 +327,7 @@ def start_meshserve(
     models = tmp / "meshserve-models"
     models.mkdir()
     (models / MODEL_ID).symlink_to(model_dir.resolve())
-    env = dict(os.environ)
+    env = process_environment()
     env.update(
         MESHSERVE_MODELS_DIR=str(models),
         MESHSERVE_HTTP_PORT=str(free_port()),
@@ -385,49 +367,6 @@ def meshserve_url(server: Server, timeout: float) -> str:
 
 
 # --------------------------------------------------------------------------- measurement
-
-
-class Neighbours:
-    """CPU used by processes other than this script and the server under test, from
-    /proc/stat minus our own processes' utime + stime. On a shared 2-core host a busy
-    neighbour ruins a phase; phases wait for a quiet host and are rerun when it was not."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.enabled = Path("/proc/stat").is_file()
-        self.tick = os.sysconf("SC_CLK_TCK") if self.enabled else 100
-
-    def _ours(self) -> int:
-        total = 0
-        for pid in {os.getpid(), *self.server.pids()}:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                fields = stat[stat.rindex(")") + 2 :].split()
-                total += int(fields[11]) + int(fields[12])
-        return total
-
-    def sample(self) -> tuple[int, int, float]:
-        if not self.enabled:
-            return 0, 0, time.monotonic()
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:9]]
-        return sum(vals) - vals[3] - vals[4], self._ours(), time.monotonic()
-
-    def cores(self, since: tuple[int, int, float]) -> float:
-        busy, ours, now = self.sample()
-        others = (busy - since[0]) - (ours - since[1])
-        return max(others, 0) / self.tick / max(now - since[2], 1e-3)
-
-    async def wait_quiet(self, max_wait_s: float) -> float:
-        """Until two half-second samples in a row see others under QUIET_CORES; returns
-        the seconds waited."""
-        t0 = time.monotonic()
-        quiet = 0
-        while self.enabled and quiet < 2 and time.monotonic() - t0 < max_wait_s:
-            start = self.sample()
-            await asyncio.sleep(0.5)
-            quiet = quiet + 1 if self.cores(start) < QUIET_CORES else 0
-        return time.monotonic() - t0
 
 
 @dataclasses.dataclass
@@ -512,8 +451,13 @@ class Workload:
     def __init__(self, prompts: Prompts, n: int) -> None:
         self.prompts = prompts
         self.n = n
-        self.prefix = prompts.ids(PREFIX_TOKENS, "shared-prefix")
+        self.shared_blocks = PREFIX_TOKENS // Prompts.BLOCK
         self._made: dict[tuple[str, int], list[list[int]]] = {}
+
+    def _with_prefix(self, key: str) -> list[int]:
+        """The shared prefix, then SUFFIX_TOKENS of the prompt's own."""
+        n = PREFIX_TOKENS + SUFFIX_TOKENS
+        return self.prompts.ids(n, key, shared_blocks=self.shared_blocks)
 
     def get(self, kind: str, attempt: int = 0) -> list[list[int]]:
         key = (kind, attempt)
@@ -526,8 +470,8 @@ class Workload:
                 "c1": lambda: p.batch(n, PROMPT_TOKENS, tag),
                 "c8": lambda: p.batch(max(4 * n, C8), PROMPT_TOKENS, tag),
                 "long": lambda: p.batch(n, long, tag),
-                "prefix_warm": lambda: [self.prefix + p.ids(SUFFIX_TOKENS, tag)],
-                "hits": lambda: [self.prefix + s for s in p.batch(n, SUFFIX_TOKENS, tag)],
+                "prefix_warm": lambda: [self._with_prefix(tag)],
+                "hits": lambda: [self._with_prefix(f"{tag}-{i}") for i in range(n)],
             }[kind]
             self._made[key] = made()
         return self._made[key]
@@ -540,10 +484,14 @@ async def measure(url: str, w: Workload, nb: Neighbours, retries: int, quiet_s: 
         async def phase(kind: str, max_tokens: int, concurrency: int, tries: int) -> Phase:
             best: Phase | None = None
             for attempt in range(tries):
-                waited = await nb.wait_quiet(quiet_s)
+                waited = await nb.wait_quiet_async(quiet_s)
                 start = nb.sample()
                 ph = await run_phase(session, url, w.get(kind, attempt), max_tokens, concurrency)
-                ph.others_cores, ph.attempts, ph.waited_s = nb.cores(start), attempt + 1, waited
+                ph.others_cores, ph.attempts, ph.waited_s = (
+                    nb.cores_used(start),
+                    attempt + 1,
+                    waited,
+                )
                 if best is None or ph.others_cores < best.others_cores:
                     best = ph
                 if ph.others_cores <= NOISY_CORES:
@@ -629,21 +577,30 @@ def ratios(results: dict) -> dict[str, dict[str, float]]:
 
 
 def table(results: dict) -> str:
+    """Markdown: a row per metric, a column per server, then each meshserve server over
+    vLLM."""
     servers = sorted(results, key=lambda s: (s != "vllm", s))
     ours = [s for s in servers if s != "vllm"] if "vllm" in results else []
-    head = ["metric", *servers] + [f"{s}/vLLM" for s in ours] + (["better"] if ours else [])
-    rows = [head, ["---"] * len(head)]
     r = ratios(results)
-    for label, path, higher in METRICS:
-        vals = [_get(results[s], path) for s in servers]
-        cells = [label] + ["–" if v is None else f"{v:g}" for v in vals]
-        for s in ours:
-            ratio = r.get(s, {}).get(label)
-            cells.append("–" if ratio is None else f"{ratio:.2f}×")
-        if ours:
-            cells.append({True: "higher", False: "lower", None: ""}[higher])
-        rows.append(cells)
-    return "\n".join("| " + " | ".join(c) + " |" for c in rows)
+    rows = [
+        {
+            "metric": label,
+            **{s: _get(results[s], path) for s in servers},
+            **{f"{s}/vLLM": r.get(s, {}).get(label) for s in ours},
+            "better": {True: "higher", False: "lower", None: ""}[higher],
+        }
+        for label, path, higher in METRICS
+    ]
+    cols = [Col("metric", "metric", left=True)]
+    cols += [Col(s, s, "g") for s in servers]
+    cols += [Col(lambda row, s=s: _times(row[f"{s}/vLLM"]), f"{s}/vLLM") for s in ours]
+    if ours:
+        cols.append(Col("better", "better"))
+    return Table(cols).markdown(rows)
+
+
+def _times(ratio: float | None) -> str | None:
+    return None if ratio is None else f"{ratio:.2f}×"
 
 
 def meshserve_engine(name: str, default: str) -> str:
@@ -655,15 +612,16 @@ def vllm_engine_env(py: Path, preload: bool, venv: Path) -> dict[str, str]:
     """meshserve's vLLM engine (``meshserve-vllm``) set up as ``start_vllm`` runs vLLM's own
     server: the same venv, KV pool, thread binding and preloads, so that the two differ only
     in what surrounds vLLM's engine (meshserve's platform, or vLLM's API server)."""
+    outer = process_environment()
     env = {
         "MESHSERVE_VLLM_PYTHON": str(py),
         "MESHSERVE_KV_CACHE_BYTES": str(VLLM_KV_BYTES),
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+        "VLLM_CPU_OMP_THREADS_BIND": outer.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
         "VLLM_NO_USAGE_STATS": "1",
     }
     libs = vllm_preload(venv) if preload else []
     if libs:
-        env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [os.environ.get("LD_PRELOAD")])])
+        env["LD_PRELOAD"] = ":".join([*libs, *filter(None, [outer.get("LD_PRELOAD")])])
     return env
 
 
@@ -706,7 +664,7 @@ def bench_one(
             wait_for_model(server, url, args.startup_timeout)
         startup_s = time.monotonic() - server.started
         say(f"{name} is up at {url} after {startup_s:.0f}s")
-        nb = Neighbours(server)
+        nb = Neighbours(server.pids, quiet_cores=QUIET_CORES, noisy_cores=NOISY_CORES)
         result = asyncio.run(measure(url, w, nb, args.retries, args.quiet_wait))
         result = {"startup_s": round(startup_s, 1), **result}
         server.snapshot()
@@ -762,8 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--model-dir",
         type=Path,
-        default=ROOT / "models" / MODEL_ID,
-        help="Qwen2-0.5B-shaped checkpoint; generated there if absent",
+        default=None,
+        help="Qwen2-0.5B-shaped checkpoint; generated there if absent (default: "
+        f"MESHSERVE_MODELS_DIR/{MODEL_ID})",
     )
     p.add_argument(
         "--vllm-preload",
@@ -785,9 +744,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds to wait, before each phase, for other processes to go quiet",
     )
     p.add_argument("--startup-timeout", type=float, default=600)
-    p.add_argument("--out", type=Path, default=ROOT / "bench-results" / "vs-vllm.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "vs-vllm.json")
     args = p.parse_args(argv)
-    args.model_dir = args.model_dir.resolve()
+    args.model_dir = (args.model_dir or models_dir() / MODEL_ID).resolve()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     known = {"vllm", "meshserve", "meshserve-torch", "meshserve-openvino", "meshserve-vllm"}
     if not servers or set(servers) - known or len(set(servers)) < len(servers):
@@ -804,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = args.out.parent / (args.out.stem + "-logs")
     log_dir.mkdir(exist_ok=True)
     if not (args.model_dir / "model.safetensors").is_file():
-        from shared.modelgen import make_bench_model
+        from devtools.modelgen import make_bench_model
 
         say(f"generating the bench model in {args.model_dir}")
         make_bench_model(args.model_dir)
@@ -827,7 +786,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "temperature": 0,
             "ignore_eos": True,
         },
-        "host": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "results": {},
         "errors": {},
     }
@@ -855,16 +813,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, _Stop) as e:
         say(f"interrupted ({str(e) or 'SIGINT'}); every server started here is stopped")
         return 130
-    report["host"]["load_avg_end"] = os.getloadavg()
     report["ratios_meshserve_over_vllm"] = ratios(report["results"])
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report)
     if report["results"]:
         print(table(report["results"]))
     for name, result in report["results"].items():
         for phase in PHASES:
             for problem in result[phase]["problems"]:
                 say(f"{name} {phase}: {problem}")
-    print(f"\nwritten: {args.out} (server logs: {log_dir})")
+    print(f"server logs: {log_dir}")
     return 1 if report["errors"] else 0
 
 

@@ -1,7 +1,7 @@
 """Offline generation of the checkpoints meshserve runs without downloading anything.
 
 * ``demo``: a tiny Llama (1.3 M parameters) with its own byte-level BPE tokenizer, trained
-  for 20-30 s of CPU on the text in ``shared/data`` so that it writes word-like text and ends
+  for 20-30 s of CPU on the text in ``devtools/data`` so that it writes word-like text and ends
   its chat turns. Tests and local clusters use it; it loads in milliseconds.
 * ``bench``: a Qwen2-0.5B-shaped checkpoint with random bf16 weights and the demo
   tokenizer, for throughput and memory benchmarks where only the shapes matter.
@@ -183,8 +183,8 @@ def _tensor_shapes(cfg: dict[str, Any], *, qkv_bias: bool) -> dict[str, tuple[in
 
 
 def corpus_documents() -> list[str]:
-    """The license texts, one document each (see shared/data/README.md)."""
-    text = resources.files("shared").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    """The license texts, one document each (see devtools/data/README.md)."""
+    text = resources.files("devtools").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     return [doc for doc in text.split(f"\n{EOT}\n") if doc.strip()]
 
 
@@ -200,7 +200,7 @@ def reflow(doc: str) -> str:
 
 
 def dialogues() -> list[tuple[str, str]]:
-    text = resources.files("shared").joinpath("data/dialogues.txt").read_text(encoding="utf-8")
+    text = resources.files("devtools").joinpath("data/dialogues.txt").read_text(encoding="utf-8")
     pairs = []
     for block in text.strip().split("\n\n"):
         user, _, assistant = block.partition("\nAssistant: ")
@@ -627,12 +627,13 @@ def make_bench_model(out_dir: Path, *, seed: int = 0, force: bool = False) -> Pa
 
 
 def _default_dir(name: str) -> Path:
-    root = Path(__file__).resolve().parent.parent
-    return Path(os.environ.get("MESHSERVE_MODELS_DIR") or root / "models") / name
+    from shared.settings import Settings
+
+    return Settings.load().models_dir / name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.modelgen", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m devtools.modelgen", description=__doc__)
     sub = parser.add_subparsers(dest="kind", required=True)
     demo = sub.add_parser("demo", help="tiny trained Llama with its own tokenizer")
     demo.add_argument("dir", nargs="?", type=Path, default=None)

@@ -5,6 +5,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${MESHSERVE_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
+# The development tools (bench/, devtools/) are not installed with the project: they run
+# from the checkout.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 ensure_venv() {
   local stamp="$VENV/.meshserve-installed"

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from devtools.kernel_cases import decode_case
 from services.task_executor.engines.base import EngineRequest
+from services.task_executor.engines.factory import create_engine
 from services.task_executor.engines.torch_engine import TorchEngine, cpu_kernels
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
+from shared.settings import Settings
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import _write_tiny_llama, greedy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import bench_kernels
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -58,7 +56,7 @@ def test_decode_attention_matches_torch(dtype, heads, kv_heads, hd, block_size, 
         dtype=dtype, device=CPU, num_heads=heads, num_kv_heads=kv_heads, head_dim=hd
     )
     assert kernel is not None
-    case = bench_kernels.decode_case(
+    case = decode_case(
         dtype=dtype,
         heads=heads,
         kv_heads=kv_heads,
@@ -93,19 +91,29 @@ def test_decode_attention_is_declined_where_it_cannot_run() -> None:
     assert cpu_kernels.decode_attention(dtype=torch.float32, device=CPU, **big) is None
 
 
-def test_build_is_cached_per_host_and_fails_clearly_without_a_compiler(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("MESHSERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    first = cpu_kernels.build()
+def test_build_is_cached_per_host_and_fails_clearly_without_a_compiler(tmp_path: Path) -> None:
+    toolchain = cpu_kernels.Toolchain(cache_dir=tmp_path / "kernels")
+    first = cpu_kernels.build(toolchain=toolchain)
     assert first.parent == tmp_path / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime
+    assert cpu_kernels.build(toolchain=toolchain) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
 
-    monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C compiler"):
-        cpu_kernels.build()
+        cpu_kernels.build(toolchain=cpu_kernels.Toolchain(cc="no-such-compiler"))
+
+
+def test_the_settings_choose_the_toolchain(tmp_path: Path) -> None:
+    """MESHSERVE_KERNEL_CACHE and CC reach the kernel a TE builds."""
+    settings = Settings.load({"MESHSERVE_KERNEL_CACHE": str(tmp_path / "k"), "CC": "gcc"})
+    engine = create_engine(
+        "m", _write_tiny_llama(tmp_path / "m"), settings.with_values(device="cpu", dtype="float32")
+    )
+    try:
+        assert engine.runner.decode_kernel is not None  # type: ignore[attr-defined]
+        assert [p.suffix for p in (tmp_path / "k").iterdir()] == [".so"]
+    finally:
+        engine.close()
 
 
 def test_engine_outputs_are_the_same_with_and_without_the_kernel(tmp_path: Path) -> None:

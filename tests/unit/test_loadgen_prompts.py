@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from devtools.modelgen import corpus_documents
 from loadgen.prompts import (
     PromptError,
     approximate_pool,
@@ -14,7 +15,6 @@ from loadgen.prompts import (
     prompt_ids,
     tokenizer_pool,
 )
-from shared.modelgen import corpus_documents
 from shared.tokenization import ModelTokenizer
 
 LENGTHS = (1, 2, 3, 15, 16, 17, 31, 100, 511, 512, 513, 2000)

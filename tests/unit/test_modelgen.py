@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared import modelgen
+from devtools import modelgen
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,73 @@
+"""The benchmarks run: each as its users run it (``python -m bench.<name>``, in a process of
+its own; no test imports them), the cheap ones end to end on a tiny budget."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_torch_engine import _write_tiny_llama
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str, timeout: float = 120) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("name", ["engine", "gpu", "kernels", "scheduling", "vs_vllm"])
+def test_every_bench_starts(name: str) -> None:
+    assert "usage:" in _bench(f"bench.{name}", "--help")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: no kernel to time")
+def test_bench_kernels_times_both_paths_and_writes_what_it_printed(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    printed = _bench(
+        "bench.kernels", "--reps", "2", "--cases", "1x40,3x100", "--pack-batches", "1,8",
+        "--layers", "1", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["host"]["cpus"] >= 1 and "cpu_flags" in result["host"]
+    attention = result["decode_attention"]
+    assert {(r["dtype"], r["batch"]) for r in attention} == {
+        (d, b) for d in ("bfloat16", "float32") for b in (1, 3)
+    }
+    for r in attention:
+        assert r["torch_us"] > 0 and r["kernel_us"] > 0
+        assert r["max_abs_diff"] < (1e-5 if r["dtype"] == "float32" else 2e-2)
+    assert {r["batch"] for r in result["packing"]} == {1, 8}
+    assert "kernel µs" in printed and "hint 8 ÷ 1" in printed
+
+
+def test_bench_scheduling_replays_both_scenarios_under_each_setting(tmp_path: Path) -> None:
+    model = _write_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "scheduling.json"
+    printed = _bench(
+        "bench.scheduling", "--model", str(model), "--requests", "3", "--concurrency", "2",
+        "--prompt", "40", "--output", "4", "--long-prompt", "100", "--reps", "1",
+        "--settings", "whole:64,chunked:16", "--out", str(out),
+    )  # fmt: skip
+    medians = json.loads(out.read_text())["medians"]
+    assert set(medians) == {"closed", "long"}
+    for scenario in medians.values():
+        assert set(scenario) == {"whole:64", "chunked:16"}
+    for row in medians["closed"].values():
+        assert row["aggregate_tok_s"] > 0 and row["ttft_p90_s"] >= row["ttft_p50_s"] > 0
+    for row in medians["long"].values():
+        assert row["long_ttft_s"] > 0 and row["decode_stall_max_s"] > 0
+    assert "closed (medians of 1)" in printed and "chunked:16" in printed
