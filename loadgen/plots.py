@@ -42,6 +42,11 @@ def _cdf_axes(axes, groups: Mapping[str, Sequence[Result]], slo: SLO | None) -> 
         ax.legend(fontsize=7, loc="lower right")
 
 
+def _nan(values: Sequence[float | None]) -> list[float]:
+    """A series for matplotlib: a bin without data is a gap (NaN)."""
+    return [float("nan") if v is None else v for v in values]
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -69,8 +74,9 @@ def plot_run(results: Sequence[Result], slo: SLO, out_dir: Path, title: str = ""
 
     fig, ax = plt.subplots(figsize=(9, 3.8))
     ok = [r for r in results if r.ok]
-    ax.scatter([r.sent_s for r in ok], [r.ttft_s for r in ok], s=6, alpha=0.4, label="TTFT")
-    ax.scatter([r.sent_s for r in ok], [r.e2e_s for r in ok], s=6, alpha=0.4, label="E2E")
+    for attr, label in (("ttft_s", "TTFT"), ("e2e_s", "E2E")):
+        sent = [(r.sent_s, v) for r in ok if (v := getattr(r, attr)) is not None]
+        ax.scatter([x for x, _ in sent], [y for _, y in sent], s=6, alpha=0.4, label=label)
     for key, label in (("ttft_p90_s", "TTFT p90"), ("e2e_p90_s", "E2E p90")):
         pts = [(x, y) for x, y in zip(ts, tl[key], strict=True) if y is not None]
         if pts:
@@ -86,13 +92,13 @@ def plot_run(results: Sequence[Result], slo: SLO, out_dir: Path, title: str = ""
     paths.append(_save(fig, out_dir / "latency_over_time.png"))
 
     fig, ax = plt.subplots(figsize=(9, 3.8))
-    ax.plot(t, tl["output_tok_s"], drawstyle="steps-mid", label="output tokens/s")
+    ax.plot(_nan(t), _nan(tl["output_tok_s"]), drawstyle="steps-mid", label="output tokens/s")
     ax.set_xlabel("time (s from start)")
     ax.set_ylabel("output tokens/s")
     ax2 = ax.twinx()
     ax2.plot(
-        ts,
-        tl["sent_rps"],
+        _nan(ts),
+        _nan(tl["sent_rps"]),
         drawstyle="steps-mid",
         color="tab:orange",
         alpha=0.7,

@@ -11,6 +11,7 @@ timing does not depend on content. Medians of a few repetitions.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
@@ -104,7 +105,7 @@ def measure_profile(
     load_s = time.perf_counter() - t0
     try:
         rng = random.Random(0)
-        vocab = min(getattr(getattr(engine, "config", None), "vocab_size", 32000), 1 << 30)
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         max_len = engine.max_model_len
         prefill_lengths = [n for n in prefill_lengths if n < max_len]
         long_context = min(long_context, max_len - steps - 4)
@@ -135,8 +136,8 @@ def measure_profile(
             prefill_s=a,
             prefill_s2=b,
             max_num_seqs=settings.task_executor.max_num_seqs,
-            max_prefill_tokens=getattr(engine, "max_prefill_tokens", 2048),
-            chunked_prefill=getattr(engine, "chunked_prefill", False),
+            max_prefill_tokens=engine.prefill_budget.tokens,
+            chunked_prefill=engine.prefill_budget.chunked,
             kv_blocks=st.total_kv_blocks,
             block_size=getattr(engine, "block_size", 16),
             max_model_len=max_len,

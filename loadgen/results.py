@@ -43,7 +43,9 @@ class Result:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (``None`` below two tokens)."""
-        if not self.ok or self.ttft_s is None or self.completion_tokens < 2:
+        if not self.ok or self.e2e_s is None or self.ttft_s is None:
+            return None
+        if self.completion_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 

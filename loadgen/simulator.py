@@ -29,7 +29,8 @@ import dataclasses
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from loadgen.costmodel import EngineProfile
 from loadgen.plan import Planned
@@ -161,7 +162,7 @@ class Simulation:
         for p in self.planned:
             self._at(EPOCH + p.arrival_s, "arrive", p)
         self._at(EPOCH + self.cfg.heartbeat_s, "heartbeat")
-        handlers = {
+        handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive,
             "place": self._place_held,
             "iteration": self._iteration_done,

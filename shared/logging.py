@@ -34,4 +34,5 @@ def setup_logging(*, service: str, fmt: str = "console", level: str = "info") ->
 
 
 def get_logger(name: str | None = None) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(name)
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    return logger

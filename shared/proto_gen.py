@@ -21,6 +21,10 @@ def message_types() -> list[type[Message]]:
     return [seen[k] for k in sorted(seen)]
 
 
+def _names(types: tuple[type[Message], ...]) -> str:
+    return ", ".join(f"`{t.__name__}`" for t in types) or "—"
+
+
 def render() -> dict[str, str]:
     """Relative path -> file content."""
     out: dict[str, str] = {}
@@ -39,9 +43,8 @@ def render() -> dict[str, str]:
         "|---|---|---|---|---|---|---|",
     ]
     for spec in CATALOGUE.values():
-        names = lambda ts: ", ".join(f"`{t.__name__}`" for t in ts) or "—"  # noqa: E731
         lines.append(
-            f"| `{spec.template}` | {spec.pattern} | {names(spec.payload)} | {names(spec.reply)} "
+            f"| `{spec.template}` | {spec.pattern} | {_names(spec.payload)} | {_names(spec.reply)} "
             f"| {spec.publishers} | {spec.subscribers} | {spec.doc} |"
         )
     out["subjects.md"] = "\n".join(lines) + "\n"

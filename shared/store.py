@@ -3,6 +3,8 @@ cluster name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis.asyncio as aioredis
 
 from shared.errors import Unavailable
@@ -27,12 +29,17 @@ class Store:
         async with self.redis.pipeline(transaction=True) as p:
             p.delete(key)
             if mapping:
-                p.hset(key, mapping=mapping)
+                fields: dict[Any, Any] = dict(mapping)  # redis-py's mapping type is invariant
+                p.hset(key, mapping=fields)
             await p.execute()
 
     async def hash_items(self, key: str) -> dict[str, bytes]:
         raw = await self.redis.hgetall(key)
-        return {k.decode(): v for k, v in raw.items()}
+        return {_text(k): v if isinstance(v, bytes) else v.encode() for k, v in raw.items()}
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -56,15 +56,18 @@ _HOLD = "\ufffd"
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
 
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores a special token as a string or as a serialized AddedToken."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, Mapping):
+        content = value.get("content")
+        if isinstance(content, str):
+            return content
     return None
 
 
@@ -83,7 +86,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}…{% endgeneration %}`` marks assistant text for training masks;
     rendering only needs the body."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain class attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -91,7 +94,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
     def _render(self, caller: Any) -> str:
-        return caller()
+        return str(caller())
 
 
 def _raise_exception(message: str) -> None:
@@ -117,10 +120,10 @@ def _strftime_now(fmt: str) -> str:
 
 class _TemplateDict:
     # Templates may build dicts, but must not reach the dict type and its attributes.
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 

@@ -6,6 +6,44 @@ from pathlib import Path
 
 import pytest
 
+# What a test needs, read off the fixtures it asks for: `scripts/test -m "not vllm"` and the
+# like select by it, and a test cannot forget to say it.
+FIXTURE_MARKS = {
+    "nats_url": "nats",
+    "bus": "nats",
+    "redis_url": "redis",
+    "store": "redis",
+    "vllm_python": "vllm",
+    "demo_model_dir": "demo_model",
+}
+# What a unit test may not need: servers, a trained model, an engine's own venv. (GPU unit
+# tests are unit tests: they skip without a GPU.)
+NOT_UNIT = {"nats", "redis", "e2e", "vllm", "openvino", "demo_model", "docker"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = []
+    for item in items:
+        for fixture, mark in FIXTURE_MARKS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(mark)
+        needs = {m.name for m in item.iter_markers()} & NOT_UNIT
+        if item.path.parent.name == "unit" and needs:
+            misplaced.append(f"{item.nodeid} ({', '.join(sorted(needs))})")
+    if misplaced:
+        raise pytest.UsageError(
+            "unit tests run without servers, trained models, venvs or GPUs; move these to "
+            "tests/integration: " + "; ".join(misplaced)
+        )
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's tokenizer files (and untrained weights): seconds, not a training."""
+    from devtools.modelgen import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("models") / "demo-untrained", train_steps=0)
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -355,7 +356,7 @@ class Frontend:
         )
 
     @staticmethod
-    async def _texts(gen: Generation, detok: Any, stops: StopMatcher):  # type: ignore[no-untyped-def]
+    async def _texts(gen: Generation, detok: Any, stops: StopMatcher) -> AsyncGenerator[str, None]:
         """Text deltas of the generation, up to (not including) the first stop string."""
         async for ids in gen.tokens():
             text, hit = stops.push(detok.push(ids))

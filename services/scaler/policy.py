@@ -26,7 +26,7 @@ def load_backoff(failures: int, cfg: ScalerConfig) -> float:
     """Seconds to wait before loading a model again after `failures` failed loads in a row."""
     if failures <= 0:
         return 0.0
-    return min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (failures - 1))
+    return min(cfg.backoff_max_s, cfg.backoff_base_s * 2.0 ** (failures - 1))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -260,6 +260,7 @@ async def test_shared_prefix_is_reused_and_announced_in_batches(te, bus: Bus, cl
     assert len(batches) < len(stored)
 
 
+@pytest.mark.openvino
 async def test_an_openvino_te_serves_the_same_greedy_tokens(
     bus: Bus, cluster: str, demo_model_dir: Path
 ):

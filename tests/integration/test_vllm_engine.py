@@ -64,6 +64,8 @@ def run(engine, requests: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
 def test_the_engine_reports_what_it_is(engine) -> None:
     assert engine.name == "vllm" and engine.device in ("cpu", "cuda")
     assert engine.capabilities.prefix_cache and not engine.capabilities.kv_export
+    assert not engine.capabilities.kv_events  # vLLM hashes its blocks its own way
+    assert engine.prefill_budget.tokens >= 1
     assert engine.max_model_len == MAX_MODEL_LEN
     assert not engine.has_work()
 

@@ -14,6 +14,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
 )
 from services.task_executor.engines.capabilities import (
     CapabilityError,
@@ -39,6 +40,7 @@ class _Minimal:
     name = "minimal"
     device = "cpu"
     max_model_len = 16
+    prefill_budget = PrefillBudget(16, chunked=False)
 
     def __init__(self, capabilities: EngineCapabilities) -> None:
         self.capabilities = capabilities

@@ -21,13 +21,13 @@ LENGTHS = (1, 2, 3, 15, 16, 17, 31, 100, 511, 512, 513, 2000)
 
 
 @pytest.fixture(scope="module")
-def demo_tok(demo_model_dir: Path) -> ModelTokenizer:
-    return ModelTokenizer.from_dir(demo_model_dir)
+def demo_tok(demo_tokenizer_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer.from_dir(demo_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def demo_pool(demo_model_dir: Path):
-    return tokenizer_pool(demo_model_dir)
+def demo_pool(demo_tokenizer_dir: Path):
+    return tokenizer_pool(demo_tokenizer_dir)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

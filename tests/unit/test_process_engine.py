@@ -20,6 +20,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
 )
 from services.task_executor.engines.process import EngineProcessDied, ProcessEngine
 from services.task_executor.engines.torch_engine import TorchEngine
@@ -49,7 +50,7 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
         assert remote.capabilities == msgspec.structs.replace(
             caps, kv_export=False, kv_import=False, prefix_pinning=False, weight_source=False
         )
-        assert remote.block_size == 4
+        assert remote.block_size == 4 and remote.prefill_budget == local.prefill_budget
         assert not remote.has_work()
         for engine in (local, remote):
             for rid, prompt in PROMPTS.items():
@@ -87,6 +88,7 @@ class GilHoldingEngine:
     device = "cpu"
     capabilities = EngineCapabilities()
     max_model_len = 64
+    prefill_budget = PrefillBudget(64, chunked=False)
 
     def __init__(self) -> None:
         self._queued: list[str] = []
@@ -166,54 +168,6 @@ def test_a_dead_child_makes_the_next_call_fail_clearly(model_dir: Path) -> None:
 def test_an_engine_that_fails_to_build_raises_in_the_parent(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ProcessEngine(functools.partial(TorchEngine, tmp_path, device="cpu"), label="test")
-
-
-LIGHT_ENGINE = """
-import sys
-from services.task_executor.engines.base import EngineCapabilities
-
-HEAVY = ("torch", "transformers", "pydantic", "pydantic_settings", "nats", "redis", "pytest")
-
-
-class Engine:
-    capabilities = EngineCapabilities()
-    max_model_len = 1
-
-    def __init__(self):
-        self.device = sys.executable  # which interpreter runs it
-        self.name = ",".join(m for m in HEAVY if m in sys.modules)  # what it has imported
-
-    def close(self):
-        pass
-"""
-
-
-def test_the_child_runs_under_the_interpreter_named_and_imports_little(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An engine from another venv (vLLM's CPU build has its own): the child is that venv's
-    python with the repository on its path, and imports the protocol's types, not the TE's
-    packages."""
-    venv = tmp_path / "other-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    # The bare venv sees the parent's packages (msgspec is all the child needs of them).
-    site = next((venv / "lib").glob("python3*/site-packages"))
-    (site / "parent.pth").write_text("\n".join(p for p in sys.path if "site-packages" in p))
-    (tmp_path / "light_engine.py").write_text(LIGHT_ENGINE)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    import importlib
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    light = importlib.import_module("light_engine")
-    remote = ProcessEngine(light.Engine, label="test", python=str(venv / "bin" / "python"))
-    try:
-        assert Path(remote.device).parent == venv / "bin"
-        assert remote.name == ""  # none of the heavy packages
-        assert remote.pid != os.getpid()
-    finally:
-        remote.close()
-        sys.modules.pop("light_engine", None)
-    assert not remote.alive()
 
 
 def test_a_factory_the_child_cannot_import_fails_clearly(tmp_path: Path) -> None:

@@ -86,13 +86,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def ours(demo_model_dir: Path) -> ModelTokenizer:
-    return ModelTokenizer.from_dir(demo_model_dir)
+def ours(demo_tokenizer_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer.from_dir(demo_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def hf(demo_model_dir: Path) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(demo_model_dir)
+def hf(demo_tokenizer_dir: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(demo_tokenizer_dir)
 
 
 def _variant(src: Path, dst: Path, **config_changes: Any) -> Path:
@@ -171,10 +171,10 @@ def test_round_trip(ours: ModelTokenizer) -> None:
     ids=["no-bos", "bos-and-eos"],
 )
 def test_add_bos_eos_flags_are_ignored_like_transformers(
-    demo_model_dir: Path, tmp_path: Path, changes: dict[str, Any]
+    demo_tokenizer_dir: Path, tmp_path: Path, changes: dict[str, Any]
 ) -> None:
     # transformers 5 drops these flags when tokenizer.json is there: its post-processor rules.
-    d = _variant(demo_model_dir, tmp_path / "m", **changes)
+    d = _variant(demo_tokenizer_dir, tmp_path / "m", **changes)
     ours, hf = ModelTokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(d)
     for text in TEXTS:
         assert ours.encode(text) == hf.encode(text), text
@@ -205,10 +205,12 @@ def test_chat_has_exactly_one_bos(ours: ModelTokenizer) -> None:
     assert ids.count(ours.bos_token_id) == 1
 
 
-def test_named_templates_in_config(demo_model_dir: Path, tmp_path: Path) -> None:
-    default = json.loads((demo_model_dir / "tokenizer_config.json").read_text())["chat_template"]
+def test_named_templates_in_config(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    default = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())[
+        "chat_template"
+    ]
     d = _variant(
-        demo_model_dir,
+        demo_tokenizer_dir,
         tmp_path / "m",
         chat_template=[
             {"name": "default", "template": default},
@@ -226,8 +228,8 @@ def test_named_templates_in_config(demo_model_dir: Path, tmp_path: Path) -> None
     assert "get_weather" not in ours.render_chat(CONVERSATIONS[0])
 
 
-def test_template_file_wins_over_config(demo_model_dir: Path, tmp_path: Path) -> None:
-    d = _variant(demo_model_dir, tmp_path / "m")
+def test_template_file_wins_over_config(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    d = _variant(demo_tokenizer_dir, tmp_path / "m")
     (d / "chat_template.jinja").write_text(RICH_TEMPLATE)
     ours, hf = ModelTokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(d)
     for messages in CONVERSATIONS:
@@ -237,8 +239,8 @@ def test_template_file_wins_over_config(demo_model_dir: Path, tmp_path: Path) ->
             )
 
 
-def test_template_errors_are_bad_requests(demo_model_dir: Path, tmp_path: Path) -> None:
-    d = _variant(demo_model_dir, tmp_path / "m", chat_template=RICH_TEMPLATE)
+def test_template_errors_are_bad_requests(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    d = _variant(demo_tokenizer_dir, tmp_path / "m", chat_template=RICH_TEMPLATE)
     ours = ModelTokenizer.from_dir(d)
     with pytest.raises(BadRequest, match="unknown role: narrator"):
         ours.render_chat([{"role": "narrator", "content": "Once upon a time"}])
@@ -246,22 +248,22 @@ def test_template_errors_are_bad_requests(demo_model_dir: Path, tmp_path: Path) 
         ours.render_chat([])
     strict = ModelTokenizer.from_dir(
         _variant(
-            demo_model_dir, tmp_path / "strict", chat_template="{{ messages[0].content + '!' }}"
+            demo_tokenizer_dir, tmp_path / "strict", chat_template="{{ messages[0].content + '!' }}"
         )
     )
     with pytest.raises(BadRequest):  # a content list where the template adds strings
         strict.render_chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     plain = ModelTokenizer.from_dir(
-        _variant(demo_model_dir, tmp_path / "plain", chat_template=None)
+        _variant(demo_tokenizer_dir, tmp_path / "plain", chat_template=None)
     )
     assert not plain.has_chat_template
     with pytest.raises(BadRequest, match="no chat template"):
         plain.render_chat([{"role": "user", "content": "hi"}])
 
 
-def test_template_cannot_escape_sandbox(demo_model_dir: Path, tmp_path: Path) -> None:
+def test_template_cannot_escape_sandbox(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
     evil = "{{ messages.__class__.__mro__ }}"
-    ours = ModelTokenizer.from_dir(_variant(demo_model_dir, tmp_path / "m", chat_template=evil))
+    ours = ModelTokenizer.from_dir(_variant(demo_tokenizer_dir, tmp_path / "m", chat_template=evil))
     with pytest.raises(BadRequest):
         ours.render_chat([{"role": "user", "content": "hi"}])
 

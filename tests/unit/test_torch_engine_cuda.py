@@ -21,7 +21,10 @@ from shared.messages.api import SamplingParams
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import VOCAB, _write_tiny_llama, greedy
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
 
 BS = 4
 PREFIX = [5, 17, 42, 8, 61, 3, 29, 11, 2, 7, 70, 33]  # three full blocks

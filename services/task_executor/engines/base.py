@@ -27,6 +27,7 @@ __all__ = [
     "EngineOutput",
     "EngineRequest",
     "EngineStats",
+    "PrefillBudget",
     "check_prompt",
 ]
 
@@ -58,11 +59,21 @@ class EngineStats(msgspec.Struct):
 IDLE_STATS = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks=0)
 
 
+class PrefillBudget(msgspec.Struct, frozen=True):
+    """How an engine schedules prompts: at most ``tokens`` prompt tokens an iteration, and,
+    when ``chunked``, a longer prompt split over several iterations beside running decodes
+    (what the profiler records and the simulator schedules with)."""
+
+    tokens: int
+    chunked: bool
+
+
 class Engine(Protocol):
     name: str  # "torch", "openvino", "vllm"
     device: str  # "cpu", "cuda:0"
     capabilities: EngineCapabilities
     max_model_len: int
+    prefill_budget: PrefillBudget
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; it joins the batch at the next iteration. Raises ValueError

@@ -21,6 +21,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
 )
 from shared.messages.kv import KvEvent
 
@@ -102,6 +103,7 @@ class Built(msgspec.Struct, tag=True, kw_only=True):
     device: str
     max_model_len: int
     capabilities: EngineCapabilities
+    prefill_budget: PrefillBudget
     block_size: int = 0  # of its KV events; 0 where it declares none
 
 

@@ -47,6 +47,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
 )
 from services.task_executor.engines.capabilities import KvEventSource, bind_features
 from services.task_executor.engines.pipe import (
@@ -91,6 +92,7 @@ class ProcessEngine:
     capabilities: EngineCapabilities
     max_model_len: int
     block_size: int
+    prefill_budget: PrefillBudget
 
     def __init__(
         self,
@@ -129,6 +131,7 @@ class ProcessEngine:
             raise
         self.name, self.device = built.name, built.device
         self.max_model_len, self.block_size = built.max_model_len, built.block_size
+        self.prefill_budget = built.prefill_budget
         self.capabilities = msgspec.structs.replace(
             built.capabilities,
             kv_export=False,
@@ -253,6 +256,7 @@ class _Child:
             device=engine.device,
             max_model_len=engine.max_model_len,
             capabilities=engine.capabilities,
+            prefill_budget=engine.prefill_budget,
             block_size=self.kv.block_size if self.kv is not None else 0,
         )
 

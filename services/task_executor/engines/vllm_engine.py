@@ -21,6 +21,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
     check_prompt,
 )
 from shared.messages.api import SamplingParams
@@ -85,6 +86,10 @@ class VLLMEngine:
         # meshserve index could use.
         self.capabilities = EngineCapabilities(
             modes=frozenset({TaskMode.COLOCATED}), prefix_cache=enable_prefix_caching
+        )
+        sched = self._engine.vllm_config.scheduler_config
+        self.prefill_budget = PrefillBudget(
+            int(sched.max_num_batched_tokens), bool(sched.enable_chunked_prefill)
         )
         self.max_model_len = int(self._engine.model_config.max_model_len)
         self.device = str(current_platform.device_type)

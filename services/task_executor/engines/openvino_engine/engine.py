@@ -33,6 +33,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
     check_prompt,
 )
 from services.task_executor.engines.openvino_engine.convert import ensure_ir, is_complete
@@ -197,6 +198,7 @@ class OpenVINOEngine:
         # alongside the running decodes (dynamic split-fuse). See DEFAULT_STEP_TOKENS.
         sched.max_num_batched_tokens = max_num_batched_tokens
         sched.dynamic_split_fuse = True
+        self.prefill_budget = PrefillBudget(max_num_batched_tokens, chunked=True)
         sched.enable_prefix_caching = enable_prefix_caching
         self.capabilities = EngineCapabilities(
             modes=frozenset({TaskMode.COLOCATED}), prefix_cache=enable_prefix_caching

@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,7 +139,7 @@ class DecodeAttention:
     ``[num_blocks, block_size, kv_heads, hd]`` contiguous, ``block_tables`` ``[batch, width]``
     and ``lens`` ``[batch]`` int64 contiguous, every length >= 1."""
 
-    def __init__(self, fn: ctypes._CFuncPtr, dtype: torch.dtype) -> None:
+    def __init__(self, fn: Callable[..., int], dtype: torch.dtype) -> None:
         self._fn = fn
         self.dtype = dtype
 

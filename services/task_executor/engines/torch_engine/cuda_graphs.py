@@ -96,16 +96,18 @@ class DecodeGraphs:
 
     def covers(self, batch: ForwardBatch) -> bool:
         n = batch.input_ids.shape[0]
+        tables = batch.decode_block_tables
         return (
             not batch.prefills
+            and tables is not None
             and batch.num_decode == n
             and batch.logits_indices.shape[0] == n
             and n <= self._batches[-1]
-            and batch.decode_block_tables.shape[1] <= self._widths[-1]
+            and tables.shape[1] <= self._widths[-1]
         )
 
     def run(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        n, width = batch.decode_block_tables.shape
+        n, width = _decode_inputs(batch)[0].shape
         key = bucket(n, self._batches), bucket(width, self._widths)
         g = self._graphs.get(key)
         if g is None:
@@ -118,14 +120,15 @@ class DecodeGraphs:
         return g.logits[:n].clone()
 
     def _load(self, g: _Graph, batch: ForwardBatch) -> None:
-        n, width = batch.decode_block_tables.shape
+        tables, lens = _decode_inputs(batch)
+        n, width = tables.shape
         rows = g.rows.clamp(max=n - 1)  # the padded rows repeat the last one
         torch.index_select(batch.input_ids, 0, rows, out=g.ids)
         torch.index_select(batch.positions, 0, rows, out=g.positions)
         torch.index_select(batch.slots, 0, rows, out=g.slots)
-        torch.index_select(batch.decode_lens, 0, rows, out=g.lens)
+        torch.index_select(lens, 0, rows, out=g.lens)
         g.tables[:, width:].zero_()
-        g.tables[:, :width].copy_(batch.decode_block_tables.index_select(0, rows))
+        g.tables[:, :width].copy_(tables.index_select(0, rows))
 
     def _static_forward(self, g: _Graph, cache: PagedKVCache) -> torch.Tensor:
         b, w = g.tables.shape
@@ -169,3 +172,10 @@ class DecodeGraphs:
         g.graph.replay()
         self._graphs[b, w] = g
         return g
+
+
+def _decode_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pure decode batch's block tables and lengths (``covers`` checked it has them)."""
+    if batch.decode_block_tables is None or batch.decode_lens is None:
+        raise ValueError("a CUDA graph replays decode batches only")
+    return batch.decode_block_tables, batch.decode_lens

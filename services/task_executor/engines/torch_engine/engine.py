@@ -27,6 +27,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    PrefillBudget,
     check_prompt,
 )
 from services.task_executor.engines.capabilities import TensorSource
@@ -304,6 +305,7 @@ class TorchEngine:
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill
+        self.prefill_budget = PrefillBudget(max_prefill_tokens, chunked_prefill)
         self._sched = SchedulerConfig(
             block_size=block_size,
             max_num_seqs=max_num_seqs,

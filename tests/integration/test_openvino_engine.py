@@ -27,6 +27,9 @@ from services.task_executor.engines.openvino_engine.engine import load_ir_config
 from shared.messages.api import SamplingParams
 from tests.engines import drain, tokens
 
+# Converts the checkpoint to IR with optimum-intel in its own venv (built on first use).
+pytestmark = pytest.mark.openvino
+
 EXACT = {"inference_precision": "f32", "kv_cache_precision": "f32"}
 
 
