@@ -165,20 +165,11 @@ _ALL: tuple[type[MeshserveError], ...] = (
     Internal,
 )
 _BY_KIND: dict[str, type[MeshserveError]] = {cls.__name__: cls for cls in _ALL}
-# A peer that predates ``kind`` (or an unknown kind): the status decides, as it did then.
-_BY_STATUS: dict[int, type[MeshserveError]] = {
-    cls.status: cls
-    for cls in (
-        BadRequest,
-        Unauthorized,
-        NotFound,
-        MethodNotAllowed,
-        Conflict,
-        PayloadTooLarge,
-        RateLimited,
-        Unavailable,
-    )
-}
+# A peer that predates ``kind`` (or an unknown kind): the status decides, as it did then, as
+# the first (most general) class of that status.
+_BY_STATUS: dict[int, type[MeshserveError]] = {}
+for _cls in _ALL:
+    _BY_STATUS.setdefault(_cls.status, _cls)
 
 
 def from_reply(reply: ErrorReply) -> MeshserveError:

@@ -8,13 +8,17 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 
+from services.cluster_manager.service import ClusterManager
+from services.frontend.service import Frontend
+from services.job_executor.service import JobExecutor
 from shared.bus import Bus
 from shared.settings import Settings, process_environment
+from shared.store import Store
 
 
 class Running:
@@ -75,3 +79,21 @@ async def wait_health(
                     f"the cluster did not get ready: {body if 'body' in dir() else None}"
                 )
             await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def control_plane(
+    settings: Settings, nats_url: str, redis_url: str
+) -> AsyncIterator[Running]:
+    """A cluster manager, a frontend and a job executor, each on its own connection. On exit
+    they stop, with whatever the test started on the same ``Running``."""
+    run = Running(settings, nats_url)
+    store = await Store.connect(redis_url)
+    try:
+        await run.start(lambda bus: ClusterManager(settings=settings, bus=bus, store=store))
+        await run.start(lambda bus: Frontend(settings=settings, bus=bus))
+        await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
+        yield run
+    finally:
+        await run.stop()
+        await store.close()

@@ -15,9 +15,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.cluster_manager.service import ClusterManager
-from services.frontend.service import Frontend
-from services.job_executor.service import JobExecutor
 from services.task_executor.worker import TaskExecutor
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient
@@ -26,9 +23,8 @@ from shared.messages.base import decoder_for
 from shared.messages.jobs import ChatJob
 from shared.messages.scaling import LoadModel
 from shared.settings import Settings
-from shared.store import Store
 from shared.subjects import Subjects
-from tests.integration.services import Running, te_process, wait_health
+from tests.integration.services import control_plane, te_process, wait_health
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
 
@@ -85,56 +81,56 @@ async def test_all_streams_of_a_killed_te_move_at_once(
         torch_threads=1,
     )
     base = f"http://127.0.0.1:{settings.frontend.http_port}"
-    run = Running(settings, nats_url)
-    store = await Store.connect(redis_url)
     victim = te_process(settings, "te-victim")
     try:
-        await run.start(lambda bus: ClusterManager(settings=settings, bus=bus, store=store))
-        await run.start(lambda bus: Frontend(settings=settings, bus=bus))
-        await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
-        control = await run.start(lambda bus: _Watcher(settings, bus))
-        await wait_health(base, lambda b: any(t["id"] == "te-victim" for t in b["task_executors"]))
-        load = LoadModel(model="demo", path=str(demo_model_dir))
-        assert (await control.tes.control("te-victim", load)).ok
-        await wait_health(base, _ready_on("te-victim"))
-
-        got: list[list[float]] = [[] for _ in range(STREAMS)]
-        async with aiohttp.ClientSession() as http:
-            streams = [asyncio.create_task(_stream(http, base, i, got)) for i in range(STREAMS)]
-            deadline = time.monotonic() + 30
-            while not all(got):  # every stream is running on the victim
-                assert time.monotonic() < deadline, [len(g) for g in got]
-                assert not any(s.done() for s in streams), [s.result() for s in streams if s.done()]
-                await asyncio.sleep(0.02)
-            # The second instance, only now: none of the 8 was placed on it.
-            await run.start(
-                lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-b", pool_id="p")
-            )
-            await wait_health(base, lambda b: any(t["id"] == "te-b" for t in b["task_executors"]))
-            assert (await control.tes.control("te-b", load)).ok
-            await wait_health(base, _ready_on("te-b"))
-            assert not any(s.done() for s in streams)
-
-            killed_at = time.monotonic()
-            os.kill(victim.pid, signal.SIGKILL)
-            usages = await asyncio.wait_for(asyncio.gather(*streams), 120)
-
-        moved = control.resubmitted_at
-        assert len(moved) == STREAMS, moved  # each stream moved once
-        first, last = min(moved.values()), max(moved.values())
-        # All on one notice: the liveness deadline of the victim's last heartbeat (at most one
-        # heartbeat interval before the kill), then one resubmission each, together.
-        assert first - killed_at <= liveness + 0.5, first - killed_at
-        assert first - killed_at >= liveness - 0.3, first - killed_at
-        assert last - first < 0.1, sorted(moved.values())
-        for usage in usages:
-            assert usage["completion_tokens"] == MAX_TOKENS
+        async with control_plane(settings, nats_url, redis_url) as run:
+            await _kill_one_of_two(run, settings, base, demo_model_dir, victim, liveness)
     finally:
         with contextlib.suppress(ProcessLookupError):
             victim.kill()
         victim.wait()
-        await run.stop()
-        await store.close()
+
+
+async def _kill_one_of_two(  # type: ignore[no-untyped-def]
+    run, settings: Settings, base: str, demo_model_dir: Path, victim, liveness: float
+) -> None:
+    control = await run.start(lambda bus: _Watcher(settings, bus))
+    await wait_health(base, lambda b: any(t["id"] == "te-victim" for t in b["task_executors"]))
+    load = LoadModel(model="demo", path=str(demo_model_dir))
+    assert (await control.tes.control("te-victim", load)).ok
+    await wait_health(base, _ready_on("te-victim"))
+
+    got: list[list[float]] = [[] for _ in range(STREAMS)]
+    async with aiohttp.ClientSession() as http:
+        streams = [asyncio.create_task(_stream(http, base, i, got)) for i in range(STREAMS)]
+        deadline = time.monotonic() + 30
+        while not all(got):  # every stream is running on the victim
+            assert time.monotonic() < deadline, [len(g) for g in got]
+            assert not any(s.done() for s in streams), [s.result() for s in streams if s.done()]
+            await asyncio.sleep(0.02)
+        # The second instance, only now: none of the 8 was placed on it.
+        await run.start(
+            lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-b", pool_id="p")
+        )
+        await wait_health(base, lambda b: any(t["id"] == "te-b" for t in b["task_executors"]))
+        assert (await control.tes.control("te-b", load)).ok
+        await wait_health(base, _ready_on("te-b"))
+        assert not any(s.done() for s in streams)
+
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        usages = await asyncio.wait_for(asyncio.gather(*streams), 120)
+
+    moved = control.resubmitted_at
+    assert len(moved) == STREAMS, moved  # each stream moved once
+    first, last = min(moved.values()), max(moved.values())
+    # All on one notice: the liveness deadline of the victim's last heartbeat (at most one
+    # heartbeat interval before the kill), then one resubmission each, together.
+    assert first - killed_at <= liveness + 0.5, first - killed_at
+    assert first - killed_at >= liveness - 0.3, first - killed_at
+    assert last - first < 0.1, sorted(moved.values())
+    for usage in usages:
+        assert usage["completion_tokens"] == MAX_TOKENS
 
 
 class _Watcher:

@@ -13,17 +13,13 @@ import aiohttp
 import pytest
 import structlog
 
-from services.cluster_manager.service import ClusterManager
-from services.frontend.service import Frontend
-from services.job_executor.service import JobExecutor
 from services.task_executor.worker import TaskExecutor
 from shared.clients import TaskExecutorClient
 from shared.embedded import free_port
 from shared.messages.scaling import LoadModel
 from shared.settings import Settings
-from shared.store import Store
 from shared.subjects import Subjects
-from tests.integration.services import Running, wait_health
+from tests.integration.services import control_plane, wait_health
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis]
 
@@ -70,12 +66,7 @@ async def test_every_service_logs_the_request_id(
         shutdown_grace=timedelta(seconds=1),
     )
     base = f"http://127.0.0.1:{settings.frontend.http_port}"
-    run = Running(settings, nats_url)
-    store = await Store.connect(redis_url)
-    try:
-        await run.start(lambda bus: ClusterManager(settings=settings, bus=bus, store=store))
-        await run.start(lambda bus: Frontend(settings=settings, bus=bus))
-        await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
+    async with control_plane(settings, nats_url, redis_url) as run:
         te = await run.start(
             lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-l", pool_id="p")
         )
@@ -89,9 +80,6 @@ async def test_every_service_logs_the_request_id(
                 assert r.status == 200
                 rid = (await r.json())["id"]
         await asyncio.sleep(0.2)  # the TE's last lines follow its last chunk
-    finally:
-        await run.stop()
-        await store.close()
 
     about = [e for e in captured if e.get("request_id") == rid]
     said = {e["event"] for e in about}
