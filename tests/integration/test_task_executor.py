@@ -340,3 +340,51 @@ async def _serves_the_torch_engines_tokens(
         for o in ref.step():
             expected.extend(o.new_token_ids)
     assert tokens == expected
+
+
+async def test_an_engine_process_that_dies_hands_its_requests_on(
+    bus: Bus, cluster: str, demo_model_dir: Path
+):
+    """The engine's child process is killed mid-stream: its requests end with a retryable
+    failure (the frontend moves them to another TE), and the TE reports the model lost."""
+    import functools
+    import signal
+
+    from services.task_executor.engines.process import ProcessEngine
+    from services.task_executor.engines.torch_engine import TorchEngine
+
+    def in_a_child(model: str, path: Path, settings: Settings) -> ProcessEngine:
+        return ProcessEngine(functools.partial(TorchEngine, path, device="cpu"), label=model)
+
+    settings = Settings(cluster=cluster, heartbeat_interval=timedelta(seconds=0.2))
+    worker = TaskExecutor(
+        settings=settings, bus=bus, te_id="te-d", pool_id="p", engine_factory=in_a_child
+    )
+    run = asyncio.create_task(worker.run())
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
+    try:
+        assert (await client.control("te-d", LoadModel(model="demo", path=str(demo_model_dir)))).ok
+        deadline = time.monotonic() + 60
+        while worker.state != TEState.READY:
+            assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
+            await asyncio.sleep(0.05)
+        engine = worker.engine
+        assert isinstance(engine, ProcessEngine)
+        got = await collect(bus, Subjects(cluster).token_stream("fe", "dies"))
+        await client.place("te-d", task(cluster, "dies", max_tokens=5000))
+        await asyncio.wait_for(got.first.wait(), 20)
+        os.kill(engine.pid, signal.SIGKILL)
+        await asyncio.wait_for(got.done.wait(), 10)
+        last = got.chunks[-1]
+        assert last.finish_reason == "error" and last.failure is not None
+        failure = from_reply(last.failure)
+        assert isinstance(failure, InstanceLost) and failure.retryable, failure
+        deadline = time.monotonic() + 10
+        while worker.state != TEState.IDLE:
+            assert time.monotonic() < deadline, worker.state
+            await asyncio.sleep(0.05)
+        assert worker.engine is None and worker._failed_model == "demo"
+    finally:
+        await worker.shutdown()
+        await run
