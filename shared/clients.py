@@ -91,12 +91,11 @@ class ViewWatcher:
         self._client = ClusterClient(bus, subjects)
         self.view = ClusterView(cluster=subjects.cluster, version=-1, generated_at=0.0)
         self._changed = asyncio.Condition()
-        self._fetch: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[ClusterView], None]] = []
 
     async def start(self, life: Lifecycle) -> None:
         await self._bus.subscribe(self._s.view(), {ClusterView: self._on_view})
-        self._fetch = life.spawn(self._initial(), name="initial view", one_shot=True)
+        life.spawn(self._initial(), name="initial view", one_shot=True)
 
     async def _initial(self) -> None:
         while self.view.version < 0:
@@ -122,12 +121,6 @@ class ViewWatcher:
             async with self._changed:
                 await asyncio.wait_for(self._changed.wait(), timeout)
 
-    async def stop(self) -> None:
-        if self._fetch:
-            self._fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._fetch
-
 
 class Heartbeater:
     """Publishes build() every interval, and at once on beat_now()."""
@@ -136,11 +129,10 @@ class Heartbeater:
         self, client: ClusterClient, build: Callable[[], Message], interval: float
     ) -> None:
         self._client, self._build, self._interval = client, build, interval
-        self._task: asyncio.Task[None] | None = None
         self._now = asyncio.Event()
 
     def start(self, life: Lifecycle) -> None:
-        self._task = life.spawn(self._loop(), name="heartbeat")
+        life.spawn(self._loop(), name="heartbeat")
 
     def beat_now(self) -> None:
         self._now.set()
@@ -154,9 +146,3 @@ class Heartbeater:
             self._now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._now.wait(), self._interval)
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

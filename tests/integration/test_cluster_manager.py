@@ -66,10 +66,11 @@ async def cm(bus: Bus, store: Store, cluster: str, tmp_path: Path):
     mgr = ClusterManager(settings=settings, bus=bus, store=store)
     task = asyncio.create_task(mgr.run())
     watcher = ViewWatcher(bus, Subjects(cluster))
-    await watcher.start(Lifecycle("test"))
+    life = Lifecycle("test")
+    await watcher.start(life)
     await until(lambda: watcher.view.version >= 0)
     yield mgr, watcher
-    await watcher.stop()
+    await life.cancel_tasks()
     await mgr.shutdown()
     await task
 
