@@ -29,16 +29,29 @@ RESULTS = ROOT / "bench-results"
 # --- the bandwidth bound --------------------------------------------------------------------
 
 
-def measure_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
-    """Read bandwidth in GB/s: the median time to sum a tensor far larger than any cache."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+def measure_bandwidth(gib: float = 1.0, reps: int = 7, device: str = "cpu") -> float:
+    """Read bandwidth in GB/s of ``device``'s memory: the median time to sum a tensor far
+    larger than any cache (the host's caches, or a GPU's L2)."""
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=dev)
     x.sum()
+    sync()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    nbytes = x.numel() * 4
+    del x
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return nbytes / statistics.median(times) / 1e9
 
 
 def with_bandwidth(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:

@@ -676,7 +676,11 @@ def print_goals(goal_list: list[dict[str, Any]]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-engine",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument(
         "--models", default="demo,bench-qwen2-0.5b", help="comma-separated: " + ", ".join(MODELS)
     )

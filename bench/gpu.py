@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from bench.common import (
     Table,
     bound_tok_s,
     ensure_model,
+    measure_bandwidth,
     median,
     models_dir,
     names,
@@ -55,22 +55,6 @@ from services.task_executor.engines.torch_engine.weights import CheckpointTensor
 from shared.messages.api import SamplingParams
 
 ENGINES = ("torch", "torch-sync", "torch-eager", "vllm")
-
-
-def gpu_read_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
-    """GB/s that a reduction over a tensor far larger than the L2 reads from device memory."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device="cuda")
-    x.sum()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    del x
-    torch.cuda.empty_cache()
-    return int(gib * (1 << 30)) / statistics.median(times) / 1e9
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
@@ -214,7 +198,11 @@ def ratios(rows: list[dict[str, Any]], num: str, den: str) -> list[dict[str, Any
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-gpu",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--model", default="bench-qwen2-0.5b", choices=sorted(MODELS))
     p.add_argument("--models-dir", type=Path, default=None, help="default: MESHSERVE_MODELS_DIR")
     p.add_argument("--dtype", default="bfloat16")
@@ -252,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
-    bandwidth = gpu_read_bandwidth()
+    bandwidth = measure_bandwidth(gib=2.0, reps=10, device="cuda")
     print(f"{host['gpu']}, torch {host['torch']} (CUDA {host['cuda']}), read {bandwidth:.0f} GB/s")
     engines: dict[str, Engine] = {}
     started: dict[str, float] = {}

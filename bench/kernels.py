@@ -116,6 +116,19 @@ def packing_rows(reps: int, batches: list[int], layers: int) -> list[dict]:
         "gate_up": (2 * INTER, HIDDEN),
         "down": (HIDDEN, INTER),
     }
+    hints = sorted({1, linear.PACK_BATCH_HINT})
+    # One table for both dtypes: its header prints once, before the first row.
+    table = Table(
+        [
+            Col("dtype", "dtype", left=True, width=8),
+            Col("batch", "batch"),
+            *(
+                Col(f"{n}_ms", f"{n} ms", ".1f", width=10)
+                for n in ["F.linear"] + [f"packed {h}" for h in hints]
+            ),
+            Col("hint_speedup", f"hint {linear.PACK_BATCH_HINT} ÷ 1", ".2f", width=10),
+        ]
+    )
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         if not linear.can_pack(dtype, CPU):
@@ -126,19 +139,7 @@ def packing_rows(reps: int, batches: list[int], layers: int) -> list[dict]:
             {k: (torch.randn(s, generator=gen) * 0.02).to(dtype) for k, s in shapes.items()}
             for _ in range(layers)
         ]
-        hints = sorted({1, linear.PACK_BATCH_HINT})
         variants: dict[str, list[dict[str, torch.Tensor]]] = {"F.linear": plain}
-        table = Table(
-            [
-                Col("dtype", "dtype", left=True, width=8),
-                Col("batch", "batch"),
-                *(
-                    Col(f"{n}_ms", f"{n} ms", ".1f", width=10)
-                    for n in ["F.linear"] + [f"packed {h}" for h in hints]
-                ),
-                Col("hint_speedup", f"hint {linear.PACK_BATCH_HINT} ÷ 1", ".2f", width=10),
-            ]
-        )
         for hint in hints:
             variants[f"packed {hint}"] = [
                 {k: torch.ops.mkldnn._reorder_linear_weight(w, hint) for k, w in layer.items()}

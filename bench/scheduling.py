@@ -156,7 +156,11 @@ def long(args: argparse.Namespace, s: Setting) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-scheduling",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--model", type=Path, default=ROOT / "models" / "bench-qwen2-0.5b")
     p.add_argument("--dtype", default="float32")
     p.add_argument(
