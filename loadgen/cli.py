@@ -27,8 +27,8 @@ from loadgen.plan import PlanError, parse_models_map, plan
 from loadgen.progress import Progress
 from loadgen.prompts import PromptError, TokenPool, approximate_pool, tokenizer_pool
 from loadgen.replay import EndpointError, SendOptions, list_models, replay
-from loadgen.slo import SLO, parse_slo
 from loadgen.traces import FORMATS, TraceError, TraceRequest, read_trace, write_trace
+from shared.slo import SLO, parse_slo
 
 __all__ = ["main", "report"]
 
@@ -323,6 +323,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         devices=args.devices,
         pool_size=args.pool_size,
         keep_alive_s=args.keep_alive,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas or args.devices,
+        target_utilization=args.target_utilization,
+        slo=slo,
         placement_timeout_s=args.placement_timeout,
         heartbeat_s=args.heartbeat,
         network_s=args.network_ms / 1000,
@@ -343,6 +347,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     results, stats = simulate(planned, profiles, cfg)
     wall = time.perf_counter() - t0
     summary = summarize(results, slo, exact_prompts=True)
+    ideal = None
+    if args.compare_ideal:
+        ideal_results, ideal_stats = simulate(
+            planned, profiles, dataclasses.replace(cfg, instant_loads=True)
+        )
+        ideal = {
+            "summary": {
+                k: v
+                for k, v in summarize(ideal_results, slo, exact_prompts=True).items()
+                if k in ("slo_attainment", "goodput_rps", "ttft_ms", "tpot_ms", "failed")
+            },
+            "stats": dataclasses.asdict(ideal_stats),
+        }
     summary["run"] = {
         "simulated": True,
         "trace": str(args.trace),
@@ -356,6 +373,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "wall_s": round(wall, 3),
         "argv": sys.argv[1:],
         "calibration": calibration,
+        "ideal": ideal,
     }
     _write_run(
         args.out,
@@ -369,6 +387,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"simulated {stats.iterations} iterations, {stats.loads} loads, {stats.unloads} "
         f"unloads, {stats.preemptions} preemptions in {wall:.1f} s"
     )
+    peak = max(stats.peak_replicas.values(), default=0)
+    print(
+        f"instance-seconds {stats.instance_seconds:.0f}, peak replicas of one model {peak}, "
+        f"held requests {stats.held} (mean wait "
+        f"{stats.held_wait_s / max(stats.held, 1):.2f} s), timeouts {stats.timeouts}"
+    )
+    if ideal is not None:
+        ideal_is = ideal["stats"]["instance_seconds"]
+        ratio = stats.instance_seconds / ideal_is if ideal_is else float("nan")
+        print(
+            f"ideal (instant loads): SLO attainment "
+            f"{100 * (ideal['summary']['slo_attainment'] or 0):.1f}%, instance-seconds "
+            f"{ideal_is:.0f}; this run uses {ratio:.2f}x the ideal's instance-seconds"
+        )
     return 0
 
 
@@ -646,6 +678,24 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a job waits for an instance before it fails (503)",
+    )
+    m.add_argument(
+        "--min-replicas", type=int, default=0, help="instances every model keeps (scaler)"
+    )
+    m.add_argument(
+        "--max-replicas", type=int, help="most instances of one model (default: --devices)"
+    )
+    m.add_argument(
+        "--target-utilization",
+        type=float,
+        default=0.7,
+        help="share of an instance's capacity the scaler plans to use",
+    )
+    m.add_argument(
+        "--compare-ideal",
+        action="store_true",
+        help="also run the same trace with instances that load instantly (λScale's ideal) "
+        "and print both instance-second totals",
     )
     m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")

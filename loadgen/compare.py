@@ -13,7 +13,7 @@ from typing import Any
 
 from loadgen.report import table
 from loadgen.results import Result, read_results
-from loadgen.slo import SLO
+from shared.slo import SLO
 
 
 class RunError(ValueError):

@@ -27,6 +27,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from services.task_executor.capacity import CAPACITY_MAX_BATCH
+from shared.messages.scaling import InstanceCapacity
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineProfile:
@@ -92,6 +95,20 @@ class EngineProfile:
                 # A prefill-only iteration still reads every weight once (the LM head too).
                 t = max(t, self.decode_step_s(1))
         return t
+
+    def capacity(self) -> InstanceCapacity:
+        """The scaler's per-token costs of this engine (what the TE's own probe,
+        ``services/task_executor/capacity.py``, measures), from this fuller model."""
+        batch = max(1, min(self.max_num_seqs, CAPACITY_MAX_BATCH))
+        return InstanceCapacity(
+            prefill_s=self.prefill_s,
+            prefill_attention_s=self.prefill_s2,
+            decode_s=self.decode_step_s(batch) / batch + self.emit_s,
+            decode_context_s=self.decode_ctx_s,
+            max_num_seqs=self.max_num_seqs,
+            engine=str(self.source.get("engine", "")),
+            device=str(self.source.get("device", "")),
+        )
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

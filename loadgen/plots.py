@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 
 from loadgen.report import cdf, timeline
 from loadgen.results import Result
-from loadgen.slo import SLO
+from shared.slo import SLO
 
 _METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E latency"))
 

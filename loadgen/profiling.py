@@ -19,72 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadgen.costmodel import EngineProfile
-from services.task_executor.engines.base import Engine, EngineRequest
+from services.task_executor.capacity import decode_step_s, fit_prefill, prefill_s
 from services.task_executor.engines.factory import choose_engine, create_engine
-from shared.messages.api import SamplingParams
 from shared.settings import Settings
-
-
-def _prefill_s(engine: Engine, rng: random.Random, vocab: int, length: int) -> float:
-    engine.add_request(
-        EngineRequest(
-            f"p{rng.random()}",
-            [rng.randrange(vocab) for _ in range(length)],
-            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-        )
-    )
-    t = time.perf_counter()
-    while engine.has_work():
-        engine.step()
-    return time.perf_counter() - t
-
-
-def _decode_step_s(
-    engine: Engine, rng: random.Random, vocab: int, batch: int, context: int, steps: int
-) -> float:
-    """Median step time of ``batch`` requests decoding at about ``context`` tokens."""
-    tag = f"d{rng.random()}"
-    for i in range(batch):
-        engine.add_request(
-            EngineRequest(
-                f"{tag}-{i}",
-                [rng.randrange(vocab) for _ in range(context)],
-                SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True),
-            )
-        )
-    times = []
-    while engine.has_work():
-        running_before = engine.stats().running
-        t = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t
-        if running_before == batch and engine.stats().waiting == 0:
-            times.append(dt)  # a pure decode step of the whole batch
-    if not times:
-        raise RuntimeError(f"batch {batch} never decoded together (max_num_seqs or KV too small?)")
-    return statistics.median(times)
-
-
-def fit_prefill(lengths: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least squares ``t = a*n + b*n**2`` with a, b >= 0 (pure; unit-tested)."""
-    s11 = sum(n * n for n in lengths)
-    s12 = sum(n**3 for n in lengths)
-    s22 = sum(n**4 for n in lengths)
-    y1 = sum(n * t for n, t in zip(lengths, seconds, strict=True))
-    y2 = sum(n * n * t for n, t in zip(lengths, seconds, strict=True))
-    det = s11 * s22 - s12 * s12
-    if len(set(lengths)) >= 2 and det > 0:
-        a = (y1 * s22 - y2 * s12) / det
-        b = (s11 * y2 - s12 * y1) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    # One length, or a fit that went negative: the best pure-linear or pure-quadratic one.
-    lin = y1 / s11
-    quad = y2 / s22
-    err = lambda a, b: sum(  # noqa: E731
-        (a * n + b * n * n - t) ** 2 for n, t in zip(lengths, seconds, strict=True)
-    )
-    return (lin, 0.0) if err(lin, 0.0) <= err(0.0, quad) else (0.0, quad)
 
 
 def measure_profile(
@@ -109,17 +46,17 @@ def measure_profile(
         max_len = engine.max_model_len
         prefill_lengths = [n for n in prefill_lengths if n < max_len]
         long_context = min(long_context, max_len - steps - 4)
-        _prefill_s(engine, rng, vocab, min(64, max_len - 1))  # warm-up
+        prefill_s(engine, rng, vocab, min(64, max_len - 1))  # warm-up
         pre = [
-            statistics.median(_prefill_s(engine, rng, vocab, n) for _ in range(reps))
+            statistics.median(prefill_s(engine, rng, vocab, n) for _ in range(reps))
             for n in prefill_lengths
         ]
         log(f"prefill {dict(zip(prefill_lengths, [round(t, 4) for t in pre], strict=True))}")
         a, b = fit_prefill(prefill_lengths, pre)
-        short = [_decode_step_s(engine, rng, vocab, bsz, short_context, steps) for bsz in batches]
+        short = [decode_step_s(engine, rng, vocab, bsz, short_context, steps) for bsz in batches]
         log(f"decode step at {short_context} tokens {dict(zip(batches, short, strict=True))}")
         long_b = max(x for x in batches if x <= 8)
-        long_t = _decode_step_s(engine, rng, vocab, long_b, long_context, steps)
+        long_t = decode_step_s(engine, rng, vocab, long_b, long_context, steps)
         ctx_s = max(
             0.0,
             (long_t - short[list(batches).index(long_b)])

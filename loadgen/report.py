@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from loadgen.results import Result
-from loadgen.slo import SLO, attainment, goodput_rps
 from loadgen.stats import percentile
+from shared.slo import SLO, attainment, goodput_rps
 
 PERCENTILES = (50, 90, 99)
 

@@ -3,12 +3,16 @@
 The point: judge a scheduling or scaling policy on a fleet far larger than this machine, on
 real traces. The decisions come from the modules the services run, called with the same
 kind of state they see in production:
-- placement: ``services.job_executor.scheduling.pick_te`` over the cluster view (TE
-  heartbeats, stale by up to one heartbeat interval) plus the tasks placed since each
-  report, as the JE does; a job nobody can take is held, its model's demand goes to the
-  scaler, and it fails after the placement timeout as a 503 would;
-- scaling: ``services.scaler.policy.decide`` (scale from zero onto idle pre-warmed TEs,
-  scale to zero after the keep-alive), on the same view and its pending loads;
+- placement: the JE's ``services.job_executor.holding.next_step`` (place, hold, give up)
+  over the cluster view (``services.views.TEView``, stale by up to one heartbeat interval)
+  plus the tasks placed since each report, as the JE does; a job nobody can take is held
+  and placed on the view that shows an instance ready, and fails after the placement
+  timeout as a 503 would;
+- scaling: ``services.scaler.policy`` — ``observe_traffic`` (the JE's reports every
+  ``report_s``, at once when a held job has no instance coming), ``observe_outcomes`` (the
+  frontend's SLO counts, from ``services.frontend.outcomes``), ``observe_view`` and
+  ``decide`` (scale out and in per model on load, drain before unload, scale to zero after
+  the keep-alive, placement across pools), with the state the scaler service keeps;
 - iterations: the torch engine's ``scheduler.schedule`` (continuous batching, admission by
   KV blocks and prefill budget, preemption by recompute).
 
@@ -17,7 +21,8 @@ long an iteration takes for its decodes and prefills, how long a model takes to 
 many KV blocks the engine has. Network hops cost ``network_s`` each.
 
 Not modelled yet (they grow with the policy issues): prefix caching, PD disaggregation,
-several instances of one model (the scaler policy does not ask for them), TE failures.
+TE failures. ``instant_loads`` gives λScale's ideal: the same policy with instances that
+are ready the moment they are asked for (``simulate --compare-ideal``).
 
 Results are ``loadgen.results.Result`` objects, so a simulated run is summarised, plotted
 and compared exactly like a replayed one.
@@ -35,15 +40,30 @@ from typing import Any
 from loadgen.costmodel import EngineProfile
 from loadgen.plan import Planned
 from loadgen.results import Result
-from services.job_executor.scheduling import pick_te
-from services.scaler.policy import Load, ScalerConfig, Unload, decide
+from services.frontend.outcomes import Outcomes
+from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
+from services.scaler.policy import (
+    Load,
+    ModelPolicy,
+    ScalerConfig,
+    ScalerState,
+    Unload,
+    decide,
+    observe_capacity,
+    observe_outcomes,
+    observe_traffic,
+    observe_view,
+)
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
     schedule,
 )
-from shared.messages.cluster import TEHeartbeat, TEState
+from services.views import TEView
+from shared.messages.cluster import TEState
+from shared.messages.scaling import ModelTraffic
+from shared.slo import SLO
 
 # Policies compare times with unix-like clocks (a demand at 0.0 means "never"): the
 # simulated clock starts far from zero.
@@ -56,10 +76,32 @@ class SimConfig:
     pool_size: int = 4  # TEs per node pool
     heartbeat_s: float = 1.0
     keep_alive_s: float = 60.0
+    min_replicas: int = 0
+    max_replicas: int = 8
+    target_utilization: float = 0.7
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
     placement_timeout_s: float = 60.0
     network_s: float = 0.0005  # one hop: frontend->JE->TE placement, TE->frontend tokens
     scaler_period_s: float = 0.5  # the scaler's tick while it has work
+    report_s: float = 0.5  # the JE's traffic reports; the frontend reports outcomes each 1 s
+    slo: SLO = dataclasses.field(
+        default_factory=SLO
+    )  # what the frontend counts as met, for the scaler
+    instant_loads: bool = False  # λScale's ideal: an instance is ready the moment it is asked
     record_gaps: bool = True  # keep every inter-token gap (memory: 8 bytes per token)
+
+    def scaler_config(self) -> ScalerConfig:
+        return ScalerConfig(
+            default=ModelPolicy(
+                min_replicas=self.min_replicas,
+                max_replicas=self.max_replicas,
+                target_utilization=self.target_utilization,
+                keep_alive_s=self.keep_alive_s,
+            ),
+            stable_window_s=self.stable_window_s,
+            panic_window_s=self.panic_window_s,
+        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,6 +113,10 @@ class SimStats:
     preemptions: int = 0
     timeouts: int = 0
     max_busy_devices: int = 0
+    peak_replicas: dict[str, int] = dataclasses.field(default_factory=dict)
+    instance_seconds: float = 0.0  # TEs loading, serving or draining a model
+    held: int = 0  # requests that waited for an instance
+    held_wait_s: float = 0.0  # their waits, summed
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -82,6 +128,9 @@ class _Seq:
     blocks: int = 0
     computed: int = 0  # tokens whose K/V the cache holds (a chunked prompt's, mid-way)
     last_token_at: float = 0.0
+    first_token_at: float = 0.0
+    held_at: float | None = None
+    job: PendingJob | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,22 +151,21 @@ class _TE:
     busy: bool = False
     last_active: float = EPOCH
     epoch: int = 0  # bumped on unload, so a stale event is ignored
+    since: float = EPOCH  # when it left IDLE (instance-seconds)
+    recent_models: tuple[str, ...] = ()
 
-    def heartbeat(self, now: float) -> TEHeartbeat:
-        return TEHeartbeat(
+    def view(self, now: float) -> TEView:
+        return TEView(
             te_id=self.te_id,
             pool_id=self.pool_id,
-            host="sim",
-            pid=0,
             state=self.state,
-            started_at=EPOCH,
             model=self.model,
             running=len(self.running),
             waiting=len(self.waiting),
-            free_kv_blocks=self.free_blocks,
-            total_kv_blocks=self.profile.kv_blocks if self.profile else 0,
+            queued_prompt_tokens=sum(s.prompt for s in self.waiting),
             last_active=self.last_active,
-            sent_at=now,
+            reported_at=now,
+            recent_models=self.recent_models,
         )
 
 
@@ -141,47 +189,65 @@ class Simulation:
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self._queued = 0  # events other than heartbeats
-        # What the policies see: the last heartbeat of each TE, refreshed every interval.
-        self._view: dict[str, TEHeartbeat] = {te.te_id: te.heartbeat(EPOCH) for te in self.tes}
+        # What the policies see: the last report of each TE, refreshed every interval.
+        self._view: dict[str, TEView] = {te.te_id: te.view(EPOCH) for te in self.tes}
         self._by_model: dict[str, set[str]] = {}  # model -> TEs whose view names it
-        self._placed: dict[str, int] = {}  # te -> tasks placed since its last report
+        self._placed: dict[str, int] = {}  # te -> prompt tokens placed since its last report
         self._dirty: set[str] = set()  # TEs whose state changed since the last report
         self._held: dict[str, list[_Seq]] = {}  # model -> jobs waiting for an instance
-        self._demands: dict[str, float] = {}
-        self._pending: dict[str, str] = {}  # te -> model: loads not yet in the view
+        # The scaler: its memory, as the service keeps it; the JE's and frontend's reports.
+        self._scfg = cfg.scaler_config()
+        self._scaler = ScalerState()
+        for model in sorted({p.model for p in planned}):
+            self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())
+        self._traffic: dict[str, ModelTraffic] = {}
+        self._outcomes = Outcomes(cfg.slo)
+        self._reports_due = False
         self._scaler_at: float | None = None  # when the next scaler tick is due
+        self._models = sorted({p.model for p in planned})
         self.results: list[Result] = []
 
     # -- event queue ----------------------------------------------------------------------
 
     def _at(self, t: float, kind: str, arg: object = None) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, arg))
-        self._queued += kind != "heartbeat"
+        self._queued += kind not in ("heartbeat", "report")
 
     def run(self) -> list[Result]:
         for p in self.planned:
             self._at(EPOCH + p.arrival_s, "arrive", p)
         self._at(EPOCH + self.cfg.heartbeat_s, "heartbeat")
+        self._at(EPOCH + self.cfg.report_s, "report")
         handlers: dict[str, Callable[[Any], None]] = {
             "arrive": self._arrive,
             "place": self._place_held,
             "iteration": self._iteration_done,
             "loaded": self._loaded,
             "heartbeat": self._heartbeat,
+            "report": self._report_traffic,
             "scaler": self._scaler_tick,
             "expire": self._expire,
         }
         while self._events:
             t, _, kind, arg = heapq.heappop(self._events)
-            if kind != "heartbeat":
+            if kind in ("heartbeat", "report"):
+                if not self._queued and not self._busy():
+                    continue  # only periodic events left and nothing can change any more
+            else:
                 self._queued -= 1
-            elif not self._queued:
-                break  # only heartbeats left: nothing can change any more
             self.now = t
             self.stats.events += 1
             handlers[kind](arg)
+        for te in self.tes:
+            if te.state != TEState.IDLE:
+                self.stats.instance_seconds += self.now - te.since
         self.results.sort(key=lambda r: r.index)
         return self.results
+
+    def _busy(self) -> bool:
+        """Instances still up: the periodic events go on until they scale to min_replicas."""
+        up = sum(1 for te in self.tes if te.state != TEState.IDLE)
+        return up > self.cfg.min_replicas * len(self._models)
 
     # -- frontend and job executor ----------------------------------------------------------
 
@@ -203,23 +269,51 @@ class Simulation:
         )
         self.results.append(result)
         seq = _Seq(plan=p, result=result, prompt=p.input_tokens)
+        seq.job = PendingJob(model=p.model, deadline=self.now + self.cfg.placement_timeout_s)
+        traffic = self._traffic_of(p.model)
+        traffic.arrivals += 1
+        traffic.prompt_tokens += p.input_tokens
+        traffic.max_output_tokens += p.output_tokens
         if not self._try_place(seq):
             self._held.setdefault(p.model, []).append(seq)
-            self._at(self.now + self.cfg.placement_timeout_s, "expire", seq)
+            seq.held_at = self.now
+            traffic = self._traffic_of(p.model)  # an urgent report may have sent the other
+            traffic.held += 1
+            traffic.held_prompt_tokens += p.input_tokens
+            self.stats.held += 1
+            self._at(seq.job.deadline, "expire", seq)
+
+    def _traffic_of(self, model: str) -> ModelTraffic:
+        t = self._traffic.get(model)
+        if t is None:
+            t = self._traffic[model] = ModelTraffic(model=model)
+        self._reports_due = True
+        return t
 
     def _try_place(self, seq: _Seq) -> bool:
+        """The JE's step (``holding.next_step``) on the view it has."""
         model = seq.plan.model
+        assert seq.job is not None
         tes = [self._view[t] for t in self._by_model.get(model, ())]
-        decision = pick_te(model, tes, self._placed)
-        if decision.te_id is None:
-            if decision.scale_up or not tes:
-                self._demand(model)
+        step = next_step(seq.job, tes, self._placed, now=self.now)
+        if isinstance(step, Hold):
+            if step.urgent:
+                self._schedule_scaler(self.cfg.network_s, urgent=True)
             return False
-        self._placed[decision.te_id] = self._placed.get(decision.te_id, 0) + 1
-        te = self._by_id[decision.te_id]
+        if isinstance(step, GiveUp):
+            return False  # its expire event fails it
+        self._placed[step.te_id] = self._placed.get(step.te_id, 0) + seq.prompt
+        te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
-            # The view was stale: the TE unloaded since. The JE would be refused and retry.
-            return False
+            # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
+            seq.job = dataclasses.replace(seq.job, refused=seq.job.refused | {te.te_id})
+            return self._try_place(seq)
+        if seq.held_at is not None:
+            self.stats.held_wait_s += self.now - seq.held_at
+            traffic = self._traffic_of(model)
+            traffic.held -= 1
+            traffic.held_prompt_tokens -= seq.plan.input_tokens
+            seq.held_at = None
         te.waiting.append(seq)
         te.last_active = self.now
         self._dirty.add(te.te_id)
@@ -228,7 +322,14 @@ class Simulation:
 
     def _place_held(self, model: str) -> None:
         held = self._held.pop(model, [])
-        still = [s for s in held if s.result.error is None and not self._try_place(s)]
+        still = []
+        for s in held:
+            if s.result.error is not None:
+                continue
+            assert s.job is not None
+            s.job = dataclasses.replace(s.job, refused=frozenset())  # a new view
+            if not self._try_place(s):
+                still.append(s)
         if still:
             self._held[model] = still
 
@@ -242,6 +343,39 @@ class Simulation:
         seq.result.status = 503
         seq.result.error = "no_capacity: no instance could take the request in time"
         self.stats.timeouts += 1
+        traffic = self._traffic_of(seq.plan.model)
+        traffic.misses += 1
+        traffic.held -= 1
+        traffic.held_prompt_tokens -= seq.plan.input_tokens
+        self._outcomes.record(
+            seq.plan.model,
+            ok=False,
+            prompt_tokens=seq.plan.input_tokens,
+            output_tokens=0,
+            ttft_s=None,
+            tpot_s=None,
+        )
+
+    def _report_traffic(self, _: object) -> None:
+        """The JEs' traffic reports and the frontends' outcome reports reach the scaler."""
+        if self._reports_due:
+            self._deliver_reports()
+        self._at(self.now + self.cfg.report_s, "report")
+
+    def _deliver_reports(self) -> None:
+        models = list(self._traffic.values())
+        self._scaler = observe_traffic(self._scaler, "je-sim", models, now=self.now, cfg=self._scfg)
+        self._traffic = {
+            m.model: ModelTraffic(
+                model=m.model, held=m.held, held_prompt_tokens=m.held_prompt_tokens
+            )
+            for m in models
+            if m.held
+        }
+        if outcomes := self._outcomes.take():
+            self._scaler = observe_outcomes(self._scaler, outcomes, now=self.now, cfg=self._scfg)
+        self._reports_due = bool(self._traffic)
+        self._schedule_scaler()
 
     # -- cluster view -------------------------------------------------------------------------
 
@@ -250,18 +384,16 @@ class Simulation:
         old = self._view[te.te_id]
         if old.model is not None and old.model != te.model:
             self._by_model[old.model].discard(te.te_id)
-        hb = te.heartbeat(self.now)
-        self._view[te.te_id] = hb
+        v = te.view(self.now)
+        self._view[te.te_id] = v
         self._placed.pop(te.te_id, None)
-        if hb.model is not None:
-            self._by_model.setdefault(hb.model, set()).add(te.te_id)
-            if self._pending.get(te.te_id) == hb.model:
-                del self._pending[te.te_id]
+        if v.model is not None:
+            self._by_model.setdefault(v.model, set()).add(te.te_id)
         self._dirty.discard(te.te_id)
 
     def _state_changed(self, te: _TE) -> None:
-        """A TE beats at once when its state changes (as the service does); jobs held for
-        an instance retry on the new view."""
+        """A TE beats at once when its state changes (as the service does); the cluster
+        manager pushes the new view; jobs held for an instance retry on it."""
         self._report(te)
         for model in self._held:
             self._at(self.now + self.cfg.network_s, "place", model)
@@ -278,12 +410,11 @@ class Simulation:
 
     # -- scaler ---------------------------------------------------------------------------------
 
-    def _demand(self, model: str) -> None:
-        self._demands[model] = self.now
-        self._schedule_scaler(self.cfg.network_s)
-
-    def _schedule_scaler(self, delay: float | None = None) -> None:
-        """The scaler wakes on demand and on view changes, and ticks while it has work."""
+    def _schedule_scaler(self, delay: float | None = None, *, urgent: bool = False) -> None:
+        """The scaler wakes on an urgent report and on view changes, and ticks while it
+        has work."""
+        if urgent and self._reports_due:
+            self._deliver_reports()
         at = self.now + (self.cfg.scaler_period_s if delay is None else delay)
         if self._scaler_at is None or at < self._scaler_at:
             self._scaler_at = at
@@ -293,42 +424,49 @@ class Simulation:
         if due != self._scaler_at:
             return  # superseded by an earlier tick
         self._scaler_at = None
-        cfg = ScalerConfig(keep_alive_s=self.cfg.keep_alive_s)
-        view = list(self._view.values())
-        for action in decide(view, self._demands, self._pending, now=self.now, cfg=cfg):
+        views = list(self._view.values())
+        self._scaler, _ = observe_view(self._scaler, views, now=self.now, cfg=self._scfg)
+        decision = decide(self._scaler, views, models=self._models, now=self.now, cfg=self._scfg)
+        self._scaler = decision.state
+        for action in decision.actions:
             te = self._by_id[action.te_id]
             if isinstance(action, Load) and te.state == TEState.IDLE:
-                self._pending[te.te_id] = action.model
                 profile = self.profiles[action.model]
                 te.state, te.model, te.profile = TEState.LOADING, action.model, profile
+                te.since = self.now
                 te.epoch += 1
                 self._state_changed(te)
                 self.stats.loads += 1
-                self._at(self.now + self.cfg.network_s + profile.load_s, "loaded", (te, te.epoch))
-            elif (
-                isinstance(action, Unload)
-                and te.state == TEState.READY
-                and not (te.running or te.waiting or te.busy)
-            ):
-                te.state, te.model, te.profile = TEState.IDLE, None, None
-                te.epoch += 1
+                load_s = 0.0 if self.cfg.instant_loads else profile.load_s
+                self._at(self.now + self.cfg.network_s + load_s, "loaded", (te, te.epoch))
+            elif isinstance(action, Unload) and te.state == TEState.READY:
+                te.state = TEState.DRAINING
                 self._state_changed(te)
-                self.stats.unloads += 1
-        # Forget demands nothing waits for any more (the service's demand TTL).
-        for model, at in list(self._demands.items()):
-            if model not in self._held and self.now - at > cfg.demand_ttl_s:
-                del self._demands[model]
-        if self._held or self._pending or any(te.state == TEState.READY for te in self.tes):
+                self._maybe_unloaded(te)
+        for model, t in decision.targets.items():
+            self.stats.peak_replicas[model] = max(self.stats.peak_replicas.get(model, 0), t.current)
+        if self._held or self._busy() or self._reports_due:
             self._schedule_scaler()
+
+    def _maybe_unloaded(self, te: _TE) -> None:
+        """A draining TE unloads once its last request finished."""
+        if te.state != TEState.DRAINING or te.running or te.waiting or te.busy:
+            return
+        te.state, te.model, te.profile = TEState.IDLE, None, None
+        te.epoch += 1
+        self._state_changed(te)
+        self.stats.unloads += 1
+        self.stats.instance_seconds += self.now - te.since
 
     def _loaded(self, arg: tuple[_TE, int]) -> None:
         te, epoch = arg
         if te.epoch != epoch or te.state != TEState.LOADING:
             return
-        assert te.profile is not None
+        assert te.profile is not None and te.model is not None
         te.state = TEState.READY
         te.free_blocks = te.profile.kv_blocks
         te.last_active = self.now
+        te.recent_models = (te.model, *(m for m in te.recent_models if m != te.model))[:8]
         self._state_changed(te)
 
     # -- engine -------------------------------------------------------------------------------
@@ -344,6 +482,7 @@ class Simulation:
             self._finish_iteration(te, *batch)
         te.busy = False
         self._start_iteration(te)
+        self._maybe_unloaded(te)
 
     def _start_iteration(self, te: _TE) -> None:
         prof = te.profile
@@ -410,6 +549,7 @@ class Simulation:
             r = s.result
             if r.ttft_s is None:
                 r.ttft_s = arrive - EPOCH - r.sent_s
+                s.first_token_at = arrive
             elif self.cfg.record_gaps:
                 r.gaps_s.append(arrive - s.last_token_at)
             s.last_token_at = arrive
@@ -421,6 +561,16 @@ class Simulation:
                 r.status = 200
                 r.prompt_tokens = s.plan.input_tokens
                 r.completion_tokens = s.generated
+                tpot = (arrive - s.first_token_at) / (s.generated - 1) if s.generated > 1 else None
+                self._outcomes.record(
+                    s.plan.model,
+                    ok=True,
+                    prompt_tokens=s.plan.input_tokens,
+                    output_tokens=s.generated,
+                    ttft_s=r.ttft_s,
+                    tpot_s=tpot,
+                )
+                self._reports_due = True
         self._dirty.add(te.te_id)
 
 

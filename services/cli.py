@@ -25,7 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--pool-size", type=int, help="pre-warmed TEs (MESHSERVE_POOL_SIZE)")
     up.add_argument("--cluster", help="cluster name (MESHSERVE_CLUSTER)")
     for name in SERVICE_NAMES:
-        sub.add_parser(name, help=f"run the {name} service")
+        svc = sub.add_parser(name, help=f"run the {name} service")
+        if name == "task-executor":
+            svc.add_argument(
+                "--pool-id",
+                help="this node pool's name (MESHSERVE_POOL_ID); joins a running cluster",
+            )
     args = p.parse_args(argv)
 
     if args.command == "up":
@@ -40,6 +45,13 @@ def main(argv: list[str] | None = None) -> None:
         }
         settings = Settings.load(**{k: v for k, v in flags.items() if v is not None})
         sys.exit(Launcher(settings).run())
+    if args.command == "task-executor" and args.pool_id:
+        from services.task_executor.pool import create
+        from shared.runner import run_service
+        from shared.settings import Settings
+
+        run_service("task_executor", create, Settings.load(pool_id=args.pool_id))
+        return
     sys.argv = [SERVICE_NAMES[args.command]]
     runpy.run_module(SERVICE_NAMES[args.command], run_name="__main__", alter_sys=True)
 

@@ -13,7 +13,7 @@ from shared.logging import get_logger
 from shared.messages.base import Message
 from shared.messages.cluster import ClusterView, GetView, Leave
 from shared.messages.jobs import ChatJob, JobAccepted
-from shared.messages.scaling import ControlAck, ScaleUp
+from shared.messages.scaling import ControlAck, OutcomeReport, TrafficReport
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted
 from shared.runner import Lifecycle
 from shared.subjects import Subjects
@@ -78,8 +78,11 @@ class ScalerClient:
     def __init__(self, bus: Bus, subjects: Subjects) -> None:
         self._bus, self._s = bus, subjects
 
-    async def demand(self, demand: ScaleUp) -> None:
-        await self._bus.publish(self._s.scale_demand(), demand)
+    async def traffic(self, report: TrafficReport) -> None:
+        await self._bus.publish(self._s.traffic(), report)
+
+    async def outcomes(self, report: OutcomeReport) -> None:
+        await self._bus.publish(self._s.outcomes(), report)
 
 
 class ViewWatcher:

@@ -29,6 +29,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origi
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from shared.slo import SLO
+
 ENV_PREFIX = "MESHSERVE_"
 CONFIG_VAR = "MESHSERVE_CONFIG"
 
@@ -114,15 +116,91 @@ class JobExecutorSettings(Section):
     )
 
 
+class ModelScaling(BaseModel):
+    """One model's scaling bounds; a field left out takes the scaler's default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=1)
+    target_utilization: float | None = Field(default=None, gt=0, le=1)
+    keep_alive: Duration | None = None
+
+
 class ScalerSettings(Section):
     keep_alive: Duration = Field(
         default=timedelta(seconds=60),
-        description="A model instance idle for this long is unloaded (scale to zero).",
+        description="A model with no request for this long drops to its min_replicas; its "
+        "instances unload once idle as long (scale to zero).",
     )
+    min_replicas: int = Field(
+        default=0, ge=0, description="Instances every model keeps (0: it may scale to zero)."
+    )
+    max_replicas: int = Field(default=8, ge=1, description="Most instances of one model.")
+    target_utilization: float = Field(
+        default=0.7,
+        gt=0,
+        le=1,
+        description="Share of an instance's measured capacity the scaler plans to use in "
+        "steady state; the rest absorbs bursts while instances load.",
+    )
+    model_scaling: dict[str, ModelScaling] = Field(
+        default_factory=dict,
+        description="Per-model bounds over the defaults above, as JSON: "
+        '{"demo": {"min_replicas": 1, "max_replicas": 4, "target_utilization": 0.6, '
+        '"keep_alive": 30}}.',
+    )
+    stable_window: Duration = Field(
+        default=timedelta(seconds=60),
+        description="Arrival rates are averaged over this window; an instance is removed "
+        "only after the load stayed below the current count for as long.",
+    )
+    panic_window: Duration = Field(
+        default=timedelta(seconds=6),
+        description="The short window that catches bursts: when its rate asks for twice the "
+        "ready instances or more, the scaler scales out to it at once and scales in not at all.",
+    )
+    drain_timeout: Duration = Field(
+        default=timedelta(seconds=120),
+        description="A TE removed on scale-in finishes its running requests for up to this "
+        "long; what still runs then moves to another instance with the tokens produced so far.",
+    )
+    slo_ttft: Duration = Field(
+        default=timedelta(seconds=2),
+        description="The TTFT the scaler aims for (with slo_ttft_per_token: LLM-Mesh's SLO).",
+    )
+    slo_ttft_per_token: float = Field(
+        default=1 / 512,
+        ge=0,
+        description="Seconds of TTFT allowed per prompt token, for long prompts.",
+    )
+    slo_tpot: Duration = Field(
+        default=timedelta(milliseconds=250), description="The time per output token aimed for."
+    )
+    slo_target: float = Field(
+        default=0.95,
+        gt=0,
+        le=1,
+        description="While fewer recent requests than this share meet the SLO and requests "
+        "queue, the scaler adds an instance.",
+    )
+
+    def slo(self) -> SLO:
+        return SLO(
+            ttft_s=self.slo_ttft.total_seconds(),
+            ttft_per_input_token_s=self.slo_ttft_per_token,
+            tpot_s=self.slo_tpot.total_seconds(),
+        )
 
 
 class TaskExecutorSettings(Section):
     pool_size: int = Field(default=2, ge=0, description="Pre-warmed TE processes per node pool.")
+    pool_id: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9_-]*$",
+        description="This node pool's name (empty: a random one). The scaler spreads a "
+        "model's instances over pools and prefers a pool that loaded the model before.",
+    )
     engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
         default="auto",
         description="Engine for TEs: auto picks vllm where a CUDA device and vLLM (here or in "

@@ -17,7 +17,15 @@ from shared.messages.cluster import (
 )
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
 from shared.messages.kv import KvEventBatch
-from shared.messages.scaling import ControlAck, Drain, LoadModel, ScaleUp, UnloadModel
+from shared.messages.scaling import (
+    ControlAck,
+    Drain,
+    LoadModel,
+    OutcomeReport,
+    ScaleEvent,
+    TrafficReport,
+    UnloadModel,
+)
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 
 
@@ -117,14 +125,34 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "job executors (prompt index)",
         "Batches of prefix-cache events (blocks stored, removed) of one TE.",
     ),
-    "scale_demand": SubjectSpec(
-        "{cluster}.scaler.demand",
+    "traffic": SubjectSpec(
+        "{cluster}.scaler.traffic",
         "publish",
-        (ScaleUp,),
+        (TrafficReport,),
         (),
         "job executors",
         "scaler",
-        "Jobs are waiting for a model with no instance able to take them.",
+        "Each JE's arrivals per model since its last report and the jobs it holds now; sent "
+        "every report interval while there is traffic, and at once when a job waits for a "
+        "model with no instance able to take it.",
+    ),
+    "outcomes": SubjectSpec(
+        "{cluster}.scaler.outcomes",
+        "publish",
+        (OutcomeReport,),
+        (),
+        "frontends",
+        "scaler",
+        "Requests finished per model since the last report, and how many met the SLO.",
+    ),
+    "scale_events": SubjectSpec(
+        "{cluster}.scaler.events",
+        "publish",
+        (ScaleEvent,),
+        (),
+        "scaler",
+        "frontends (metrics), operators",
+        "Every scale-up and scale-down once done, with the time of each step.",
     ),
 }
 
@@ -172,8 +200,14 @@ class Subjects:
     def all_kv_events(self) -> str:
         return self._fill("kv_events", te_id="*")
 
-    def scale_demand(self) -> str:
-        return self._fill("scale_demand")
+    def traffic(self) -> str:
+        return self._fill("traffic")
+
+    def outcomes(self) -> str:
+        return self._fill("outcomes")
+
+    def scale_events(self) -> str:
+        return self._fill("scale_events")
 
 
 class Keys:
@@ -187,3 +221,7 @@ class Keys:
 
     def members(self) -> str:
         return f"{self.cluster}:members"
+
+    def capacities(self) -> str:
+        """Hash: ``model|engine`` -> msgpack ``InstanceCapacity``, measured once each."""
+        return f"{self.cluster}:capacity"

@@ -61,6 +61,7 @@ class Attempt:
         self.key = attempt_key(request_id, attempt)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.lost = asyncio.Event()
+        self.held_at: float | None = None  # monotonic time a JE said it holds the job
         self._liveness = liveness
         self._watch: Watch | None = None
 
@@ -103,6 +104,8 @@ class StreamRouter:
         if attempt is None:
             return
         if isinstance(msg, JobHeld):
+            if attempt.held_at is None:
+                attempt.held_at = time.monotonic()
             attempt.depend_on(msg.je_id)
         else:
             attempt.events.put_nowait(msg)
@@ -134,6 +137,8 @@ class Generation:
     finish_reason: str | None = None
     cached_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    held_s: float | None = None  # how long JEs held the job for capacity (None: never held)
     on_attempt: Callable[[int, str], None] | None = None
     _placed: tuple[str, int] | None = None  # (te_id, attempt) of the attempt now streaming
 
@@ -200,6 +205,8 @@ class Generation:
             except asyncio.CancelledError:
                 await self._cancel_placed(submit, attempt.attempt)
                 raise
+            if attempt.held_at is not None:
+                self.held_s = (self.held_s or 0.0) + time.monotonic() - attempt.held_at
             if not submit.done():
                 log.warning(
                     "job executor lost while holding the job",
@@ -270,8 +277,9 @@ class Generation:
                     await asyncio.sleep(error.retry_after_s)
                 return
             if ids:
+                self.last_token_at = time.monotonic()
                 if self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
+                    self.first_token_at = self.last_token_at
                 self.generated.extend(ids)
                 self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
                 yield ids

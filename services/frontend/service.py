@@ -21,6 +21,7 @@ from services.frontend.catalog import ModelCatalog
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.outcomes import Outcomes
 from services.frontend.stop import StopMatcher
 from services.frontend.validation import (
     parse_chat_request,
@@ -28,7 +29,7 @@ from services.frontend.validation import (
     sampling_params,
 )
 from shared.bus import Bus
-from shared.clients import JobExecutorClient, TaskExecutorClient, ViewWatcher
+from shared.clients import JobExecutorClient, ScalerClient, TaskExecutorClient, ViewWatcher
 from shared.errors import (
     BadRequest,
     Internal,
@@ -40,6 +41,7 @@ from shared.errors import (
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.cluster import MemberDown
+from shared.messages.scaling import OutcomeReport, ScaleEvent
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -57,6 +59,28 @@ TTFT = Histogram(
 )
 TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
 CLIENT_GONE = Counter("meshserve_client_disconnects", "Clients that hung up before the end")
+SLO_MET = Counter(
+    "meshserve_slo_requests", "Finished requests, by whether they met the SLO", ["model", "met"]
+)
+HELD = Counter(
+    "meshserve_held_requests", "Requests held while their model scaled up or out", ["model"]
+)
+HELD_WAIT = Histogram(
+    "meshserve_held_wait_seconds",
+    "How long a held request waited for an instance",
+    ["model"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+SCALE_EVENTS = Counter(
+    "meshserve_scale_events", "Scale-ups and scale-downs done", ["kind", "model", "ok"]
+)
+SCALE_STEP = Histogram(
+    "meshserve_scale_step_seconds",
+    "Time of each step of a scale event (DeepServe's five for a scale-up)",
+    ["kind", "step"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+OUTCOME_REPORT_S = 1.0
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -138,6 +162,8 @@ class Frontend:
         self._router = StreamRouter(self.frontend_id, self._subjects, self._liveness)
         self._jobs = JobExecutorClient(bus, self._subjects)
         self._tes = TaskExecutorClient(bus, self._subjects)
+        self._scaler = ScalerClient(bus, self._subjects)
+        self._outcomes = Outcomes(settings.scaler.slo())
         self.port: int | None = None
 
     def app(self) -> web.Application:
@@ -155,6 +181,8 @@ class Frontend:
     async def run(self) -> None:
         await self._view.start(self._life)
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
+        await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: self._on_scale_event})
+        self._life.spawn(self._report_outcomes(), name="outcome reporter")
         await self._bus.subscribe_raw(
             self._subjects.token_streams(self.frontend_id), self._router.on_msg
         )
@@ -187,6 +215,22 @@ class Frontend:
 
     async def _on_member_down(self, msg: MemberDown) -> None:
         self._liveness.on_member_down(msg)
+
+    async def _on_scale_event(self, msg: ScaleEvent) -> None:
+        SCALE_EVENTS.labels(msg.kind, msg.model, str(msg.ok).lower()).inc()
+        for step, seconds in msg.steps.items():
+            SCALE_STEP.labels(msg.kind, step).observe(seconds)
+
+    async def _report_outcomes(self) -> None:
+        while True:
+            await asyncio.sleep(OUTCOME_REPORT_S)
+            if models := self._outcomes.take():
+                try:
+                    await self._scaler.outcomes(
+                        OutcomeReport(frontend_id=self.frontend_id, models=models)
+                    )
+                except MeshserveError as e:
+                    log.warning("outcome report failed", error=str(e))
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -338,9 +382,7 @@ class Frontend:
         finally:
             await pieces.aclose()
             await gen.cancel()
-            if gen.first_token_at is not None:
-                TTFT.labels(req.model).observe(gen.first_token_at - t0)
-            TOKENS.labels(req.model).inc(len(gen.generated))
+            self._account(req.model, gen, len(prompt), t0)
             log.debug(
                 "request finished",
                 completion_tokens=len(gen.generated),
@@ -354,6 +396,28 @@ class Frontend:
             body=R.json_body(build(rid, req.model, created, text, reason, usage)),
             content_type="application/json",
         )
+
+    def _account(self, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
+        n = len(gen.generated)
+        ttft = None if gen.first_token_at is None else gen.first_token_at - t0
+        tpot = None
+        if n > 1 and gen.first_token_at is not None and gen.last_token_at is not None:
+            tpot = (gen.last_token_at - gen.first_token_at) / (n - 1)
+        if ttft is not None:
+            TTFT.labels(model).observe(ttft)
+        TOKENS.labels(model).inc(n)
+        if gen.held_s is not None:
+            HELD.labels(model).inc()
+            HELD_WAIT.labels(model).observe(gen.held_s)
+        met = self._outcomes.record(
+            model,
+            ok=gen.finish_reason is not None,
+            prompt_tokens=prompt_tokens,
+            output_tokens=n,
+            ttft_s=ttft,
+            tpot_s=tpot,
+        )
+        SLO_MET.labels(model, str(met).lower()).inc()
 
     @staticmethod
     async def _texts(gen: Generation, detok: Any, stops: StopMatcher) -> AsyncGenerator[str, None]:

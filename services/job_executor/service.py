@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import time
 import uuid
 from collections import defaultdict
 
-from services.job_executor.scheduling import pick_te
+from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
+from services.views import TEView, te_view
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
 from shared.errors import Internal, MeshserveError, NoCapacity, NotFound, PeerUnreachable, Refused
 from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
-from shared.messages.scaling import ScaleUp
+from shared.messages.scaling import ModelTraffic, TrafficReport
 from shared.messages.tasks import ChatTask
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -25,8 +27,8 @@ from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
-# How often a JE repeats a scale-up demand for a model it is still holding jobs for.
-DEMAND_REPEAT_S = 1.0
+REPORT_S = 0.5  # traffic reports to the scaler, while there is traffic
+URGENT_MIN_S = 0.05  # an urgent report waits this long for others to join it
 
 
 class JobExecutor:
@@ -45,9 +47,13 @@ class JobExecutor:
             self._heartbeat,
             settings.membership.heartbeat_interval.total_seconds(),
         )
-        # te_id -> unix times of placements not yet covered by that TE's load report
-        self._placed: dict[str, list[float]] = defaultdict(list)
-        self._last_demand: dict[str, float] = {}
+        # te_id -> (unix time, prompt tokens) of placements not yet in that TE's load report
+        self._placed: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self._traffic: dict[str, ModelTraffic] = {}  # since the last report, and held now
+        self._report_now = asyncio.Event()
+        self._urgent = False
+        self._views: list[TEView] = []
+        self._views_of = -2  # the view version _views were made from
         self._inflight = 0
         self._started = time.time()
 
@@ -67,7 +73,7 @@ class JobExecutor:
             if at is None:
                 del self._placed[te_id]
             else:
-                self._placed[te_id] = [t for t in self._placed[te_id] if t > at]
+                self._placed[te_id] = [(t, n) for t, n in self._placed[te_id] if t > at]
 
     async def run(self) -> None:
         await self._view.start(self._life)
@@ -75,6 +81,7 @@ class JobExecutor:
             self._subjects.job_submit(), {ChatJob: self._on_job}, queue="je", concurrent=True
         )
         self._hb.start(self._life)
+        self._life.spawn(self._reporter(), name="traffic reporter")
         try:
             await self._life.wait()
             # Stop taking jobs, then let the ones being placed finish.
@@ -98,67 +105,92 @@ class JobExecutor:
 
     async def _place(self, job: ChatJob) -> JobAccepted:
         log.debug("job received", model=job.model, attempt=job.attempt)
-        refused: set[str] = set()  # TEs that refused or did not answer, until the next view
+        # The reporter swaps the counters out: take them anew at each change.
+        traffic = self._traffic_of(job.model)
+        traffic.arrivals += 1
+        traffic.prompt_tokens += len(job.prompt_token_ids)
+        traffic.max_output_tokens += job.sampling.max_tokens
+        pending = PendingJob(
+            model=job.model, deadline=job.deadline, exclude=frozenset(job.exclude_te_ids)
+        )
         held = False
-        while True:
-            view = self._view.view
-            if view.version >= 0 and not any(m.id == job.model for m in view.models):
-                raise NotFound(
-                    f"The model `{job.model}` does not exist.",
-                    param="model",
-                    code="model_not_found",
-                )
-            if failure := self._load_failure(job.model, view):
-                await self._demand(job.model)  # the scaler retries, with backoff
-                raise Internal(f"The model `{job.model}` failed to load: {failure}")
-            placed = {te: len(ts) for te, ts in self._placed.items()}
-            # TEs this request already failed on are a last resort, not banned: a TE that
-            # gave the request back while unloading may be the model's only instance.
-            decision = pick_te(job.model, view.tes, placed, refused | set(job.exclude_te_ids))
-            if decision.te_id is None and job.exclude_te_ids:
-                decision = pick_te(job.model, view.tes, placed, refused)
-            if decision.te_id is not None:
-                try:
-                    await self._tes.place(decision.te_id, self._task(job))
-                except Refused as e:
-                    log.info("placement refused", te=decision.te_id, error=e.message)
-                    refused.add(decision.te_id)
-                    continue
-                except PeerUnreachable as e:
-                    # No answer in time: it may still have taken the task, so cancel it
-                    # there before trying elsewhere.
-                    log.info("placement unanswered", te=decision.te_id, error=e.message)
-                    with contextlib.suppress(MeshserveError):
-                        await self._tes.cancel(decision.te_id, job.request_id, job.attempt)
-                    refused.add(decision.te_id)
-                    continue
-                self._placed[decision.te_id].append(time.time())
-                log.info("job placed", te=decision.te_id, attempt=job.attempt)
-                return JobAccepted(
-                    request_id=job.request_id,
-                    te_id=decision.te_id,
-                    je_id=self.je_id,
-                    attempt=job.attempt,
-                )
-            if not held:
-                held = True
-                with contextlib.suppress(MeshserveError):
-                    await self._bus.publish(
-                        job.reply_to,
-                        JobHeld(request_id=job.request_id, je_id=self.je_id, attempt=job.attempt),
-                        request_id=job.request_id,
+        try:
+            while True:
+                view = self._view.view
+                if view.version >= 0 and not any(m.id == job.model for m in view.models):
+                    raise NotFound(
+                        f"The model `{job.model}` does not exist.",
+                        param="model",
+                        code="model_not_found",
                     )
-            if decision.scale_up or refused:
-                await self._demand(job.model)
-            remaining = job.deadline - time.time()
-            if remaining <= 0 or self._life.stopping:
-                raise NoCapacity(
-                    f"No instance of model `{job.model}` could take the request in time; "
-                    "retry later.",
-                    retry_after_s=self._settings.job_executor.retry_after.total_seconds(),
-                )
-            await self._view.wait_change(min(remaining, 0.5))
-            refused.clear()
+                if failure := self._load_failure(job.model, view):
+                    self._report_soon(urgent=True)  # the scaler retries, with backoff
+                    raise Internal(f"The model `{job.model}` failed to load: {failure}")
+                placed = {te: sum(n for _, n in ps) for te, ps in self._placed.items()}
+                step = next_step(pending, self._te_views(view), placed, now=time.time())
+                if isinstance(step, PlaceOn):
+                    try:
+                        await self._tes.place(step.te_id, self._task(job))
+                    except Refused as e:
+                        log.info("placement refused", te=step.te_id, error=e.message)
+                        pending = dataclasses.replace(
+                            pending, refused=pending.refused | {step.te_id}
+                        )
+                        continue
+                    except PeerUnreachable as e:
+                        # No answer in time: it may still have taken the task, so cancel it
+                        # there before trying elsewhere.
+                        log.info("placement unanswered", te=step.te_id, error=e.message)
+                        with contextlib.suppress(MeshserveError):
+                            await self._tes.cancel(step.te_id, job.request_id, job.attempt)
+                        pending = dataclasses.replace(
+                            pending, refused=pending.refused | {step.te_id}
+                        )
+                        continue
+                    self._placed[step.te_id].append((time.time(), len(job.prompt_token_ids)))
+                    log.info("job placed", te=step.te_id, attempt=job.attempt)
+                    return JobAccepted(
+                        request_id=job.request_id,
+                        te_id=step.te_id,
+                        je_id=self.je_id,
+                        attempt=job.attempt,
+                    )
+                if isinstance(step, GiveUp) or self._life.stopping:
+                    self._traffic_of(job.model).misses += 1
+                    self._report_soon(urgent=True)
+                    raise NoCapacity(
+                        f"No instance of model `{job.model}` could take the request in time; "
+                        "retry later.",
+                        retry_after_s=self._settings.job_executor.retry_after.total_seconds(),
+                    )
+                if not held:
+                    held = True
+                    traffic = self._traffic_of(job.model)
+                    traffic.held += 1
+                    traffic.held_prompt_tokens += len(job.prompt_token_ids)
+                    with contextlib.suppress(MeshserveError):
+                        await self._bus.publish(
+                            job.reply_to,
+                            JobHeld(
+                                request_id=job.request_id, je_id=self.je_id, attempt=job.attempt
+                            ),
+                            request_id=job.request_id,
+                        )
+                if step.urgent:
+                    self._report_soon(urgent=True)
+                await self._view.wait_change(min(max(job.deadline - time.time(), 0.0), 0.5))
+                pending = dataclasses.replace(pending, refused=frozenset())
+        finally:
+            if held:
+                traffic = self._traffic_of(job.model)
+                traffic.held -= 1
+                traffic.held_prompt_tokens -= len(job.prompt_token_ids)
+
+    def _te_views(self, view: ClusterView) -> list[TEView]:
+        if self._views_of != view.version:
+            self._views = [te_view(hb) for hb in view.tes]
+            self._views_of = view.version
+        return self._views
 
     @staticmethod
     def _load_failure(model: str, view: ClusterView) -> str | None:
@@ -169,15 +201,44 @@ class JobExecutor:
             return None
         return next((te.error for te in view.tes if te.failed_model == model and te.error), None)
 
-    async def _demand(self, model: str) -> None:
-        now = time.monotonic()
-        if now - self._last_demand.get(model, 0.0) < DEMAND_REPEAT_S:
-            return
-        self._last_demand[model] = now
-        try:
-            await self._scaler.demand(ScaleUp(model=model, je_id=self.je_id))
-        except MeshserveError as e:
-            log.warning("scale demand failed", model=model, error=str(e))
+    # -- traffic reports ---------------------------------------------------------------------
+
+    def _traffic_of(self, model: str) -> ModelTraffic:
+        t = self._traffic.get(model)
+        if t is None:
+            t = self._traffic[model] = ModelTraffic(model=model)
+        return t
+
+    def _report_soon(self, *, urgent: bool = False) -> None:
+        self._urgent |= urgent
+        self._report_now.set()
+
+    async def _reporter(self) -> None:
+        """Send the traffic every report interval while there is any, at once when urgent
+        (at most every URGENT_MIN_S)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_now.wait(), REPORT_S)
+            if self._urgent:
+                await asyncio.sleep(URGENT_MIN_S)
+            self._report_now.clear()
+            models = list(self._traffic.values())
+            if not models:
+                continue
+            report = TrafficReport(je_id=self.je_id, models=models, urgent=self._urgent)
+            self._urgent = False
+            # Arrivals and misses are counted per report; held jobs are a gauge and stay.
+            self._traffic = {
+                m.model: ModelTraffic(
+                    model=m.model, held=m.held, held_prompt_tokens=m.held_prompt_tokens
+                )
+                for m in models
+                if m.held
+            }
+            try:
+                await self._scaler.traffic(report)
+            except MeshserveError as e:
+                log.warning("traffic report failed", error=str(e))
 
     @staticmethod
     def _task(job: ChatJob) -> ChatTask:

@@ -1,25 +1,328 @@
-"""Scaling decisions. Pure: observed state in, actions out.
+"""Scaling decisions. Pure: what the scaler observed and its own memory in; actions and the
+new memory out. The scaler service and ``meshserve-loadgen simulate`` call these very
+functions.
 
-Scale from zero: a model with fresh demand and no instance (ready or loading) gets an
-idle pre-warmed TE, preferring the node pool with the most idle TEs (it has the most
-room left); after failed loads, the next try waits an exponential backoff. Scale to zero: a ready TE with nothing running or waiting and no activity
-for keep_alive is unloaded."""
+The rule, per model (DeepServe §6, Dynamo's SLA planner, Knative's two windows):
+
+- Load is measured in instances' worth of work. A request rate ``r`` with ``p`` prompt and
+  ``o`` output tokens per request needs ``r·p·prefill(p) + r·o·decode(p + o/2)`` instances,
+  where ``prefill(n)`` and ``decode(c)`` are one instance's seconds per token for a prompt
+  of n tokens and at a context of c tokens (``InstanceCapacity``, measured once per model
+  and engine: attention makes long prompts and long contexts dearer per token). Rates come
+  from the JEs' arrivals over a stable window (60 s) and a panic window (6 s); ``o`` is the
+  mean output of recently finished requests.
+- Wanted replicas: the stable load over the target utilisation; the panic load likewise
+  when it asks for at least ``panic_factor`` × the ready instances (a burst); while
+  requests queue, the work waiting (sequences over ``max_num_seqs`` slots, queued prompt
+  tokens over what one instance prefills in ``backlog_drain_s``); and one more than all
+  that while recent requests miss their SLO with requests queueing. Within ``tolerance``
+  of the current count, the current count. At least one while any request arrived within
+  the keep-alive or is held; clamped to [min, max] replicas.
+- Scale out at once, onto idle pre-warmed TEs (placement: ``placement_order``), except
+  during a model's load-failure backoff. Scale in only after the wanted count stayed below
+  the current one for the whole stable window, and never while panicking or loading; the
+  removed instance is the least busy one and drains before it unloads. A model that got no
+  request for its keep-alive drops to ``min_replicas`` with its instances idle for as long.
+  Scale-up and idle scale-down read the same clock (the newest arrival), so an instance
+  unloaded at keep-alive is never reloaded without a new request.
+"""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections import Counter
+import math
 from collections.abc import Mapping, Sequence
 
-from shared.messages.cluster import TEHeartbeat, TEState
+from services.views import TEView
+from shared.messages.cluster import TEState
+from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
+
+BUCKET_S = 1.0  # arrivals and outcomes are kept in buckets of this width
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    min_replicas: int = 0  # 0: the model may scale to zero
+    max_replicas: int = 8
+    target_utilization: float = 0.7  # of an instance's capacity, in steady state
+    keep_alive_s: float = 60.0  # no request for this long: down to min_replicas
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScalerConfig:
-    keep_alive_s: float
-    demand_ttl_s: float = 10.0  # a demand older than this is forgotten
+    default: ModelPolicy = ModelPolicy()
+    models: Mapping[str, ModelPolicy] = dataclasses.field(default_factory=dict)
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    panic_factor: float = 2.0
+    tolerance: float = 0.1  # wanted/current within 1 ± this: no change (hysteresis)
+    slo_window_s: float = 30.0
+    slo_target: float = 0.95
+    slo_min_samples: int = 8
+    backlog_drain_s: float = 2.0
+    default_output_tokens: int = 256  # per request, before any finished
     backoff_base_s: float = 2.0  # wait after a model's first failed load, doubled per failure
     backoff_max_s: float = 60.0
+    pending_timeout_s: float = 300.0  # a load not seen ready or failed by then is lost
+    held_ttl_s: float = 5.0  # a JE's held count is forgotten when it stops reporting
+
+    def policy(self, model: str) -> ModelPolicy:
+        return self.models.get(model, self.default)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bucket:
+    """Running totals of a model's traffic up to the end of the bucket starting at ``at``:
+    a window's figures are the difference of two buckets (found by bisection), so a
+    decision costs the same whatever the window."""
+
+    at: float  # start of the bucket, unix seconds
+    arrivals: int = 0
+    prompt_tokens: int = 0
+    max_output_tokens: int = 0
+    finished: int = 0
+    slo_met: int = 0
+    output_tokens: int = 0
+    misses: int = 0
+
+
+_ZERO = Bucket(at=0.0)
+_TOTALS = (
+    "arrivals",
+    "prompt_tokens",
+    "max_output_tokens",
+    "finished",
+    "slo_met",
+    "output_tokens",
+    "misses",
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    count: int
+    prompt_tokens: int
+    at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelMemory:
+    buckets: tuple[Bucket, ...] = ()  # oldest first, within the longest window
+    last_demand: float = 0.0  # unix seconds of the newest arrival or held job
+    held: Mapping[str, Held] = dataclasses.field(default_factory=dict)  # by JE
+    failures: int = 0  # failed loads in a row
+    failed_at: float = 0.0
+    below_since: float | None = None  # wanted < current since then (scale-in hysteresis)
+    capacity: InstanceCapacity | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingLoad:
+    model: str
+    pool_id: str
+    since: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScalerState:
+    models: Mapping[str, ModelMemory] = dataclasses.field(default_factory=dict)
+    pending: Mapping[str, PendingLoad] = dataclasses.field(default_factory=dict)  # by TE
+    draining: Mapping[str, str] = dataclasses.field(default_factory=dict)  # TE -> model
+
+    def memory(self, model: str) -> ModelMemory:
+        return self.models.get(model, ModelMemory())
+
+    def with_memory(self, model: str, mem: ModelMemory) -> ScalerState:
+        return dataclasses.replace(self, models={**self.models, model: mem})
+
+
+def _add_to_bucket(
+    buckets: tuple[Bucket, ...], now: float, keep_s: float, **add: int
+) -> tuple[Bucket, ...]:
+    start = math.floor(now / BUCKET_S) * BUCKET_S
+    # Keep the buckets of the longest window, and the one before them (the base of sums).
+    first = bisect.bisect_right(buckets, now - keep_s - BUCKET_S, key=lambda b: b.at)
+    kept = buckets[max(first - 1, 0) :]
+    last = kept[-1] if kept else Bucket(at=start)
+    totals = {k: getattr(last, k) + add.get(k, 0) for k in _TOTALS}
+    if kept and last.at == start:
+        return (*kept[:-1], Bucket(at=start, **totals))
+    return (*kept, Bucket(at=start, **totals))
+
+
+def _keep_s(cfg: ScalerConfig) -> float:
+    return max(cfg.stable_window_s, cfg.slo_window_s, cfg.panic_window_s)
+
+
+def observe_traffic(
+    state: ScalerState,
+    je_id: str,
+    traffic: Sequence[ModelTraffic],
+    *,
+    now: float,
+    cfg: ScalerConfig,
+) -> ScalerState:
+    """A JE's report: arrivals since its previous one, and its held jobs now."""
+    models = dict(state.models)
+    for t in traffic:
+        mem = models.get(t.model, ModelMemory())
+        buckets = mem.buckets
+        if t.arrivals or t.misses:
+            buckets = _add_to_bucket(
+                buckets,
+                now,
+                _keep_s(cfg),
+                arrivals=t.arrivals,
+                prompt_tokens=t.prompt_tokens,
+                max_output_tokens=t.max_output_tokens,
+                misses=t.misses,
+            )
+        held = {k: v for k, v in mem.held.items() if k != je_id}
+        if t.held > 0:
+            held[je_id] = Held(t.held, t.held_prompt_tokens, now)
+        demand = now if (t.arrivals or t.held > 0) else mem.last_demand
+        models[t.model] = dataclasses.replace(mem, buckets=buckets, held=held, last_demand=demand)
+    reported = {t.model for t in traffic}
+    for model, mem in models.items():  # this JE holds nothing for the others
+        if model not in reported and je_id in mem.held:
+            held = {k: v for k, v in mem.held.items() if k != je_id}
+            models[model] = dataclasses.replace(mem, held=held)
+    return dataclasses.replace(state, models=models)
+
+
+def observe_outcomes(
+    state: ScalerState, outcomes: Sequence[ModelOutcomes], *, now: float, cfg: ScalerConfig
+) -> ScalerState:
+    """A frontend's report: requests finished since its previous one, and how many met the
+    SLO."""
+    models = dict(state.models)
+    for o in outcomes:
+        mem = models.get(o.model, ModelMemory())
+        buckets = _add_to_bucket(
+            mem.buckets,
+            now,
+            _keep_s(cfg),
+            finished=o.finished,
+            slo_met=o.slo_met,
+            output_tokens=o.output_tokens,
+        )
+        models[o.model] = dataclasses.replace(mem, buckets=buckets)
+    return dataclasses.replace(state, models=models)
+
+
+def observe_capacity(state: ScalerState, model: str, capacity: InstanceCapacity) -> ScalerState:
+    return state.with_memory(model, dataclasses.replace(state.memory(model), capacity=capacity))
+
+
+# -- settling what was sent ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadSettled:
+    te_id: str
+    model: str
+    pool_id: str
+    ok: bool
+    sent_at: float
+    reason: str
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnloadSettled:
+    te_id: str
+    model: str
+
+
+Settled = LoadSettled | UnloadSettled
+
+
+def observe_view(
+    state: ScalerState, tes: Sequence[TEView], *, now: float, cfg: ScalerConfig
+) -> tuple[ScalerState, list[Settled]]:
+    """Loads and unloads sent earlier that the view now shows done (or failed, or lost
+    with their TE); a failed load starts the model's backoff, a ready one ends it."""
+    by_id = {te.te_id: te for te in tes}
+    settled: list[Settled] = []
+    pending = dict(state.pending)
+    for te_id, p in state.pending.items():
+        te = by_id.get(te_id)
+        if te is not None and te.failed_model == p.model and te.state == TEState.IDLE:
+            mem = state.memory(p.model)
+            state = state.with_memory(
+                p.model, dataclasses.replace(mem, failures=mem.failures + 1, failed_at=now)
+            )
+            settled.append(
+                LoadSettled(te_id, p.model, p.pool_id, False, p.since, p.reason, te.error)
+            )
+            del pending[te_id]
+        elif te is not None and te.model == p.model and te.state == TEState.READY:
+            settled.append(LoadSettled(te_id, p.model, p.pool_id, True, p.since, p.reason))
+            del pending[te_id]
+        elif (
+            te is None
+            or now - p.since > cfg.pending_timeout_s
+            or (te.state == TEState.IDLE and te.failed_model != p.model and now - p.since > 5.0)
+        ):
+            # The TE is gone, or the command never took: free the slot for a new decision.
+            settled.append(LoadSettled(te_id, p.model, p.pool_id, False, p.since, p.reason, "lost"))
+            del pending[te_id]
+    draining = dict(state.draining)
+    for te_id, model in state.draining.items():
+        te = by_id.get(te_id)
+        if te is None or te.model != model:
+            settled.append(UnloadSettled(te_id, model))
+            del draining[te_id]
+    for te in tes:
+        if te.state == TEState.READY and te.model is not None:
+            mem = state.memory(te.model)
+            if mem.failures:
+                state = state.with_memory(te.model, dataclasses.replace(mem, failures=0))
+            if te.capacity is not None and mem.capacity is None:
+                state = observe_capacity(state, te.model, te.capacity)
+    return dataclasses.replace(state, pending=pending, draining=draining), settled
+
+
+# -- deciding ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    te_id: str
+    model: str
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unload:
+    te_id: str
+    model: str
+    reason: str = ""
+
+
+Action = Load | Unload
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """Why a model has the replica count it is given: every figure the rule used."""
+
+    model: str
+    current: int  # ready + loading, not draining
+    ready: int
+    wanted: int
+    stable_load: float  # instances' worth of work, stable window
+    panic_load: float
+    backlog: int  # instances the work waiting now needs
+    slo_attainment: float | None
+    panicking: bool
+    idle: bool  # no request within the keep-alive
+    reason: str
 
 
 def load_backoff(failures: int, cfg: ScalerConfig) -> float:
@@ -29,54 +332,279 @@ def load_backoff(failures: int, cfg: ScalerConfig) -> float:
     return min(cfg.backoff_max_s, cfg.backoff_base_s * 2.0 ** (failures - 1))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Load:
-    te_id: str
-    model: str
+def _window(mem: ModelMemory, now: float, window_s: float) -> Bucket:
+    """The traffic of the last ``window_s`` (a bucket partly inside counts whole)."""
+    if not mem.buckets:
+        return Bucket(at=now - window_s)
+    end = mem.buckets[-1]
+    i = bisect.bisect_right(mem.buckets, now - window_s - BUCKET_S, key=lambda b: b.at)
+    base = mem.buckets[i - 1] if i else _ZERO  # i == 0: everything since the first
+    return Bucket(
+        at=now - window_s,
+        arrivals=end.arrivals - base.arrivals,
+        prompt_tokens=end.prompt_tokens - base.prompt_tokens,
+        max_output_tokens=end.max_output_tokens - base.max_output_tokens,
+        finished=end.finished - base.finished,
+        slo_met=end.slo_met - base.slo_met,
+        output_tokens=end.output_tokens - base.output_tokens,
+        misses=end.misses - base.misses,
+    )
+
+
+def _instances_of_work(
+    w: Bucket, window_s: float, output_per_request: float, cap: InstanceCapacity
+) -> float:
+    """Instances kept busy by the window's traffic: its prompt tokens at the prefill cost
+    of its mean prompt, its output tokens at the decode cost of its mean context."""
+    if not w.arrivals:
+        return 0.0
+    prompt = w.prompt_tokens / w.arrivals
+    prefill = w.prompt_tokens / cap.prefill_tokens_per_s(round(prompt))
+    decode = (
+        w.arrivals
+        * output_per_request
+        / cap.decode_tokens_per_s(round(prompt + output_per_request / 2))
+    )
+    return (prefill + decode) / window_s
+
+
+def _mean_prompt(w: Bucket) -> int:
+    return round(w.prompt_tokens / w.arrivals) if w.arrivals else 512
+
+
+def _replicas(instances: float, current: int, tolerance: float) -> int:
+    """Instances for ``instances`` worth of work at the target; within ``tolerance`` of the
+    current count, the current count (a load wobbling at a threshold changes nothing)."""
+    if current and abs(instances / current - 1.0) <= tolerance:
+        return current
+    return math.ceil(instances - 1e-9)
+
+
+def target(
+    model: str,
+    mem: ModelMemory,
+    instances: Sequence[TEView],
+    *,
+    coming: int = 0,
+    now: float,
+    cfg: ScalerConfig,
+) -> Target:
+    """The replica count the model should have now, with the figures behind it.
+    ``coming``: loads sent that the view does not show yet."""
+    pol = cfg.policy(model)
+    ready = [te for te in instances if te.state == TEState.READY]
+    current = len(instances) + coming
+    held = [h for h in mem.held.values() if now - h.at <= cfg.held_ttl_s]
+    held_n = sum(h.count for h in held)
+    held_tokens = sum(h.prompt_tokens for h in held)
+    idle = held_n == 0 and now - mem.last_demand > pol.keep_alive_s
+    stable = _window(mem, now, cfg.stable_window_s)
+    panic = _window(mem, now, cfg.panic_window_s)
+    slo = _window(mem, now, cfg.slo_window_s)
+    attainment = slo.slo_met / slo.finished if slo.finished >= cfg.slo_min_samples else None
+    if stable.finished:
+        out_per_req = stable.output_tokens / stable.finished
+    elif stable.arrivals:
+        out_per_req = min(stable.max_output_tokens / stable.arrivals, cfg.default_output_tokens)
+    else:
+        out_per_req = float(cfg.default_output_tokens)
+    cap = mem.capacity
+    stable_load = panic_load = 0.0
+    backlog = 0
+    waiting = sum(te.waiting for te in instances) + held_n
+    if cap is not None:
+        stable_load = _instances_of_work(stable, cfg.stable_window_s, out_per_req, cap)
+        panic_load = _instances_of_work(panic, cfg.panic_window_s, out_per_req, cap)
+        active = sum(te.load for te in instances) + held_n
+        queued_tokens = sum(te.queued_prompt_tokens for te in instances) + held_tokens
+        if waiting:  # a queue: the batch slots or the prefill rate are the bottleneck
+            backlog = max(
+                # Full batches: the slots, not a utilisation target, are the limit.
+                math.ceil(active / cap.max_num_seqs),
+                math.ceil(
+                    queued_tokens
+                    / (cap.prefill_tokens_per_s(_mean_prompt(stable)) * cfg.backlog_drain_s)
+                ),
+            )
+    target_u = pol.target_utilization
+    wanted = _replicas(stable_load / target_u, current, cfg.tolerance)
+    reason = "load"
+    panic_wanted = _replicas(panic_load / target_u, current, cfg.tolerance)
+    panicking = panic_wanted >= cfg.panic_factor * max(len(ready), 1) and panic_wanted > len(ready)
+    if panicking and panic_wanted > wanted:
+        wanted, reason = panic_wanted, "burst"
+    if backlog > wanted:
+        wanted, reason = backlog, "queue"
+    if (
+        attainment is not None
+        and attainment < cfg.slo_target
+        and waiting
+        and current == len(ready)  # nothing loading: its arrival may be all it needs
+    ):
+        # One instance beyond what the load asks for, never more: misses that a queue does
+        # not cause (a prompt longer than the engine prefills within its SLO) must not
+        # ratchet the fleet up to max_replicas.
+        wanted, reason = max(wanted, 1) + 1, "slo"
+    if idle:
+        wanted, reason = 0, "idle"
+    elif wanted < 1:
+        wanted, reason = 1, "demand"
+    if wanted < pol.min_replicas:
+        wanted, reason = pol.min_replicas, "min_replicas"
+    if wanted > pol.max_replicas:
+        wanted, reason = pol.max_replicas, "max_replicas"
+    return Target(
+        model=model,
+        current=current,
+        ready=len(ready),
+        wanted=wanted,
+        stable_load=stable_load,
+        panic_load=panic_load,
+        backlog=backlog,
+        slo_attainment=attainment,
+        panicking=panicking,
+        idle=idle,
+        reason=reason,
+    )
+
+
+def placement_order(model: str, idle: Sequence[TEView], tes: Sequence[TEView]) -> list[TEView]:
+    """Idle TEs in the order a new instance of ``model`` should take them: instances of one
+    model spread across node pools (fewest there first); then a pool where the model was
+    loaded before (its files are in the page cache: it loads fastest); then the pool with
+    the most idle TEs (the least loaded)."""
+    per_pool: dict[str, int] = {}
+    warm: set[str] = set()
+    idle_per_pool: dict[str, int] = {}
+    for te in tes:
+        if te.model == model and te.serving:
+            per_pool[te.pool_id] = per_pool.get(te.pool_id, 0) + 1
+        if te.model == model or model in te.recent_models:
+            warm.add(te.pool_id)
+        if te.state == TEState.IDLE:
+            idle_per_pool[te.pool_id] = idle_per_pool.get(te.pool_id, 0) + 1
+    return sorted(
+        idle,
+        key=lambda te: (
+            per_pool.get(te.pool_id, 0),
+            te.pool_id not in warm,
+            -idle_per_pool.get(te.pool_id, 0),
+            model not in te.recent_models,
+            te.te_id,
+        ),
+    )
+
+
+def _victims(instances: Sequence[TEView], n: int, *, idle_since: float | None) -> list[TEView]:
+    """The ``n`` instances to drain: the least busy, the most recently active last.
+    ``idle_since``: only instances with nothing to do and no activity since then."""
+    ready = [te for te in instances if te.state == TEState.READY]
+    if idle_since is not None:
+        ready = [te for te in ready if te.load == 0 and te.last_active <= idle_since]
+    ready.sort(key=lambda te: (te.load, te.last_active, te.te_id))
+    return ready[:n]
+
+
+def _not_below(mem: ModelMemory) -> ModelMemory:
+    return mem if mem.below_since is None else dataclasses.replace(mem, below_since=None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Unload:
-    te_id: str
-    model: str
-
-
-Action = Load | Unload
+class Decision:
+    actions: list[Action]
+    state: ScalerState
+    targets: dict[str, Target]
 
 
 def decide(
-    tes: Sequence[TEHeartbeat],
-    demands: Mapping[str, float],  # model -> unix time of the newest demand
-    pending: Mapping[str, str],  # te_id -> model, loads sent but not yet in the view
+    state: ScalerState,
+    tes: Sequence[TEView],
     *,
+    models: Sequence[str],
     now: float,
     cfg: ScalerConfig,
-    failed: Mapping[str, tuple[int, float]] | None = None,  # model -> (failures, last at)
-) -> list[Action]:
+) -> Decision:
+    """Loads and unloads for every known model (``models``: those in the registry)."""
     actions: list[Action] = []
-    serving = {te.model for te in tes if te.state in (TEState.READY, TEState.LOADING)}
-    serving |= set(pending.values())
-    idle = [te for te in tes if te.state == TEState.IDLE and te.te_id not in pending]
-    idle_per_pool = Counter(te.pool_id for te in idle)
-    failed = failed or {}
-    for model in sorted(m for m, at in demands.items() if now - at <= cfg.demand_ttl_s):
-        if model in serving or not idle:
-            continue
-        count, last = failed.get(model, (0, 0.0))
-        if now - last < load_backoff(count, cfg):
-            continue
-        te = max(idle, key=lambda t: (idle_per_pool[t.pool_id], t.te_id))
-        idle.remove(te)
-        idle_per_pool[te.pool_id] -= 1
-        actions.append(Load(te_id=te.te_id, model=model))
-        serving.add(model)
+    targets: dict[str, Target] = {}
+    idle = [te for te in tes if te.state == TEState.IDLE and te.te_id not in state.pending]
+    pending_by_model: dict[str, int] = {}
+    for p in state.pending.values():
+        pending_by_model[p.model] = pending_by_model.get(p.model, 0) + 1
+    new_pending = dict(state.pending)
+    new_draining = dict(state.draining)
+    memories = dict(state.models)
+    by_model: dict[str, list[TEView]] = {}
     for te in tes:
+        if te.model is not None:
+            by_model.setdefault(te.model, []).append(te)
+    view = list(tes)
+    known = set(models)
+    for model in sorted(known | set(by_model)):
+        mem = memories.get(model, ModelMemory())
+        pol = cfg.policy(model)
         if (
-            te.state == TEState.READY
-            and te.model is not None
-            and te.running + te.waiting == 0
-            and now - te.last_active > cfg.keep_alive_s
-            and now - demands.get(te.model, 0.0) > cfg.keep_alive_s
+            model not in by_model
+            and model not in pending_by_model
+            and pol.min_replicas == 0
+            and now - mem.last_demand > pol.keep_alive_s
+            and not mem.held
         ):
-            actions.append(Unload(te_id=te.te_id, model=te.model))
-    return actions
+            continue  # at zero and no request: nothing to decide (most models, most ticks)
+        instances = [
+            te for te in by_model.get(model, ()) if te.serving and te.te_id not in state.draining
+        ]
+        # A load sent but not in the view yet is an instance too (it is coming).
+        coming = pending_by_model.get(model, 0) - sum(
+            1 for te in instances if te.te_id in state.pending
+        )
+        t = target(model, mem, instances, coming=max(coming, 0), now=now, cfg=cfg)
+        current = t.current
+        targets[model] = t
+        if t.wanted > current and model in known:  # a model gone from the registry: no loads
+            mem = _not_below(mem)
+            if now - mem.failed_at < load_backoff(mem.failures, cfg):
+                memories[model] = mem
+                continue
+            for _ in range(t.wanted - current):
+                if not idle:
+                    break
+                te = placement_order(model, idle, view)[0]
+                idle.remove(te)
+                actions.append(Load(te.te_id, model, t.reason))
+                new_pending[te.te_id] = PendingLoad(model, te.pool_id, now, t.reason)
+                # Seen by the next placement, so the model's instances spread.
+                view = [
+                    dataclasses.replace(x, state=TEState.LOADING, model=model)
+                    if x.te_id == te.te_id
+                    else x
+                    for x in view
+                ]
+        elif t.wanted < current:
+            if t.idle:
+                # Down to min_replicas (``wanted``), once instances have been idle as long.
+                victims = _victims(
+                    instances,
+                    t.ready - t.wanted,
+                    idle_since=now - cfg.policy(model).keep_alive_s,
+                )
+                reason = "keep-alive expired"
+            elif coming > 0 or t.panicking or t.current > t.ready:
+                victims, reason = [], ""
+                mem = _not_below(mem)
+            else:
+                since = now if mem.below_since is None else mem.below_since
+                mem = dataclasses.replace(mem, below_since=since)
+                due = now - since >= cfg.stable_window_s
+                victims = _victims(instances, t.ready - t.wanted, idle_since=None) if due else []
+                reason = "load fell"
+                if victims:
+                    mem = dataclasses.replace(mem, below_since=None)
+            for te in victims:
+                actions.append(Unload(te.te_id, model, reason))
+                new_draining[te.te_id] = model
+        else:
+            mem = _not_below(mem)
+        memories[model] = mem
+    state = dataclasses.replace(state, models=memories, pending=new_pending, draining=new_draining)
+    return Decision(actions=actions, state=state, targets=targets)

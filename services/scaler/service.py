@@ -1,45 +1,115 @@
-"""The scaler service: observes demand and the cluster view, runs the policy, actuates."""
+"""The scaler service: observes traffic, outcomes and the cluster view, runs the policy,
+actuates, and measures every scale event."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
-from services.scaler.policy import Load, ScalerConfig, Unload, decide
+import msgspec
+
+from services.scaler.policy import (
+    Load,
+    LoadSettled,
+    ModelPolicy,
+    ScalerConfig,
+    ScalerState,
+    Unload,
+    UnloadSettled,
+    decide,
+    observe_capacity,
+    observe_outcomes,
+    observe_traffic,
+    observe_view,
+)
+from services.views import TEView, te_view
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient, ViewWatcher
 from shared.errors import MeshserveError
 from shared.logging import get_logger
-from shared.messages.cluster import TEState
-from shared.messages.scaling import LoadModel, ScaleUp, UnloadModel
+from shared.messages.cluster import ClusterView, TEHeartbeat
+from shared.messages.scaling import (
+    InstanceCapacity,
+    LoadModel,
+    OutcomeReport,
+    ScaleEvent,
+    TrafficReport,
+    UnloadModel,
+)
 from shared.runner import Lifecycle
 from shared.settings import Settings
-from shared.subjects import Subjects
+from shared.store import Store
+from shared.subjects import Keys, Subjects
 
 log = get_logger(__name__)
 
 TICK_S = 0.5
-# A load the view does not show after this long is considered lost and may be retried.
-PENDING_TTL_S = 10.0
+
+
+def scaler_config(settings: Settings) -> ScalerConfig:
+    s = settings.scaler
+    default = ModelPolicy(
+        min_replicas=s.min_replicas,
+        max_replicas=s.max_replicas,
+        target_utilization=s.target_utilization,
+        keep_alive_s=s.keep_alive.total_seconds(),
+    )
+    models = {
+        name: ModelPolicy(
+            min_replicas=m.min_replicas if m.min_replicas is not None else default.min_replicas,
+            max_replicas=m.max_replicas if m.max_replicas is not None else default.max_replicas,
+            target_utilization=m.target_utilization or default.target_utilization,
+            keep_alive_s=m.keep_alive.total_seconds()
+            if m.keep_alive is not None
+            else default.keep_alive_s,
+        )
+        for name, m in s.model_scaling.items()
+    }
+    return ScalerConfig(
+        default=default,
+        models=models,
+        stable_window_s=s.stable_window.total_seconds(),
+        panic_window_s=s.panic_window.total_seconds(),
+        slo_target=s.slo_target,
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class _Sent:
+    """A command in flight, for the scale event's step times."""
+
+    at: float  # decided and sent
+    acked: float = 0.0
+    pool_id: str = ""
 
 
 class Scaler:
-    def __init__(self, *, settings: Settings, bus: Bus) -> None:
+    def __init__(self, *, settings: Settings, bus: Bus, store: Store | None = None) -> None:
         self._settings = settings
         self._bus = bus
+        self._store = store
         self._subjects = Subjects(settings.cluster)
+        self._keys = Keys(settings.cluster)
         self._life = Lifecycle("scaler")
         self._view = ViewWatcher(bus, self._subjects)
+        self._view.listeners.append(lambda _: self._wake.set())
         self._tes = TaskExecutorClient(bus, self._subjects)
-        self._cfg = ScalerConfig(keep_alive_s=settings.scaler.keep_alive.total_seconds())
-        self._demands: dict[str, float] = {}
-        self._pending: dict[str, tuple[str, float]] = {}  # te_id -> (model, sent at)
-        self._failed: dict[str, tuple[int, float]] = {}  # model -> (failures in a row, last)
+        self._cfg = scaler_config(settings)
+        self._state = ScalerState()
+        self._stored: dict[str, InstanceCapacity] = {}  # model|engine -> capacity in Redis
+        self._sent: dict[str, _Sent] = {}  # by TE
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
+        if self._store is None:
+            if not self._settings.redis_url:
+                raise ValueError("the scaler needs MESHSERVE_REDIS_URL (its stored capacities)")
+            self._store = await Store.connect(self._settings.redis_url)
+        await self._load_capacities()
         await self._view.start(self._life)
-        await self._bus.subscribe(self._subjects.scale_demand(), {ScaleUp: self._on_demand})
+        await self._bus.subscribe(self._subjects.traffic(), {TrafficReport: self._on_traffic})
+        await self._bus.subscribe(self._subjects.outcomes(), {OutcomeReport: self._on_outcomes})
         try:
             while not self._life.stopping:
                 await self._tick()
@@ -51,66 +121,172 @@ class Scaler:
                 stopper.cancel()
         finally:
             await self._life.cancel_tasks()
+            if self._store is not None:
+                await self._store.close()
             self._life.stopped()
 
     async def shutdown(self) -> None:
         self._life.request_stop()
 
-    async def _on_demand(self, msg: ScaleUp) -> None:
-        self._demands[msg.model] = time.time()
-        self._wake.set()
+    # -- observation -----------------------------------------------------------------------
+
+    async def _load_capacities(self) -> None:
+        assert self._store is not None
+        try:
+            raw = await self._store.hash_items(self._keys.capacities())
+        except Exception as e:  # measured again on the next load
+            log.warning("reading stored capacities failed", error=str(e))
+            return
+        for key, value in raw.items():
+            try:
+                self._stored[key] = msgspec.msgpack.decode(value, type=InstanceCapacity)
+            except msgspec.DecodeError:
+                continue
+
+    async def _on_traffic(self, msg: TrafficReport) -> None:
+        self._state = observe_traffic(
+            self._state, msg.je_id, msg.models, now=time.time(), cfg=self._cfg
+        )
+        if msg.urgent:
+            self._wake.set()
+
+    async def _on_outcomes(self, msg: OutcomeReport) -> None:
+        self._state = observe_outcomes(self._state, msg.models, now=time.time(), cfg=self._cfg)
+
+    def _capacity(self, model: str, engine: str | None) -> InstanceCapacity | None:
+        return self._stored.get(f"{model}|{engine}")
+
+    async def _remember_capacities(self, view: ClusterView) -> None:
+        """Store each model's capacity the first time a TE reports one it measured."""
+        for hb in view.tes:
+            if hb.capacity is None or hb.model is None:
+                continue
+            key = f"{hb.model}|{hb.capacity.engine}"
+            if key in self._stored:
+                continue
+            self._stored[key] = hb.capacity
+            log.info("capacity measured", model=hb.model, capacity=msgspec.to_builtins(hb.capacity))
+            try:
+                assert self._store is not None
+                await self._store.redis.hset(
+                    self._keys.capacities(), key, msgspec.msgpack.encode(hb.capacity)
+                )
+            except Exception as e:
+                log.warning("storing a capacity failed", error=str(e))
+
+    # -- the loop ----------------------------------------------------------------------------
 
     async def _tick(self) -> None:
         view = self._view.view
         if view.version < 0:
             return
         now = time.time()
-        in_view = {te.te_id: te for te in view.tes}
-        for te_id, (model, at) in list(self._pending.items()):
-            te = in_view.get(te_id)
-            if te is not None and te.failed_model == model:
-                count = self._failed.get(model, (0, 0.0))[0] + 1
-                self._failed[model] = (count, now)
-                log.warning(
-                    "model load failed", model=model, te=te_id, failures=count, error=te.error
-                )
-                del self._pending[te_id]
-            elif te is None or te.model == model or now - at > PENDING_TTL_S:
-                del self._pending[te_id]
-        for te in view.tes:
-            if te.state == TEState.READY and te.model is not None:
-                self._failed.pop(te.model, None)
-        actions = decide(
-            view.tes,
-            self._demands,
-            {te: m for te, (m, _) in self._pending.items()},
-            now=now,
-            cfg=self._cfg,
-            failed=self._failed,
+        await self._remember_capacities(view)
+        tes = [te_view(hb) for hb in view.tes]
+        for model in {m.id for m in view.models}:
+            if self._state.memory(model).capacity is None:
+                engine = next((hb.engine for hb in view.tes if hb.engine), None)
+                if cap := self._capacity(model, engine):
+                    self._state = observe_capacity(self._state, model, cap)
+        self._state, settled = observe_view(self._state, tes, now=now, cfg=self._cfg)
+        by_id = {hb.te_id: hb for hb in view.tes}
+        for s in settled:
+            await self._scale_event(s, by_id.get(s.te_id), now)
+        decision = decide(
+            self._state, tes, models=[m.id for m in view.models], now=now, cfg=self._cfg
         )
+        self._state = decision.state
+        for action in decision.actions:
+            t = decision.targets[action.model]
+            log.info(
+                "scale decision",
+                action=type(action).__name__.lower(),
+                model=action.model,
+                te=action.te_id,
+                reason=action.reason,
+                current=t.current,
+                wanted=t.wanted,
+                stable_load=round(t.stable_load, 3),
+                panic_load=round(t.panic_load, 3),
+                backlog=t.backlog,
+                slo=t.slo_attainment,
+            )
         paths = {m.id: m.path for m in view.models}
-        for action in actions:
-            try:
-                if isinstance(action, Load):
-                    if action.model not in paths:
-                        continue
-                    self._pending[action.te_id] = (action.model, now)
-                    ack = await self._tes.control(
-                        action.te_id, LoadModel(model=action.model, path=paths[action.model])
-                    )
-                    log.info(
-                        "scale up", model=action.model, te=action.te_id, ok=ack.ok, error=ack.error
-                    )
-                    if not ack.ok:
-                        self._pending.pop(action.te_id, None)
-                elif isinstance(action, Unload):
-                    ack = await self._tes.control(
-                        action.te_id, UnloadModel(reason="keep-alive expired")
-                    )
-                    log.info("scale to zero", model=action.model, te=action.te_id, ok=ack.ok)
-            except MeshserveError as e:
-                self._pending.pop(action.te_id, None)
-                log.warning("scaling action failed", action=repr(action), error=str(e))
+        await asyncio.gather(*(self._actuate(a, paths, tes, now) for a in decision.actions))
+
+    async def _actuate(
+        self, action: Load | Unload, paths: dict[str, str], tes: list[TEView], now: float
+    ) -> None:
+        pool = next((te.pool_id for te in tes if te.te_id == action.te_id), "")
+        sent = self._sent[action.te_id] = _Sent(at=now, pool_id=pool)
+        try:
+            if isinstance(action, Load):
+                engine = next(
+                    (hb.engine for hb in self._view.view.tes if hb.te_id == action.te_id), None
+                )
+                cmd: LoadModel | UnloadModel = LoadModel(
+                    model=action.model,
+                    path=paths[action.model],
+                    capacity=self._capacity(action.model, engine),
+                )
+            else:
+                cmd = UnloadModel(
+                    reason=action.reason,
+                    drain_s=self._settings.scaler.drain_timeout.total_seconds(),
+                )
+            ack = await self._tes.control(action.te_id, cmd)
+            sent.acked = time.time()
+            if not ack.ok:
+                log.warning("scaling command refused", te=action.te_id, error=ack.error)
+        except MeshserveError as e:
+            log.warning("scaling command failed", action=repr(action), error=str(e))
+        # A refused or lost command is settled by the next views (observe_view).
+
+    async def _scale_event(
+        self, s: LoadSettled | UnloadSettled, hb: TEHeartbeat | None, now: float
+    ) -> None:
+        sent = self._sent.pop(s.te_id, None)
+        if isinstance(s, LoadSettled):
+            steps: dict[str, float] = {}
+            if sent is not None and sent.acked:
+                steps["scaler_pre"] = sent.acked - sent.at
+            if hb is not None:
+                steps.update(hb.load_steps)
+                if s.ok and hb.ready_at:
+                    steps["scaler_post"] = max(0.0, now - hb.ready_at)
+            event = ScaleEvent(
+                kind="up",
+                model=s.model,
+                te_id=s.te_id,
+                pool_id=s.pool_id,
+                reason=s.reason,
+                ok=s.ok,
+                steps={k: round(v, 4) for k, v in steps.items()},
+                total_s=round(now - s.sent_at, 4),
+            )
+        else:
+            event = ScaleEvent(
+                kind="down",
+                model=s.model,
+                te_id=s.te_id,
+                pool_id=sent.pool_id if sent else "",
+                steps={"drain_and_unload": round(now - sent.at, 4)} if sent else {},
+                total_s=round(now - sent.at, 4) if sent else 0.0,
+            )
+        log.info(
+            "scale event",
+            kind=event.kind,
+            model=event.model,
+            te=event.te_id,
+            ok=event.ok,
+            total_s=event.total_s,
+            steps=event.steps,
+            error=s.error if isinstance(s, LoadSettled) else None,
+        )
+        try:
+            await self._bus.publish(self._subjects.scale_events(), event)
+        except MeshserveError as e:
+            log.warning("scale event not published", error=str(e))
 
 
 async def create(settings: Settings, bus: Bus) -> Scaler:

@@ -23,7 +23,7 @@ RESTART_BACKOFF_S = 1.0
 class NodePool:
     def __init__(self, *, settings: Settings, pool_id: str | None = None) -> None:
         self._settings = settings
-        self.pool_id = pool_id or f"pool-{uuid.uuid4().hex[:6]}"
+        self.pool_id = pool_id or settings.task_executor.pool_id or f"pool-{uuid.uuid4().hex[:6]}"
         self._life = Lifecycle("node pool")
         self._procs: dict[str, asyncio.subprocess.Process] = {}
 

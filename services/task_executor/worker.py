@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import json
 import os
 import socket
 import sys
@@ -23,6 +24,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
+
+from services.task_executor.capacity import measure_capacity
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.capabilities import EngineFeatures, bind_features
 from services.task_executor.engines.factory import choose_engine, create_engine
@@ -40,7 +44,13 @@ from shared.errors import (
 from shared.logging import get_logger
 from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
-from shared.messages.scaling import ControlAck, Drain, LoadModel, UnloadModel
+from shared.messages.scaling import (
+    ControlAck,
+    Drain,
+    InstanceCapacity,
+    LoadModel,
+    UnloadModel,
+)
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
@@ -56,6 +66,7 @@ KV_FLUSH_S = 0.05
 
 # Longest a stopping TE waits for the engine step in flight.
 STEP_STOP_TIMEOUT_S = 30.0
+RECENT_MODELS = 8  # models a TE remembers loading (their files are likely in page cache)
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,6 +112,10 @@ class TaskExecutor:
         self._error: str | None = None
         self._failed_model: str | None = None
         self._generated_tokens = 0
+        self._recent_models: list[str] = []  # loaded here before, newest first
+        self._capacity: InstanceCapacity | None = None  # of the model loaded
+        self._load_steps: dict[str, float] = {}  # of the last load
+        self._ready_at = 0.0
         self._streams: dict[str, _Stream] = {}  # by attempt key
         self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
         self._placements = 0
@@ -143,6 +158,9 @@ class TaskExecutor:
             failed_model=self._failed_model,
             generated_tokens=self._generated_tokens,
             engine=choose_engine(self._settings),
+            recent_models=list(self._recent_models),
+            load_steps=self._load_steps,
+            ready_at=self._ready_at,
         )
         if self.engine is not None:
             st = self.engine.stats()
@@ -154,6 +172,10 @@ class TaskExecutor:
             hb.waiting = st.waiting + len(self._adds)
             hb.free_kv_blocks = st.free_kv_blocks
             hb.total_kv_blocks = st.total_kv_blocks
+            hb.capacity = self._capacity
+            hb.queued_prompt_tokens = sum(
+                stream.prompt_tokens for stream in self._streams.values() if not stream.generated
+            )
         return hb
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -222,8 +244,12 @@ class TaskExecutor:
 
     async def _load(self, cmd: LoadModel) -> None:
         t0 = time.monotonic()
+        steps: dict[str, float] = {}
+        self._load_steps, self._ready_at = steps, 0.0
         try:
-            engine, features = await self._on_engine_thread(self._build_engine, cmd)
+            engine, features, self._capacity = await self._on_engine_thread(
+                self._build_engine, cmd, t0, steps
+            )
         except Exception as e:
             log.exception("model load failed", model=cmd.model)
             self.state, self.model, self._error = TEState.IDLE, None, f"{type(e).__name__}: {e}"
@@ -232,24 +258,50 @@ class TaskExecutor:
             self.engine, self._features = engine, features
             self._kv_block_size = features.kv_events.block_size if features.kv_events else 0
             self.state = TEState.READY
-            self._last_active = time.time()
+            self._last_active = self._ready_at = time.time()
+            earlier = [m for m in self._recent_models if m != cmd.model]
+            self._recent_models = [cmd.model, *earlier][:RECENT_MODELS]
             log.info(
                 "model loaded",
                 model=cmd.model,
                 seconds=round(time.monotonic() - t0, 2),
+                steps={k: round(v, 3) for k, v in steps.items()},
                 device=engine.device,
             )
         self._hb.beat_now()
 
-    def _build_engine(self, cmd: LoadModel) -> tuple[Engine, EngineFeatures]:
-        """The engine, and what it declares it can do checked against what it implements: a
-        declaration it cannot keep fails the load (and the engine is closed)."""
+    def _build_engine(
+        self, cmd: LoadModel, t0: float, steps: dict[str, float]
+    ) -> tuple[Engine, EngineFeatures, InstanceCapacity | None]:
+        """The engine; what it declares it can do checked against what it implements (a
+        declaration it cannot keep fails the load, and the engine is closed); and its
+        capacity, measured here when the scaler has none stored. ``steps``: DeepServe's
+        TE-side steps of a scale-up, in seconds."""
+        t1 = time.monotonic()
+        steps["te_pre_load"] = t1 - t0  # the command's wait for the engine thread
         engine = self._engine_factory(cmd.model, Path(cmd.path), self._settings)
+        t2 = time.monotonic()
+        steps["te_load"] = t2 - t1
         try:
-            return engine, bind_features(engine)
+            features = bind_features(engine)
+            capacity = cmd.capacity or self._measure_capacity(engine, Path(cmd.path))
         except Exception:
             engine.close()
             raise
+        steps["te_post_load"] = time.monotonic() - t2
+        return engine, features, capacity
+
+    def _measure_capacity(self, engine: Engine, path: Path) -> InstanceCapacity | None:
+        try:
+            vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+            capacity = measure_capacity(
+                engine, vocab=vocab, max_num_seqs=self._settings.task_executor.max_num_seqs
+            )
+        except Exception:  # the scaler sizes the model by its queue alone until one is stored
+            log.exception("measuring the instance's capacity failed")
+            return None
+        log.info("capacity measured", **msgspec.structs.asdict(capacity))
+        return capacity
 
     async def _on_unload(self, cmd: UnloadModel) -> ControlAck:
         """Acknowledged at once, as a load is: draining takes up to the shutdown grace and
@@ -263,7 +315,8 @@ class TaskExecutor:
         return ControlAck(te_id=self.te_id, ok=True)
 
     async def _unload(self, cmd: UnloadModel) -> None:
-        await self._drain(self._settings.membership.shutdown_grace.total_seconds())
+        grace = self._settings.membership.shutdown_grace.total_seconds()
+        await self._drain(grace if cmd.drain_s is None else cmd.drain_s)
         async with self._step_lock:
             engine, self.engine = self.engine, None
         if engine is not None:
@@ -274,6 +327,7 @@ class TaskExecutor:
             self._collect_kv_events()
             await self._flush_kv_events()
         self._features = EngineFeatures()
+        self._capacity = None
         gc.collect()
         log.info("model unloaded", model=self.model, reason=cmd.reason)
         self.state, self.model = TEState.IDLE, None

@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 from shared.messages.base import Message
+from shared.messages.scaling import InstanceCapacity
 from shared.messages.tasks import TaskMode
 
 
@@ -54,6 +55,15 @@ class TEHeartbeat(Message):
     failed_model: str | None = None  # the model whose last load failed (see error)
     generated_tokens: int = 0  # tokens this TE has produced since it started
     engine_capabilities: EngineCapabilities | None = None  # of the loaded engine; None if idle
+    queued_prompt_tokens: int = 0  # prompt tokens of accepted requests not yet prefilled
+    recent_models: list[str] = msgspec.field(
+        default_factory=list
+    )  # loaded here before, newest first
+    capacity: InstanceCapacity | None = (
+        None  # of the loaded model here, as the load measured or got it
+    )
+    load_steps: dict[str, float] = msgspec.field(default_factory=dict)  # of the last load, seconds
+    ready_at: float = 0.0  # unix seconds the loaded model turned ready
 
 
 class JEHeartbeat(Message):

@@ -2,24 +2,97 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from shared.messages.base import Message
 
 
-class ScaleUp(Message):
-    """A JE holds jobs for a model that has no instance able to take them."""
+class ModelTraffic(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One model's jobs at one JE: arrivals since its last report, and what it holds now."""
 
     model: str
-    waiting: int = 1
-    je_id: str = ""
+    arrivals: int = 0  # jobs received since the last report (resubmissions too)
+    prompt_tokens: int = 0  # their prompt tokens
+    max_output_tokens: int = 0  # their output caps (max_tokens)
+    held: int = 0  # jobs held now: no instance could take them
+    held_prompt_tokens: int = 0
+    misses: int = 0  # jobs failed since the last report: the placement deadline passed
+
+
+class TrafficReport(Message):
+    """A JE's traffic, sent every report interval while it has any, and at once when a job
+    is held for a model with no instance able to take it (``urgent``)."""
+
+    je_id: str
+    models: list[ModelTraffic] = msgspec.field(default_factory=list)
+    urgent: bool = False
+
+
+class ModelOutcomes(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str
+    finished: int = 0  # requests finished since the last report (failed ones too)
+    slo_met: int = 0  # of which met the SLO (settings: scaler.slo_*)
+    output_tokens: int = 0
+
+
+class OutcomeReport(Message):
+    """A frontend's finished requests since its last report: what clients saw."""
+
+    frontend_id: str
+    models: list[ModelOutcomes] = msgspec.field(default_factory=list)
+
+
+class InstanceCapacity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What one instance of a model on one engine and device costs per token, measured once
+    (by the TE, on the first load of the model there; or from a ``meshserve-loadgen
+    profile``): the scaler turns a model's token rates into instances with it. Prefilling a
+    prompt of n tokens costs ``n * (prefill_s + prefill_attention_s * n)``; decoding one
+    token at a context of c tokens, in a full batch, ``decode_s + decode_context_s * c``."""
+
+    prefill_s: float  # per prompt token
+    prefill_attention_s: float  # per prompt token, per token of its prompt
+    decode_s: float  # per output token, batch of max_num_seqs, short context
+    decode_context_s: float  # per output token, per context token it attends over
+    max_num_seqs: int
+    engine: str = ""
+    device: str = ""
+    measured_at: float = 0.0
+
+    def prefill_tokens_per_s(self, prompt_tokens: int) -> float:
+        return 1.0 / (self.prefill_s + self.prefill_attention_s * prompt_tokens)
+
+    def decode_tokens_per_s(self, context_tokens: int) -> float:
+        return 1.0 / (self.decode_s + self.decode_context_s * context_tokens)
 
 
 class LoadModel(Message):
     model: str
     path: str
+    # The capacity measured on an earlier load; None: measure it before turning ready.
+    capacity: InstanceCapacity | None = None
 
 
 class UnloadModel(Message):
+    """Take no new work, finish the running requests (those still running after
+    ``drain_s`` are handed back to be resubmitted elsewhere), then unload."""
+
     reason: str = ""
+    drain_s: float | None = None  # None: the TE's shutdown grace
+
+
+class ScaleEvent(Message):
+    """One scale-up or scale-down, done, with its steps (DeepServe's five for an up:
+    scaler_pre, te_pre_load, te_load, te_post_load, scaler_post; drain and unload for a
+    down), in seconds."""
+
+    kind: str  # "up" | "down"
+    model: str
+    te_id: str
+    pool_id: str
+    reason: str = ""
+    ok: bool = True
+    steps: dict[str, float] = msgspec.field(default_factory=dict)
+    total_s: float = 0.0
 
 
 class Drain(Message):

@@ -15,7 +15,7 @@ from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from shared.bus import Bus
 from shared.embedded import free_port
-from shared.messages.scaling import ScaleUp
+from shared.messages.scaling import TrafficReport
 from shared.settings import Settings
 from shared.store import Store
 from shared.subjects import Subjects
@@ -59,12 +59,12 @@ async def services(bus: Bus, store: Store, cluster: str, demo_model_dir: Path, t
 
 async def test_unplaceable_job_gets_503_with_retry_after(services, bus: Bus, cluster: str):
     http, base = services
-    demands: list[ScaleUp] = []
+    reports: list[TrafficReport] = []
 
-    async def on_demand(msg: ScaleUp) -> None:
-        demands.append(msg)
+    async def on_traffic(msg: TrafficReport) -> None:
+        reports.append(msg)
 
-    await bus.subscribe(Subjects(cluster).scale_demand(), {ScaleUp: on_demand})
+    await bus.subscribe(Subjects(cluster).traffic(), {TrafficReport: on_traffic})
     body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for stream in (False, True):
         async with http.post(base + "/v1/chat/completions", json={**body, "stream": stream}) as r:
@@ -72,7 +72,10 @@ async def test_unplaceable_job_gets_503_with_retry_after(services, bus: Bus, clu
             assert r.headers["Retry-After"] == "7"
             err = json.loads(await r.read())["error"]
             assert "demo" in err["message"] and err["code"] == "no_capacity"
-    assert demands and demands[0].model == "demo"
+    # The scaler heard at once that jobs wait with no instance, and about every miss.
+    assert reports and reports[0].urgent and reports[0].models[0].model == "demo"
+    await asyncio.sleep(0.6)  # the next report
+    assert sum(m.misses for r in reports for m in r.models if m.model == "demo") == 2
 
 
 async def test_http_errors_are_openai_shaped(services):

@@ -31,6 +31,7 @@ async def cluster_env(
     (tmp_path / "demo").symlink_to(demo_model_dir)
     settings = Settings(
         cluster=cluster,
+        redis_url=redis_url,  # the scaler keeps measured capacities there
         models_dir=tmp_path,
         http_port=free_port(),
         heartbeat_interval=timedelta(seconds=0.2),

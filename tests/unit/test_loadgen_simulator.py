@@ -9,11 +9,11 @@ import pytest
 
 from loadgen.costmodel import EngineProfile
 from loadgen.plan import plan
-from loadgen.profiling import fit_prefill
 from loadgen.report import summarize
 from loadgen.simulator import SimConfig, simulate
-from loadgen.slo import SLO
 from loadgen.traces import TraceRequest
+from services.task_executor.capacity import fit_prefill
+from shared.slo import SLO
 from tests.shared_traces import azure_slice
 
 
@@ -209,7 +209,9 @@ def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None
     assert e.value.code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["requests"] == 300 and summary["run"]["simulated"] is True
-    assert summary["run"]["stats"]["loads"] == 1
+    # The slice overloads one device: the autoscaler takes the second.
+    assert summary["run"]["stats"]["loads"] == 2
+    assert summary["run"]["stats"]["peak_replicas"] == {"demo": 2}
     assert summary["clipped_prompts"] > 0  # the trace has prompts beyond 4,096 tokens
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 300

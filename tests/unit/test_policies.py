@@ -1,12 +1,19 @@
-"""The pure policy functions: placement, scaling, membership."""
+"""The pure policy functions: placement, holding, membership (scaling: test_scaler_policy)."""
+
+import dataclasses
 
 from services.cluster_manager.membership import expired, identity
+from services.job_executor.holding import GiveUp, Hold, PendingJob, PlaceOn, next_step
 from services.job_executor.scheduling import pick_te
-from services.scaler.policy import Load, ScalerConfig, Unload, decide, load_backoff
+from services.views import TEView, te_view
 from shared.messages.cluster import TEHeartbeat, TEState
 
 
-def te(te_id, state=TEState.READY, model="m", running=0, waiting=0, pool="p1", last_active=0.0):
+def te(te_id, state=TEState.READY, model="m", running=0, waiting=0, pool="p1") -> TEView:
+    return te_view(hb(te_id, state, model, running, waiting, pool))
+
+
+def hb(te_id, state=TEState.READY, model="m", running=0, waiting=0, pool="p1", last_active=0.0):
     return TEHeartbeat(
         te_id=te_id,
         pool_id=pool,
@@ -27,8 +34,15 @@ class TestPickTE:
         assert pick_te("m", tes, {}).te_id == "b"
 
     def test_counts_placements_the_te_has_not_reported_yet(self):
+        # Prompt tokens placed since the TE's report count like tokens it reported queued.
         tes = [te("a", running=1), te("b", running=0)]
-        assert pick_te("m", tes, {"b": 2}).te_id == "a"
+        assert pick_te("m", tes, {"b": 20}).te_id == "b"
+        assert pick_te("m", tes, {"b": 100}).te_id == "a"
+
+    def test_load_is_tokens_not_requests(self):
+        long = dataclasses.replace(te("a", waiting=1), queued_prompt_tokens=4000)
+        short = dataclasses.replace(te("b", running=3, waiting=2), queued_prompt_tokens=80)
+        assert pick_te("m", [long, short], {}).te_id == "b"
 
     def test_ties_break_by_id_so_the_choice_is_deterministic(self):
         assert pick_te("m", [te("b"), te("a")], {}).te_id == "a"
@@ -42,55 +56,27 @@ class TestPickTE:
         assert not pick_te("m", [te("c", state=TEState.LOADING)], {}).scale_up
 
 
-class TestScaler:
-    cfg = ScalerConfig(keep_alive_s=60, demand_ttl_s=10)
+class TestHolding:
+    job = PendingJob(model="m", deadline=100.0)
 
-    def test_scale_from_zero_takes_an_idle_te_from_the_roomiest_pool(self):
-        tes = [
-            te("a1", TEState.IDLE, None, pool="A"),
-            te("b1", TEState.IDLE, None, pool="B"),
-            te("b2", TEState.IDLE, None, pool="B"),
-        ]
-        acts = decide(tes, {"m": 100.0}, {}, now=101.0, cfg=self.cfg)
-        assert acts == [Load(te_id="b2", model="m")]
+    def test_places_on_a_ready_te(self):
+        assert next_step(self.job, [te("a")], {}, now=1.0) == PlaceOn("a")
 
-    def test_no_second_load_while_one_is_loading_or_pending(self):
-        idle = te("i", TEState.IDLE, None)
-        assert (
-            decide([idle, te("l", TEState.LOADING)], {"m": 100.0}, {}, now=100, cfg=self.cfg) == []
-        )
-        assert decide([idle], {"m": 100.0}, {"i": "m"}, now=100, cfg=self.cfg) == []
+    def test_holds_while_the_model_loads_and_asks_at_once_when_nothing_comes(self):
+        assert next_step(self.job, [te("a", TEState.LOADING)], {}, now=1.0) == Hold(urgent=False)
+        assert next_step(self.job, [te("x", TEState.IDLE, None)], {}, now=1.0) == Hold(urgent=True)
 
-    def test_stale_demand_is_ignored(self):
-        idle = te("i", TEState.IDLE, None)
-        assert decide([idle], {"m": 0.0}, {}, now=100, cfg=self.cfg) == []
+    def test_refusals_count_until_the_next_view_and_ask_for_capacity(self):
+        job = PendingJob(model="m", deadline=100.0, refused=frozenset({"a"}))
+        assert next_step(job, [te("a")], {}, now=1.0) == Hold(urgent=True)
 
-    def test_two_models_get_two_tes_and_a_third_waits(self):
-        tes = [te("i1", TEState.IDLE, None), te("i2", TEState.IDLE, None)]
-        acts = decide(tes, {"a": 5.0, "b": 5.0, "c": 5.0}, {}, now=5, cfg=self.cfg)
-        assert sorted(a.model for a in acts) == ["a", "b"]
-        assert len({a.te_id for a in acts}) == 2
+    def test_a_te_the_job_left_is_a_last_resort(self):
+        job = PendingJob(model="m", deadline=100.0, exclude=frozenset({"a"}))
+        assert next_step(job, [te("a"), te("b", running=9)], {}, now=1.0) == PlaceOn("b")
+        assert next_step(job, [te("a")], {}, now=1.0) == PlaceOn("a")
 
-    def test_scale_to_zero_after_keep_alive(self):
-        idle_long = te("a", last_active=0.0)
-        busy = te("b", running=1, last_active=0.0)
-        recent = te("c", model="n", last_active=50.0)
-        acts = decide([idle_long, busy, recent], {}, {}, now=100, cfg=self.cfg)
-        assert acts == [Unload(te_id="a", model="m")]
-
-    def test_failed_loads_back_off_exponentially(self):
-        idle = te("i", TEState.IDLE, None)
-        once = {"m": (1, 100.0)}
-        assert decide([idle], {"m": 100.5}, {}, now=101.0, cfg=self.cfg, failed=once) == []
-        assert decide([idle], {"m": 102.5}, {}, now=102.5, cfg=self.cfg, failed=once) != []
-        thrice = {"m": (3, 100.0)}
-        assert load_backoff(3, self.cfg) == 8.0
-        assert decide([idle], {"m": 107.0}, {}, now=107.0, cfg=self.cfg, failed=thrice) == []
-        assert load_backoff(30, self.cfg) == 60.0
-
-    def test_recent_demand_keeps_a_model_alive(self):
-        acts = decide([te("a", last_active=0.0)], {"m": 90.0}, {}, now=100, cfg=self.cfg)
-        assert acts == []
+    def test_gives_up_at_the_deadline(self):
+        assert next_step(self.job, [], {}, now=100.0) == GiveUp()
 
 
 class TestMembership:
@@ -98,5 +84,5 @@ class TestMembership:
         assert expired({"a": 10.0, "b": 14.5}, now=15.5, timeout=5) == ["a"]
 
     def test_load_changes_are_not_identity_changes(self):
-        assert identity(te("a", running=0)) == identity(te("a", running=5))
-        assert identity(te("a")) != identity(te("a", state=TEState.DRAINING))
+        assert identity(hb("a", running=0)) == identity(hb("a", running=5))
+        assert identity(hb("a")) != identity(hb("a", state=TEState.DRAINING))

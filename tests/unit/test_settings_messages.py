@@ -102,7 +102,9 @@ def test_every_subject_and_key_carries_the_cluster_name():
         s.heartbeat(),
         s.view(),
         s.get_view(),
-        s.scale_demand(),
+        s.traffic(),
+        s.outcomes(),
+        s.scale_events(),
     ):
         assert subj.startswith("c9.")
     assert k.models().startswith("c9:")

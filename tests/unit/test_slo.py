@@ -6,7 +6,7 @@ import pytest
 
 from loadgen.report import metrics, run_span_s, summarize, table, timeline
 from loadgen.results import Result
-from loadgen.slo import SLO, attainment, goodput_rps, parse_slo
+from shared.slo import SLO, attainment, goodput_rps, parse_slo
 
 
 def res(

@@ -1,0 +1,59 @@
+"""What a job executor does with a job next: place it, hold it, or give up. Pure.
+
+A job is held while no TE of its model can take it (none ready: the model is scaling from
+zero or out; or every one refused) and placed as soon as one can, on a new cluster view.
+TEs that refused it count until the next view; TEs it already failed on (``exclude``: it
+was resubmitted from them) are a last resort, not banned: a TE that handed the job back
+while draining may be the model's only instance. The job gives up when its placement
+deadline passes. The services and the simulator both call ``next_step``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from services.job_executor.scheduling import pick_te
+from services.views import TEView
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingJob:
+    model: str
+    deadline: float  # unix seconds
+    exclude: frozenset[str] = frozenset()  # TEs it was resubmitted from
+    refused: frozenset[str] = frozenset()  # TEs that refused it since the last view
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlaceOn:
+    te_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hold:
+    urgent: bool  # no instance is ready or coming: tell the scaler now, not at the next report
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GiveUp:
+    pass
+
+
+Step = PlaceOn | Hold | GiveUp
+
+
+def next_step(
+    job: PendingJob,
+    tes: Sequence[TEView],
+    placed_since_report: Mapping[str, int],  # prompt tokens placed per TE since its report
+    *,
+    now: float,
+) -> Step:
+    decision = pick_te(job.model, tes, placed_since_report, job.refused | job.exclude)
+    if decision.te_id is None and job.exclude:
+        decision = pick_te(job.model, tes, placed_since_report, job.refused)
+    if decision.te_id is not None:
+        return PlaceOn(decision.te_id)
+    if now >= job.deadline:
+        return GiveUp()
+    return Hold(urgent=decision.scale_up or bool(job.refused))

@@ -1,0 +1,123 @@
+"""How much one instance of a model sustains on this engine and device, measured on the
+engine itself: the scaler sizes each model's fleet from it (``services/scaler/policy.py``).
+
+Measured once per model and engine, when the model first loads where none is stored: the
+scaler hands the stored one to every later load. Prompts are random token ids (timing does
+not depend on content). ``meshserve-loadgen profile`` measures a fuller cost model with the
+same two probes (``prefill_s`` and ``decode_step_s``)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+from services.task_executor.engines.base import Engine, EngineRequest
+from shared.messages.api import SamplingParams
+from shared.messages.scaling import InstanceCapacity
+
+CAPACITY_PROMPT_TOKENS = 512  # the prefill probe (clipped to half the context)
+CAPACITY_DECODE_CONTEXT = 128  # tokens each decode of the probe attends over
+CAPACITY_MAX_BATCH = 32  # decode probe batch: max_num_seqs, up to this many
+CAPACITY_DECODE_STEPS = 6
+CAPACITY_LONG_CONTEXT = 512  # the context-cost probe: a small batch at this context
+CAPACITY_CONTEXT_BATCH = 4
+
+
+def prefill_s(engine: Engine, rng: random.Random, vocab: int, length: int) -> float:
+    """Seconds to prefill one prompt of ``length`` tokens (and sample its first token)."""
+    engine.add_request(
+        EngineRequest(
+            f"p{rng.random()}",
+            [rng.randrange(vocab) for _ in range(length)],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+    )
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t
+
+
+def decode_step_s(
+    engine: Engine, rng: random.Random, vocab: int, batch: int, context: int, steps: int
+) -> float:
+    """Median step time of ``batch`` requests decoding together at about ``context`` tokens."""
+    tag = f"d{rng.random()}"
+    for i in range(batch):
+        engine.add_request(
+            EngineRequest(
+                f"{tag}-{i}",
+                [rng.randrange(vocab) for _ in range(context)],
+                SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True),
+            )
+        )
+    times = []
+    while engine.has_work():
+        running_before = engine.stats().running
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if running_before == batch and engine.stats().waiting == 0:
+            times.append(dt)  # a pure decode step of the whole batch
+    if not times:
+        raise RuntimeError(f"batch {batch} never decoded together (max_num_seqs or KV too small?)")
+    return statistics.median(times)
+
+
+def fit_prefill(lengths: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``t = a*n + b*n**2`` with a, b >= 0 (pure; unit-tested)."""
+    s11 = sum(n * n for n in lengths)
+    s12 = sum(n**3 for n in lengths)
+    s22 = sum(n**4 for n in lengths)
+    y1 = sum(n * t for n, t in zip(lengths, seconds, strict=True))
+    y2 = sum(n * n * t for n, t in zip(lengths, seconds, strict=True))
+    det = s11 * s22 - s12 * s12
+    if len(set(lengths)) >= 2 and det > 0:
+        a = (y1 * s22 - y2 * s12) / det
+        b = (s11 * y2 - s12 * y1) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    # One length, or a fit that went negative: the best pure-linear or pure-quadratic one.
+    lin = y1 / s11
+    quad = y2 / s22
+
+    def err(a: float, b: float) -> float:
+        return sum((a * n + b * n * n - t) ** 2 for n, t in zip(lengths, seconds, strict=True))
+
+    return (lin, 0.0) if err(lin, 0.0) <= err(0.0, quad) else (0.0, quad)
+
+
+def measure_capacity(engine: Engine, *, vocab: int, max_num_seqs: int) -> InstanceCapacity:
+    """Prefill cost from two prompt lengths; decode cost of a full batch (up to
+    CAPACITY_MAX_BATCH sequences) at a short context, and its growth with the context from
+    a small batch at a short and a long one. About a second on the demo model, a few on a
+    0.5B model on two CPU cores; paid once per model and engine."""
+    rng = random.Random(0)
+    n = max(16, min(CAPACITY_PROMPT_TOKENS, engine.max_model_len // 2))
+    prefill_s(engine, rng, vocab, 16)  # warm-up
+    lengths = [max(8, n // 4), n]
+    times = [min(prefill_s(engine, rng, vocab, k) for _ in range(2)) for k in lengths]
+    a, b = fit_prefill(lengths, times)
+    batch = max(1, min(max_num_seqs, CAPACITY_MAX_BATCH))
+    steps = CAPACITY_DECODE_STEPS
+    short = min(CAPACITY_DECODE_CONTEXT, engine.max_model_len - steps - 4)
+    long = max(short, min(CAPACITY_LONG_CONTEXT, engine.max_model_len - steps - 4))
+    full = decode_step_s(engine, rng, vocab, batch, short, steps)
+    small = min(batch, CAPACITY_CONTEXT_BATCH)
+    ctx_s = 0.0
+    if long > short:
+        at_short = decode_step_s(engine, rng, vocab, small, short, steps)
+        at_long = decode_step_s(engine, rng, vocab, small, long, steps)
+        ctx_s = max(0.0, (at_long - at_short) / (small * (long - short)))
+    return InstanceCapacity(
+        prefill_s=a,
+        prefill_attention_s=b,
+        decode_s=full / batch,
+        decode_context_s=ctx_s,
+        max_num_seqs=max_num_seqs,
+        engine=engine.name,
+        device=engine.device,
+        measured_at=time.time(),
+    )

@@ -1,0 +1,56 @@
+"""The cluster as the policies see it: plain data, not wire messages.
+
+The services build these from the cluster view's heartbeats (``te_view``); the simulator
+builds them from its simulated TEs. A policy module (placement, scaling) takes them and
+nothing else, so the simulator never forges a heartbeat."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.scaling import InstanceCapacity
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TEView:
+    te_id: str
+    pool_id: str
+    state: TEState
+    model: str | None = None
+    running: int = 0  # sequences decoding (each holds a decode slot)
+    waiting: int = 0  # accepted, not yet running
+    queued_prompt_tokens: int = 0  # prompt tokens accepted and not yet prefilled
+    last_active: float = 0.0  # unix seconds of the last task accepted or token produced
+    reported_at: float = 0.0  # when these figures were true
+    failed_model: str | None = None  # the model whose last load failed here
+    error: str | None = None
+    recent_models: tuple[str, ...] = ()  # loaded here before (their files are warm)
+    capacity: InstanceCapacity | None = None
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting
+
+    @property
+    def serving(self) -> bool:
+        """Ready, or becoming ready: counts as an instance of its model."""
+        return self.model is not None and self.state in (TEState.READY, TEState.LOADING)
+
+
+def te_view(hb: TEHeartbeat) -> TEView:
+    return TEView(
+        te_id=hb.te_id,
+        pool_id=hb.pool_id,
+        state=hb.state,
+        model=hb.model,
+        running=hb.running,
+        waiting=hb.waiting,
+        queued_prompt_tokens=hb.queued_prompt_tokens,
+        last_active=hb.last_active,
+        reported_at=hb.sent_at,
+        failed_model=hb.failed_model,
+        error=hb.error,
+        recent_models=tuple(hb.recent_models),
+        capacity=hb.capacity,
+    )

@@ -1,0 +1,267 @@
+"""The scaler's policy on hand-built states: scale out on a burst, hysteresis, scale in after
+the stable window, min/max, backoff, placement across pools, and no reload after a
+keep-alive unload."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.scaler.policy import (
+    Load,
+    ModelPolicy,
+    ScalerConfig,
+    ScalerState,
+    Unload,
+    decide,
+    load_backoff,
+    observe_capacity,
+    observe_outcomes,
+    observe_traffic,
+    observe_view,
+    placement_order,
+)
+from services.views import TEView
+from shared.messages.cluster import TEState
+from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
+
+T0 = 1_000_000.0
+# One instance: 1,000 prompt tokens/s and 100 output tokens/s, 8 sequences at once.
+CAP = InstanceCapacity(
+    prefill_s=1e-3, prefill_attention_s=0.0, decode_s=0.01, decode_context_s=0.0, max_num_seqs=8
+)
+CFG = ScalerConfig(
+    default=ModelPolicy(min_replicas=0, max_replicas=6, target_utilization=0.5, keep_alive_s=30)
+)
+
+
+def te(
+    te_id,
+    state=TEState.READY,
+    model="m",
+    pool="p1",
+    running=0,
+    waiting=0,
+    last_active=T0,
+    recent=(),
+):
+    return TEView(
+        te_id=te_id,
+        pool_id=pool,
+        state=state,
+        model=model if state != TEState.IDLE else None,
+        running=running,
+        waiting=waiting,
+        last_active=last_active,
+        recent_models=tuple(recent),
+    )
+
+
+def idle(te_id, pool="p1", recent=()):
+    return te(te_id, TEState.IDLE, None, pool=pool, recent=recent)
+
+
+def with_traffic(state, *, seconds, rps, prompt=100, start=T0, model="m", cfg=CFG, output=10):
+    """``rps`` requests a second for ``seconds``, reported every half second, each with
+    ``output`` tokens once finished."""
+    for i in range(round(seconds * 2)):
+        now = start + i * 0.5
+        n = int(rps * (i + 1) * 0.5) - int(rps * i * 0.5)
+        traffic = ModelTraffic(
+            model=model, arrivals=n, prompt_tokens=n * prompt, max_output_tokens=n * 64
+        )
+        state = observe_traffic(state, "je1", [traffic], now=now, cfg=cfg)
+        done = ModelOutcomes(model=model, finished=n, slo_met=n, output_tokens=n * output)
+        state = observe_outcomes(state, [done], now=now, cfg=cfg)
+    return state
+
+
+def fresh(model="m"):
+    return observe_capacity(ScalerState(), model, CAP)
+
+
+def loads(d):
+    return [a for a in d.actions if isinstance(a, Load)]
+
+
+def unloads(d):
+    return [a for a in d.actions if isinstance(a, Unload)]
+
+
+def test_scale_from_zero_on_the_first_request_even_without_a_profile() -> None:
+    s = observe_traffic(
+        ScalerState(),
+        "je1",
+        [ModelTraffic(model="m", arrivals=1, prompt_tokens=10, held=1)],
+        now=T0,
+        cfg=CFG,
+    )
+    d = decide(s, [idle("a"), idle("b")], models=["m"], now=T0, cfg=CFG)
+    assert loads(d) == [Load("a", "m", "demand")]
+    # Sent: the next tick does not load another while it comes.
+    d2 = decide(d.state, [idle("a"), idle("b")], models=["m"], now=T0 + 0.5, cfg=CFG)
+    assert d2.actions == []
+
+
+def test_a_burst_scales_out_at_once_from_the_panic_window() -> None:
+    # Quiet for a minute at 1 req/s: 100 prompt + 10 output tokens a request is
+    # 0.1 + 0.1 = 0.2 instances of work, one instance at 50% target.
+    s = with_traffic(fresh(), seconds=60, rps=1)
+    tes = [te("r1"), idle("a"), idle("b"), idle("c"), idle("d")]
+    now = T0 + 60
+    assert decide(s, tes, models=["m"], now=now, cfg=CFG).actions == []
+    # Then 10 req/s for 3 s: the panic window sees 2 instances of work, 4 at 50%.
+    s = with_traffic(s, seconds=3, rps=10, start=now)
+    d = decide(s, tes, models=["m"], now=now + 3, cfg=CFG)
+    assert d.targets["m"].panicking and d.targets["m"].reason == "burst"
+    assert len(loads(d)) == d.targets["m"].wanted - 1 >= 2
+
+
+def test_a_queue_scales_out_even_when_the_rates_do_not() -> None:
+    s = with_traffic(fresh(), seconds=2, rps=0.5)
+    tes = [te("r1", running=8, waiting=12), idle("a"), idle("b"), idle("c")]
+    d = decide(s, tes, models=["m"], now=T0 + 2, cfg=CFG)
+    # 20 sequences over 8 slots: 3 instances, all of them from the 3 idle TEs.
+    assert d.targets["m"].reason == "queue" and d.targets["m"].wanted == 3
+    assert len(loads(d)) == 2
+
+
+def test_steady_load_at_the_threshold_does_not_flap() -> None:
+    """A load that asks for exactly two instances, wobbling a little, keeps two: no load
+    and no unload for minutes."""
+    s = fresh()
+    tes = [te("r1"), te("r2"), idle("a")]
+    now = T0
+    for minute in range(5):
+        for k in range(120):
+            rps = 5.0 + (0.4 if k % 2 else -0.4)  # ~1 instance of work: 2 at 50%
+            s = with_traffic(s, seconds=0.5, rps=rps, start=now)
+            now += 0.5
+            d = decide(s, tes, models=["m"], now=now, cfg=CFG)
+            s = d.state
+            assert d.actions == [], (minute, k, d.targets["m"])
+
+
+def test_scale_in_waits_for_the_stable_window_and_drains_the_least_busy() -> None:
+    s = with_traffic(fresh(), seconds=60, rps=1)  # well under one instance
+    tes = [te("r1", running=2), te("r2"), te("r3", running=1)]
+    now = T0 + 60
+    d = decide(s, tes, models=["m"], now=now, cfg=CFG)
+    assert d.actions == [] and d.state.models["m"].below_since == now
+    s = d.state
+    for t in range(1, 60):
+        s = with_traffic(s, seconds=1, rps=1, start=now + t - 1)
+        d = decide(s, tes, models=["m"], now=now + t, cfg=CFG)
+        assert d.actions == [], t
+        s = d.state
+    s = with_traffic(s, seconds=1, rps=1, start=now + 59)
+    d = decide(s, tes, models=["m"], now=now + 60, cfg=CFG)
+    assert unloads(d) == [Unload("r2", "m", "load fell"), Unload("r3", "m", "load fell")]
+    # Draining TEs are no longer counted: nothing more goes.
+    assert decide(d.state, tes, models=["m"], now=now + 61, cfg=CFG).actions == []
+
+
+def test_min_and_max_replicas() -> None:
+    cfg = dataclasses.replace(CFG, models={"m": ModelPolicy(min_replicas=2, max_replicas=3)})
+    d = decide(fresh(), [idle("a"), idle("b"), idle("c")], models=["m"], now=T0, cfg=cfg)
+    assert [a.te_id for a in loads(d)] == ["a", "b"]  # kept warm with no traffic
+    s = with_traffic(fresh(), seconds=6, rps=100)  # far more than 3 instances
+    tes = [idle(f"i{k}") for k in range(8)]
+    d = decide(s, tes, models=["m"], now=T0 + 6, cfg=cfg)
+    assert len(loads(d)) == 3 and d.targets["m"].reason == "max_replicas"
+
+
+def test_keep_alive_unload_is_not_followed_by_a_reload_without_a_request() -> None:
+    """The flap this policy replaced: an instance unloaded at keep-alive expiry was loaded
+    again at once because the last request's demand was still young."""
+    s = with_traffic(fresh(), seconds=1, rps=2)
+    last = T0 + 0.5
+    tes = [te("r1", last_active=last + 1), idle("a")]
+    d = decide(s, tes, models=["m"], now=last + 30.5, cfg=CFG)
+    assert d.actions == []  # the request is 30 s old: not idle long enough
+    d = decide(d.state, tes, models=["m"], now=last + 31.5, cfg=CFG)
+    assert unloads(d) == [Unload("r1", "m", "keep-alive expired")]
+    s, settled = observe_view(d.state, [idle("r1"), idle("a")], now=last + 32, cfg=CFG)
+    assert [x.te_id for x in settled] == ["r1"]
+    for t in range(33, 200):
+        d = decide(s, [idle("r1"), idle("a")], models=["m"], now=last + t, cfg=CFG)
+        assert d.actions == [], t
+        s = d.state
+    # A new request brings it back.
+    s = observe_traffic(
+        s, "je1", [ModelTraffic(model="m", arrivals=1, held=1)], now=last + 200, cfg=CFG
+    )
+    assert (
+        len(loads(decide(s, [idle("r1"), idle("a")], models=["m"], now=last + 200, cfg=CFG))) == 1
+    )
+
+
+def test_an_instance_still_busy_is_not_unloaded_at_keep_alive() -> None:
+    s = with_traffic(fresh(), seconds=1, rps=2)
+    tes = [te("r1", running=1, last_active=T0 + 100)]
+    assert decide(s, tes, models=["m"], now=T0 + 100, cfg=CFG).actions == []
+
+
+def test_failed_loads_back_off_exponentially() -> None:
+    assert [load_backoff(n, CFG) for n in range(5)] == [0, 2, 4, 8, 16]
+    assert load_backoff(20, CFG) == 60
+    s = observe_traffic(
+        fresh(), "je1", [ModelTraffic(model="m", arrivals=1, held=1)], now=T0, cfg=CFG
+    )
+    d = decide(s, [idle("a")], models=["m"], now=T0, cfg=CFG)
+    assert [(a.te_id, a.model) for a in loads(d)] == [("a", "m")]
+    failed = dataclasses.replace(idle("a"), failed_model="m", error="boom")
+    s, settled = observe_view(d.state, [failed], now=T0 + 1, cfg=CFG)
+    assert not settled[0].ok and s.models["m"].failures == 1
+    s = observe_traffic(s, "je1", [ModelTraffic(model="m", held=1)], now=T0 + 1.5, cfg=CFG)
+    assert decide(s, [failed], models=["m"], now=T0 + 2.5, cfg=CFG).actions == []  # 2 s backoff
+    assert len(loads(decide(s, [failed], models=["m"], now=T0 + 3.1, cfg=CFG))) == 1
+    # A ready instance of the model ends the backoff.
+    s, _ = observe_view(s, [te("r1")], now=T0 + 4, cfg=CFG)
+    assert s.models["m"].failures == 0
+
+
+def test_placement_spreads_across_pools_then_prefers_warm_and_roomy_pools() -> None:
+    tes = [
+        te("a0", pool="A"),  # an instance of m already in pool A
+        idle("a1", pool="A", recent=["m"]),
+        idle("b1", pool="B"),
+        idle("c1", pool="C", recent=["m"]),
+        idle("d1", pool="D"),
+        idle("d2", pool="D"),
+    ]
+    order = [
+        t.te_id for t in placement_order("m", [t for t in tes if t.state == TEState.IDLE], tes)
+    ]
+    # Pools without an instance first; of those, C (files warm), then D (two idle), B; A last.
+    assert order == ["c1", "d1", "d2", "b1", "a1"]
+
+
+def test_several_loads_at_once_spread_over_pools() -> None:
+    s = with_traffic(fresh(), seconds=6, rps=40)
+    tes = [idle("a1", pool="A"), idle("a2", pool="A"), idle("b1", pool="B"), idle("b2", pool="B")]
+    d = decide(s, tes, models=["m"], now=T0 + 6, cfg=CFG)
+    pools = sorted(t.pool_id for a in loads(d) for t in tes if t.te_id == a.te_id)
+    assert pools == ["A", "A", "B", "B"]
+    d = decide(with_traffic(fresh(), seconds=2, rps=1), tes, models=["m"], now=T0 + 2, cfg=CFG)
+    assert len(loads(d)) == 1
+
+
+def test_slo_misses_with_a_queue_add_an_instance() -> None:
+    s = fresh()
+    for i in range(20):
+        s = observe_outcomes(
+            s,
+            [ModelOutcomes(model="m", finished=2, slo_met=1, output_tokens=20)],
+            now=T0 + i,
+            cfg=CFG,
+        )
+        s = observe_traffic(
+            s, "je1", [ModelTraffic(model="m", arrivals=1, prompt_tokens=10)], now=T0 + i, cfg=CFG
+        )
+    tes = [te("r1", running=1, waiting=1), idle("a")]
+    d = decide(s, tes, models=["m"], now=T0 + 20, cfg=CFG)
+    assert d.targets["m"].slo_attainment == 0.5
+    assert d.targets["m"].reason == "slo" and loads(d) == [Load("a", "m", "slo")]
+    # Without a queue, missing the SLO is not something another instance fixes.
+    d = decide(s, [te("r1", running=1), idle("a")], models=["m"], now=T0 + 20, cfg=CFG)
+    assert d.actions == []
