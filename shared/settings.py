@@ -389,9 +389,23 @@ class Settings(BaseModel):
             if isinstance(value, timedelta):
                 value = value.total_seconds()
             elif isinstance(value, dict | list):
-                value = json.dumps(value)
+                value = json.dumps(_jsonable(value))
             out[leaf.env] = str(value)
         return out
+
+
+def _jsonable(value: Any) -> Any:
+    """A setting's value as JSON data: nested models as their fields (unset ones left out),
+    durations in seconds."""
+    if isinstance(value, BaseModel):
+        return {k: _jsonable(v) for k, v in value.model_dump(exclude_none=True).items()}
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return value
 
 
 # --- the tree's leaves ----------------------------------------------------------------------

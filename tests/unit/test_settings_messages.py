@@ -43,8 +43,10 @@ def test_settings_env_round_trip_to_a_child():
         model_engines={"demo": "torch", "big": "vllm"},
         nats_url="nats://x:1",
         max_prefill_tokens=64,
+        model_scaling={"demo": {"min_replicas": 2, "keep_alive": 30}, "big": {"max_replicas": 3}},
     )
     assert Settings.load(s.env()) == s
+    assert s.scaler.model_scaling["demo"].keep_alive == timedelta(seconds=30)
 
 
 def test_settings_toml_file_and_env_precedence(monkeypatch, tmp_path):

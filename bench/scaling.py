@@ -1,0 +1,301 @@
+"""Autoscaling on a bursty many-model trace, three ways, the same requests in one run:
+
+- ``autoscaler``: a local cluster (``meshserve up``) with two node pools (the second one
+  ``meshserve task-executor --pool-id``), every model scaled by the scaler from zero;
+- ``fixed``: the same cluster with each model pinned at the autoscaler's peak replica count
+  (``MESHSERVE_MODEL_SCALING`` min = max), a fleet sized for the peak;
+- ``ideal``: ``meshserve-loadgen simulate --compare-ideal`` on the same trace with the demo
+  model's profile: the same policy with instances that load instantly (λScale's ideal).
+
+The trace is ``meshserve-loadgen synth``: ``--models`` models of the demo's size, each a
+Gamma arrival process with ``--cv`` (bursty). Instance-seconds are integrated from the
+cluster's ``/health`` (TEs holding a model, loading, ready or draining) from the first
+request until the fleet is back at its floor. Settings are shortened for a run of minutes
+(keep-alive, windows) and printed.
+
+    scripts/bench-scaling [--duration 120] [--models 4] [--rate 0.4] [--cv 4]
+
+Needs NATS and Redis (``MESHSERVE_NATS_URL`` / ``MESHSERVE_REDIS_URL``; the wrapper uses
+local ones where they answer). Writes bench-results/scaling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS, ROOT, Col, Table, ensure_model, models_dir, write_result
+from shared.embedded import free_port
+from shared.settings import Settings
+
+SCALING = {  # shortened so that a run of minutes shows scale-out, scale-in and zero
+    "KEEP_ALIVE": "10",
+    "STABLE_WINDOW": "20",
+    "PANIC_WINDOW": "3",
+    "MAX_NUM_SEQS": "4",
+    "TORCH_THREADS": "1",
+    "HEARTBEAT_INTERVAL": "0.5",
+}
+
+
+class Fleet:
+    """Samples ``/health``: instance-seconds and each model's peak instance count."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.removesuffix("/v1") + "/health"
+        self.instance_s = 0.0
+        self.peak: dict[str, int] = {}
+        self.now: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Fleet:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    body = json.loads(r.read())
+                counts: dict[str, int] = {}
+                for te in body["task_executors"]:
+                    if te.get("model") and te["state"] in ("loading", "ready", "draining"):
+                        counts[te["model"]] = counts.get(te["model"], 0) + 1
+                now = time.monotonic()
+                self.instance_s += sum(counts.values()) * (now - last)
+                last = now
+                self.now = counts
+                for m, n in counts.items():
+                    self.peak[m] = max(self.peak.get(m, 0), n)
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _env(cluster: str, models: Path, port: int, pool: str, extra: dict[str, str]) -> dict:
+    s = Settings.load()
+    return {
+        **os.environ,
+        "MESHSERVE_CLUSTER": cluster,
+        "MESHSERVE_NATS_URL": s.nats_url or "",
+        "MESHSERVE_REDIS_URL": s.redis_url or "",
+        "MESHSERVE_MODELS_DIR": str(models),
+        "MESHSERVE_HTTP_PORT": str(port),
+        "MESHSERVE_POOL_ID": pool,
+        "MESHSERVE_LOG_LEVEL": "warning",
+        **{f"MESHSERVE_{k}": v for k, v in {**SCALING, **extra}.items()},
+    }
+
+
+def _run_cluster(
+    name: str,
+    models: Path,
+    trace: Path,
+    tokenizer: Path,
+    out: Path,
+    pool_size: int,
+    extra: dict[str, str],
+    floor: int,
+) -> dict[str, Any]:
+    cluster, port = f"bench-scaling-{uuid.uuid4().hex[:6]}", free_port()
+    logs = out / f"{name}.log"
+    with logs.open("w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--pool-size", str(pool_size)],
+            env=_env(cluster, models, port, "pool-a", extra),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=ROOT,
+        )
+        pool_b = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "task-executor", "--pool-id", "pool-b"],
+            env=_env(cluster, models, port, "pool-b", {**extra, "POOL_SIZE": str(pool_size)}),
+            stdout=log,
+            stderr=log,
+            cwd=ROOT,
+        )
+        try:
+            url = up.stdout.readline().strip() if up.stdout else ""
+            if not url.startswith("http"):
+                raise RuntimeError(f"{name}: the cluster did not start; see {logs}")
+            fleet = Fleet(url).start()
+            deadline = time.monotonic() + 300
+            while sum(fleet.now.values()) < floor or any(  # a fixed fleet loads first
+                n < floor // max(len(fleet.now), 1) for n in fleet.now.values()
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: the fleet did not load: {fleet.now}")
+                time.sleep(0.5)
+            fleet.instance_s = 0.0
+            run_dir = out / name
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "loadgen.cli",
+                    "replay",
+                    str(trace),
+                    "--url",
+                    url,
+                    "--tokenizer",
+                    str(tokenizer),
+                    "--no-plots",
+                    "--out",
+                    str(run_dir),
+                ],
+                check=True,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+            )
+            replay_s = time.monotonic()
+            deadline = replay_s + 120
+            while sum(fleet.now.values()) > floor and time.monotonic() < deadline:
+                time.sleep(0.5)  # the autoscaler's tail: back to zero after the keep-alive
+            fleet.stop()
+            summary = json.loads((run_dir / "summary.json").read_text())
+            return {"summary": summary, "instance_s": fleet.instance_s, "peak": fleet.peak}
+        finally:
+            for p in (pool_b, up):
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+            for p in (pool_b, up):
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def _row(config: str, summary: dict[str, Any], instance_s: float, peak: int) -> dict[str, Any]:
+    return {
+        "config": config,
+        "requests": summary.get("requests"),
+        "prompt_tokens": summary.get("prompt_tokens"),
+        "output_tokens": summary.get("completion_tokens"),
+        "instance_s": instance_s,
+        "ttft_p50": summary["ttft_ms"]["p50"],
+        "ttft_p90": summary["ttft_ms"]["p90"],
+        "tpot_p90": summary["tpot_ms"]["p90"],
+        "slo": 100 * (summary.get("slo_attainment") or 0.0),
+        "goodput": summary.get("goodput_rps"),
+        "failed": summary.get("failed"),
+        "peak": peak,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-scaling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--models", type=int, default=4, help="models of the demo's size")
+    p.add_argument("--rate", type=float, default=0.4, help="mean requests/s per model")
+    p.add_argument("--cv", type=float, default=4.0, help="burstiness of each model's arrivals")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of trace")
+    p.add_argument("--pool-size", type=int, default=4, help="TEs per node pool (two pools)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
+    args = p.parse_args(argv)
+
+    demo = ensure_model("demo", models_dir())
+    work = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
+    models = work / "models"
+    models.mkdir()
+    names = [f"m{i}" for i in range(args.models)]
+    for n in names:
+        (models / n).symlink_to(demo)
+    trace = work / "trace.jsonl"
+    spec = ",".join(f"{n}:{args.rate}:{args.cv}" for n in names)
+    subprocess.run(
+        [sys.executable, "-m", "loadgen.cli", "synth", "--models", spec, "--duration",
+         str(args.duration), "--input-tokens", "200", "--output-tokens", "96",
+         "--seed", str(args.seed), "--out", str(trace)],
+        check=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    n_req = sum(1 for _ in trace.open())
+    print(f"trace: {n_req} requests over {args.duration:g} s, {args.models} models, "
+          f"CV {args.cv:g}; settings {SCALING}", flush=True)  # fmt: skip
+
+    auto = _run_cluster("autoscaler", models, trace, demo, work, args.pool_size, {}, 0)
+    peaks = {n: max(auto["peak"].get(n, 1), 1) for n in names}
+    while sum(peaks.values()) > 2 * args.pool_size:  # models peaked at different times
+        top = max(peaks, key=lambda n: peaks[n])
+        peaks[top] -= 1
+    pinned = {n: {"min_replicas": k, "max_replicas": k} for n, k in peaks.items()}
+    fixed = _run_cluster(
+        "fixed",
+        models,
+        trace,
+        demo,
+        work,
+        args.pool_size,
+        {"MODEL_SCALING": json.dumps(pinned)},
+        sum(peaks.values()),
+    )
+    ideal_dir = work / "ideal"
+    subprocess.run(
+        [sys.executable, "-m", "loadgen.cli", "simulate", str(trace), "--profile",
+         str(ROOT / "loadgen" / "profiles" / "demo-torch-cpu.json"), "--profile-for", "demo",
+         "--devices", str(2 * args.pool_size), "--pool-size", str(args.pool_size),
+         "--keep-alive", SCALING["KEEP_ALIVE"], "--compare-ideal", "--no-plots",
+         "--out", str(ideal_dir)],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    sim = json.loads((ideal_dir / "summary.json").read_text())
+    ideal = sim["run"]["ideal"]
+    ideal_summary = {**sim, **ideal["summary"]}
+    rows = [
+        _row("autoscaler", auto["summary"], auto["instance_s"], sum(auto["peak"].values())),
+        _row("fixed (peak)", fixed["summary"], fixed["instance_s"], sum(peaks.values())),
+        _row(
+            "ideal (sim)",
+            ideal_summary,
+            ideal["stats"]["instance_seconds"],
+            sum(ideal["stats"]["peak_replicas"].values()),
+        ),
+    ]
+    table = Table(
+        [
+            Col("config", "config", width=14, left=True),
+            Col("requests", "reqs"),
+            Col("prompt_tokens", "prompt tok"),
+            Col("output_tokens", "output tok"),
+            Col("instance_s", "inst-s", ".0f"),
+            Col("ttft_p50", "TTFT p50 ms", ".0f"),
+            Col("ttft_p90", "TTFT p90 ms", ".0f"),
+            Col("tpot_p90", "TPOT p90 ms", ".0f"),
+            Col("slo", "SLO %", ".1f"),
+            Col("goodput", "goodput/s", ".2f"),
+            Col("failed", "failed"),
+            Col("peak", "peak inst"),
+        ]
+    )
+    table.print(rows, title=f"autoscaling, {args.models} models, CV {args.cv:g}")
+    a, f, i = (r["instance_s"] for r in rows)
+    print(f"\nautoscaler/ideal instance-seconds {a / i:.2f}x, autoscaler/fixed {a / f:.2f}x")
+    write_result(args.out, {"args": vars(args) | {"out": str(args.out)}, "settings": SCALING,
+                            "rows": rows, "work_dir": str(work)})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
