@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 
 from bench.common import RESULTS, ROOT, Col, Table, ensure_model, models_dir, write_result
 from shared.embedded import free_port
-from shared.settings import Settings
+from shared.settings import Settings, process_environment
 
 SCALING = {  # shortened so that a run of minutes shows scale-out, scale-in and zero
     "KEEP_ALIVE": "10",
@@ -90,17 +89,18 @@ class Fleet:
 
 def _env(cluster: str, models: Path, port: int, pool: str, extra: dict[str, str]) -> dict:
     s = Settings.load()
-    return {
-        **os.environ,
-        "MESHSERVE_CLUSTER": cluster,
-        "MESHSERVE_NATS_URL": s.nats_url or "",
-        "MESHSERVE_REDIS_URL": s.redis_url or "",
-        "MESHSERVE_MODELS_DIR": str(models),
-        "MESHSERVE_HTTP_PORT": str(port),
-        "MESHSERVE_POOL_ID": pool,
-        "MESHSERVE_LOG_LEVEL": "warning",
-        **{f"MESHSERVE_{k}": v for k, v in {**SCALING, **extra}.items()},
-    }
+    return process_environment(
+        {
+            "MESHSERVE_CLUSTER": cluster,
+            "MESHSERVE_NATS_URL": s.nats_url or "",
+            "MESHSERVE_REDIS_URL": s.redis_url or "",
+            "MESHSERVE_MODELS_DIR": str(models),
+            "MESHSERVE_HTTP_PORT": str(port),
+            "MESHSERVE_POOL_ID": pool,
+            "MESHSERVE_LOG_LEVEL": "warning",
+            **{f"MESHSERVE_{k}": v for k, v in {**SCALING, **extra}.items()},
+        }
+    )
 
 
 def _run_cluster(
