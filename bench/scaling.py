@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, Col, Table, ensure_model, models_dir, write_result
+from loadgen.costmodel import load_profiles, save_profiles
 from shared.embedded import free_port
 from shared.settings import Settings, process_environment
 
@@ -55,7 +57,8 @@ class Fleet:
     def __init__(self, url: str) -> None:
         self.url = url.removesuffix("/v1") + "/health"
         self.instance_s = 0.0
-        self.peak: dict[str, int] = {}
+        self.peak: dict[str, int] = {}  # each model's own peak
+        self.peak_total = 0  # instances at once, all models
         self.now: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -78,6 +81,7 @@ class Fleet:
                 self.instance_s += sum(counts.values()) * (now - last)
                 last = now
                 self.now = counts
+                self.peak_total = max(self.peak_total, sum(counts.values()))
                 for m, n in counts.items():
                     self.peak[m] = max(self.peak.get(m, 0), n)
             time.sleep(0.25)
@@ -170,7 +174,12 @@ def _run_cluster(
                 time.sleep(0.5)  # the autoscaler's tail: back to zero after the keep-alive
             fleet.stop()
             summary = json.loads((run_dir / "summary.json").read_text())
-            return {"summary": summary, "instance_s": fleet.instance_s, "peak": fleet.peak}
+            return {
+                "summary": summary,
+                "instance_s": fleet.instance_s,
+                "peak": fleet.peak,
+                "peak_total": fleet.peak_total,
+            }
         finally:
             for p in (pool_b, up):
                 with contextlib.suppress(ProcessLookupError):
@@ -186,8 +195,8 @@ def _row(config: str, summary: dict[str, Any], instance_s: float, peak: int) -> 
     return {
         "config": config,
         "requests": summary.get("requests"),
-        "prompt_tokens": summary.get("prompt_tokens"),
-        "output_tokens": summary.get("completion_tokens"),
+        "prompt_tokens": summary.get("input_tokens"),
+        "output_tokens": summary.get("output_tokens"),
         "instance_s": instance_s,
         "ttft_p50": summary["ttft_ms"]["p50"],
         "ttft_p90": summary["ttft_ms"]["p90"],
@@ -251,10 +260,18 @@ def main(argv: list[str] | None = None) -> None:
         sum(peaks.values()),
     )
     ideal_dir = work / "ideal"
+    # The demo model's profile with the clusters' batch limit.
+    profile = load_profiles(ROOT / "loadgen" / "profiles" / "demo-torch-cpu.json")["demo"]
+    save_profiles(
+        work / "profile.json",
+        [dataclasses.replace(profile, max_num_seqs=int(SCALING["MAX_NUM_SEQS"]))],
+    )
     subprocess.run(
         [sys.executable, "-m", "loadgen.cli", "simulate", str(trace), "--profile",
-         str(ROOT / "loadgen" / "profiles" / "demo-torch-cpu.json"), "--profile-for", "demo",
+         str(work / "profile.json"), "--profile-for", "demo",
+         "--stable-window", SCALING["STABLE_WINDOW"], "--panic-window", SCALING["PANIC_WINDOW"],
          "--devices", str(2 * args.pool_size), "--pool-size", str(args.pool_size),
+         "--models-map", ",".join(f"{n}={n}" for n in names),
          "--keep-alive", SCALING["KEEP_ALIVE"], "--compare-ideal", "--no-plots",
          "--out", str(ideal_dir)],
         check=True,
@@ -265,13 +282,13 @@ def main(argv: list[str] | None = None) -> None:
     ideal = sim["run"]["ideal"]
     ideal_summary = {**sim, **ideal["summary"]}
     rows = [
-        _row("autoscaler", auto["summary"], auto["instance_s"], sum(auto["peak"].values())),
-        _row("fixed (peak)", fixed["summary"], fixed["instance_s"], sum(peaks.values())),
+        _row("autoscaler", auto["summary"], auto["instance_s"], auto["peak_total"]),
+        _row("fixed (peak)", fixed["summary"], fixed["instance_s"], fixed["peak_total"]),
         _row(
             "ideal (sim)",
             ideal_summary,
             ideal["stats"]["instance_seconds"],
-            sum(ideal["stats"]["peak_replicas"].values()),
+            ideal["stats"]["max_busy_devices"],
         ),
     ]
     table = Table(
@@ -287,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
             Col("slo", "SLO %", ".1f"),
             Col("goodput", "goodput/s", ".2f"),
             Col("failed", "failed"),
-            Col("peak", "peak inst"),
+            Col("peak", "peak at once"),
         ]
     )
     table.print(rows, title=f"autoscaling, {args.models} models, CV {args.cv:g}")

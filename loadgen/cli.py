@@ -326,6 +326,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas or args.devices,
         target_utilization=args.target_utilization,
+        stable_window_s=args.stable_window,
+        panic_window_s=args.panic_window,
         slo=slo,
         placement_timeout_s=args.placement_timeout,
         heartbeat_s=args.heartbeat,
@@ -690,6 +692,12 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.7,
         help="share of an instance's capacity the scaler plans to use",
+    )
+    m.add_argument(
+        "--stable-window", type=float, default=60.0, help="seconds; the scaler's rate window"
+    )
+    m.add_argument(
+        "--panic-window", type=float, default=6.0, help="seconds; the scaler's burst window"
     )
     m.add_argument(
         "--compare-ideal",

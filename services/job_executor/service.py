@@ -53,7 +53,7 @@ class JobExecutor:
         self._report_now = asyncio.Event()
         self._urgent = False
         self._views: list[TEView] = []
-        self._views_of = -2  # the view version _views were made from
+        self._views_of: ClusterView | None = None  # the view _views were made from
         self._inflight = 0
         self._started = time.time()
 
@@ -187,9 +187,10 @@ class JobExecutor:
                 traffic.held_prompt_tokens -= len(job.prompt_token_ids)
 
     def _te_views(self, view: ClusterView) -> list[TEView]:
-        if self._views_of != view.version:
+        # Per pushed view, not per version: a push with the same version brings new load.
+        if self._views_of is not view:
             self._views = [te_view(hb) for hb in view.tes]
-            self._views_of = view.version
+            self._views_of = view
         return self._views
 
     @staticmethod
