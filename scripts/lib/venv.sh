@@ -8,6 +8,9 @@ PY="$VENV/bin/python"
 # The development tools (bench/, devtools/) are not installed with the project: they run
 # from the checkout.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# torch reads this once, at start: processes that run an engine in-process (benchmarks, tests)
+# get the huge pages a TE gets from its settings (torch.huge_pages in shared/settings.py).
+export THP_MEM_ALLOC_ENABLE="${THP_MEM_ALLOC_ENABLE:-1}"
 
 ensure_venv() {
   local stamp="$VENV/.meshserve-installed"

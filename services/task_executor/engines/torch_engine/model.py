@@ -15,7 +15,7 @@ requests share it. Only attention is per request:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +24,16 @@ from services.task_executor.engines.torch_engine.attention import (
     additive_mask,
     causal_attention,
     gathered_decode_attention,
+    sdpa_is_fastest,
 )
 from services.task_executor.engines.torch_engine.config import ModelConfig
 from services.task_executor.engines.torch_engine.cpu_kernels import (
     DEFAULT_TOOLCHAIN,
     Toolchain,
+    causal_softmax,
     decode_attention,
+    elementwise,
+    prefill_attention,
 )
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
@@ -187,9 +191,9 @@ class Transformer:
         cpu_kernels: bool = True,
         toolchain: Toolchain = DEFAULT_TOOLCHAIN,
     ) -> None:
-        """``cpu_kernels``: decode attention in meshserve's C kernel on CPU where it compiles
-        (with ``toolchain``) and takes the model's dtype and shape; False keeps torch's ops
-        everywhere."""
+        """``cpu_kernels``: attention and the position-wise steps in meshserve's C kernels on
+        CPU where they compile (with ``toolchain``) and take the model's dtype and shape;
+        False keeps torch's ops everywhere."""
         self.config = config
         self.weights = weights
         self.device = device
@@ -197,16 +201,30 @@ class Transformer:
         self.cos, self.sin = cos_sin_tables(
             config.rope, config.head_dim, max_model_len, dtype=dtype, device=device
         )
+        kernel_shape = {
+            "num_heads": config.num_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+        }
         self.decode_kernel = (
-            decode_attention(
-                dtype=dtype,
-                device=device,
-                num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                toolchain=toolchain,
-            )
+            decode_attention(dtype=dtype, device=device, toolchain=toolchain, **kernel_shape)
             if cpu_kernels
+            else None
+        )
+        self.elementwise = (
+            elementwise(dtype=dtype, device=device, toolchain=toolchain) if cpu_kernels else None
+        )
+        # Prefill attention: meshserve's AMX kernel where it runs, else torch's SDPA where that
+        # is the fastest (attention.py), else the blocked path.
+        self.prefill_kernel = (
+            prefill_attention(dtype=dtype, device=device, toolchain=toolchain, **kernel_shape)
+            if cpu_kernels
+            else None
+        )
+        self.prefill_sdpa = sdpa_is_fastest(device)
+        self.prefill_softmax = (
+            causal_softmax(dtype=dtype, device=device, toolchain=toolchain)
+            if cpu_kernels and not self.prefill_sdpa
             else None
         )
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
@@ -225,10 +243,7 @@ class Transformer:
         cfg, w = self.config, self.weights
         n_tokens = batch.input_ids.shape[0]
         n_heads, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        half = hd // 2
-        # [T, 1, hd]: broadcast over the q and k heads, which are rotated together.
-        cos = self.cos[batch.positions][:, None, :]
-        sin = self.sin[batch.positions][:, None, :]
+        rotate = self._rotation(batch.positions)
 
         # The decode mask as an additive bias, once per forward (unless the kernel runs).
         decode_bias = None
@@ -236,21 +251,59 @@ class Transformer:
             decode_bias = additive_mask(batch.decode_mask, self.dtype)
 
         h = F.embedding(batch.input_ids, w.embed)
+        delta = None  # the last MLP's output, added to h by the next norm
         for i, lw in enumerate(w.layers):
-            x = _rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            x = self._add_norm(h, delta, lw.input_norm)
             qkv = linear(x, lw.qkv, lw.qkv_bias).view(n_tokens, n_heads + 2 * n_kv, hd)
-            qk = qkv[:, : n_heads + n_kv]
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            q, k, v = qk[:, :n_heads], qk[:, n_heads:], qkv[:, n_heads + n_kv :]
+            q, k = rotate(qkv[:, : n_heads + n_kv])
+            q, k, v = q[:, :n_heads], k[:, n_heads:], qkv[:, n_heads + n_kv :]
             cache.write(i, batch.slots, k, v)
             attn = self._attention(i, batch, cache, q, k, v, decode_bias)
-            h = h + linear(attn, lw.o)
-            x = _rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, lw.down)
-        h = _rms_norm(h[batch.logits_indices], w.norm, cfg.rms_norm_eps)
+            x = self._add_norm(h, linear(attn, lw.o), lw.post_norm)
+            delta = linear(self._silu_mul(linear(x, lw.gate_up)), lw.down)
+        last = batch.logits_indices
+        h = self._add_norm(h[last], None if delta is None else delta[last], w.norm)
         return linear(h, w.lm_head).float()
+
+    def _add_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``h += delta`` in place (the residual), then RMSNorm of ``h``."""
+        if self.elementwise is not None:
+            return self.elementwise.add_rms_norm(h, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            h += delta
+        return _rms_norm(h, weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.elementwise is not None:
+            return self.elementwise.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _rotation(
+        self, positions: torch.Tensor
+    ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """How this forward rotates a layer's q and k heads ``[T, heads + kv_heads, hd]``:
+        returns (q, k) to slice the heads from (in place where the kernel runs)."""
+        ew = self.elementwise
+        if ew is not None:
+
+            def in_place(qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                ew.rope_(qk, positions, self.cos, self.sin)
+                return qk, qk
+
+            return in_place
+        # [T, 1, hd]: broadcast over the q and k heads, which are rotated together.
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        half = self.config.head_dim // 2
+
+        def rotated(qk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            turned = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            out = qk * cos + turned * sin
+            return out, out
+
+        return rotated
 
     def _attention(
         self,
@@ -286,5 +339,12 @@ class Transformer:
                 kp, vp = k[sl], v[sl]
             else:  # part of the sequence is in the cache already: read all of it back
                 kp, vp = cache.gather_tokens(layer, p.block_table, p.start_pos + p.q_len)
-            outs.append(causal_attention(q[sl], kp, vp, p.start_pos))
+            if self.prefill_kernel is not None:
+                outs.append(self.prefill_kernel(q[sl], kp, vp, p.start_pos))
+                continue
+            outs.append(
+                causal_attention(
+                    q[sl], kp, vp, p.start_pos, self.prefill_softmax, sdpa=self.prefill_sdpa
+                )
+            )
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
