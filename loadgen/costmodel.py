@@ -47,6 +47,9 @@ class EngineProfile:
     max_model_len: int
     emit_s: float = 0.0  # per token streamed, outside the engine
     chunked_prefill: bool = False  # prompts over the budget run in chunks (scheduler.py)
+    # The engine paces its prefill (scheduler.Pacing) from these costs and the SLO's TPOT:
+    # max_prefill_tokens is then the budget while nothing decodes.
+    paced: bool = False
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured
 
     def __post_init__(self) -> None:
@@ -100,10 +103,12 @@ class EngineProfile:
         """The scaler's per-token costs of this engine (what the TE's own probe,
         ``services/task_executor/capacity.py``, measures), from this fuller model."""
         batch = max(1, min(self.max_num_seqs, CAPACITY_MAX_BATCH))
+        step = self.decode_step_s(batch) + self.emit_s * batch
         return InstanceCapacity(
             prefill_s=self.prefill_s,
             prefill_attention_s=self.prefill_s2,
-            decode_s=self.decode_step_s(batch) / batch + self.emit_s,
+            decode_s=step / batch,
+            decode_step_s=step,
             decode_context_s=self.decode_ctx_s,
             max_num_seqs=self.max_num_seqs,
             engine=str(self.source.get("engine", "")),

@@ -19,7 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadgen.costmodel import EngineProfile
-from services.task_executor.capacity import decode_step_s, fit_prefill, prefill_s
+from services.task_executor.capacity import (
+    decode_step_s,
+    fit_prefill,
+    pace_at_full_budget,
+    prefill_s,
+)
 from services.task_executor.engines.factory import choose_engine, create_engine
 from shared.settings import Settings
 
@@ -30,7 +35,9 @@ def measure_profile(
     model: str,
     settings: Settings,
     batches: Sequence[int] = (1, 4, 8, 16),
-    prefill_lengths: Sequence[int] = (64, 256, 512, 1024),
+    # Up to the CPU's paced budget (a longer prompt runs in chunks of it): the fit holds where
+    # the simulator uses it. Not shorter: a short prefill's time is the weights' read.
+    prefill_lengths: Sequence[int] = (128, 512, 1024, 2048),
     short_context: int = 32,
     long_context: int = 1024,
     steps: int = 12,
@@ -41,6 +48,7 @@ def measure_profile(
     engine = create_engine(model, model_dir, settings)
     load_s = time.perf_counter() - t0
     try:
+        pace_at_full_budget(engine)
         rng = random.Random(0)
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
         max_len = engine.max_model_len
@@ -73,8 +81,9 @@ def measure_profile(
             prefill_s=a,
             prefill_s2=b,
             max_num_seqs=settings.task_executor.max_num_seqs,
-            max_prefill_tokens=engine.prefill_budget.tokens,
+            max_prefill_tokens=engine.prefill_budget.paced_tokens or engine.prefill_budget.tokens,
             chunked_prefill=engine.prefill_budget.chunked,
+            paced=engine.prefill_budget.paced_tokens > 0,
             kv_blocks=st.total_kv_blocks,
             block_size=getattr(engine, "block_size", 16),
             max_model_len=max_len,

@@ -58,7 +58,9 @@ from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
+    pacing,
     schedule,
+    tpot_slack,
 )
 from services.views import TEView
 from shared.messages.cluster import TEState
@@ -202,6 +204,12 @@ class Simulation:
             self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())
         self._traffic: dict[str, ModelTraffic] = {}
         self._outcomes = Outcomes(cfg.slo)
+        # As a TE paces its engine: with the capacity it measured and the SLO's TPOT.
+        self._pacing = {
+            m: pacing(p.capacity(), tpot_s=cfg.slo.tpot_s, ceiling=p.max_prefill_tokens)
+            for m, p in profiles.items()
+            if p.paced
+        }
         self._reports_due = False
         self._scaler_at: float | None = None  # when the next scaler tick is due
         self._models = sorted({p.model for p in planned})
@@ -489,7 +497,21 @@ class Simulation:
         if prof is None or not (te.running or te.waiting):
             return
         bs = prof.block_size
-        running = [SeqView(str(id(s)), s.num_tokens, s.blocks, s.computed) for s in te.running]
+        paced = self._pacing.get(prof.model)
+        running = [
+            SeqView(
+                str(id(s)),
+                s.num_tokens,
+                s.blocks,
+                s.computed,
+                tpot_slack_s=(
+                    tpot_slack(paced.tpot_s, s.generated, self.now - s.first_token_at)
+                    if paced is not None and s.generated
+                    else None
+                ),
+            )
+            for s in te.running
+        ]
         # The scheduler admits in queue order and stops at the first that does not fit: only
         # the head of the queue can matter (a long queue would make every iteration O(n)).
         head = itertools.islice(te.waiting, prof.max_num_seqs)
@@ -499,6 +521,7 @@ class Simulation:
             max_num_seqs=prof.max_num_seqs,
             max_prefill_tokens=prof.max_prefill_tokens,
             chunked_prefill=prof.chunked_prefill,
+            pacing=paced,
         )
         decision = schedule(running, waiting, te.free_blocks, sched)
         if decision.preempt:

@@ -54,9 +54,17 @@ def _env(name: str) -> Any:
     return {"env": name}
 
 
-def _default_kernel_cache() -> Path:
+def _cache_dir(name: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "meshserve" / "kernels"
+    return Path(base) / "meshserve" / name
+
+
+def _default_kernel_cache() -> Path:
+    return _cache_dir("kernels")
+
+
+def _default_capacity_cache() -> Path:
+    return _cache_dir("capacity")
 
 
 class Section(BaseModel):
@@ -203,8 +211,20 @@ class TaskExecutorSettings(Section):
     )
     engine: Literal["auto", "torch", "openvino", "vllm"] = Field(
         default="auto",
-        description="Engine for TEs: auto picks vllm where a CUDA device and vLLM (here or in "
-        "MESHSERVE_VLLM_PYTHON) are present, else torch.",
+        description="Engine for TEs: auto picks per model the fastest for its device and "
+        "precision that has what engine_needs asks (services/task_executor/engines/choice.py): "
+        "vllm on a GPU where installed, openvino on a CPU for int8/int4 weights, else torch.",
+    )
+    engine_needs: list[Literal["kv_events", "kv_export", "kv_import", "prefix_pinning"]] = Field(
+        default_factory=list,
+        description="Engine capabilities the deployment relies on, as JSON (prefill/decode "
+        'disaggregation: ["kv_export", "kv_import"]; precise prefix routing: ["kv_events"]): '
+        "auto picks only an engine that has them.",
+    )
+    weight_format: Literal["auto", "int8", "int4"] = Field(
+        default="auto",
+        description="auto serves the checkpoint's own weights (a model whose config is "
+        "quantized keeps its bits); int8 or int4 compresses them, with OpenVINO on a CPU.",
     )
     model_engines: dict[str, EngineName] = Field(
         default_factory=dict,
@@ -213,9 +233,17 @@ class TaskExecutorSettings(Section):
     device: str = Field(default="auto", description="Engine device: auto, cpu, cuda, cuda:N.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="Weights and activations: auto is the checkpoint's on CUDA and float32 on CPU.",
+        description="Weights and activations: auto is the checkpoint's on CUDA; on CPU bf16 "
+        "for a bf16 checkpoint where oneDNN has bf16 matrix units (AMX, AVX-512 BF16), else "
+        "float32.",
     )
     max_num_seqs: int = Field(default=32, ge=1, description="Most requests one TE batches at once.")
+    capacity_cache: Path = Field(
+        default_factory=_default_capacity_cache,
+        description="Where a TE keeps the capacity it measured for a model's architecture on "
+        "this host and engine, so that no later load (in any cluster) measures it again "
+        "(default $XDG_CACHE_HOME/meshserve/capacity, else ~/.cache/meshserve/capacity).",
+    )
     kv_cache_bytes: int = Field(
         default=512 * 1024**2,
         ge=1024**2,
@@ -237,8 +265,10 @@ class TorchEngineSettings(Section):
     max_prefill_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="Prompt tokens computed per iteration (default: the engine's for its "
-        "device: 256 on CPU, 2048 on CUDA).",
+        description="Prompt tokens computed per iteration. Unset: paced from the instance's "
+        "measured costs (up to 2048 on CPU, 8192 on CUDA while nothing decodes; while "
+        "requests decode, as many as keep their TPOT under MESHSERVE_SLO_TPOT), 256 on CPU "
+        "and 2048 on CUDA until the costs are known.",
     )
     chunked_prefill: bool = Field(
         default=True,
@@ -250,8 +280,8 @@ class TorchEngineSettings(Section):
     )
     cpu_kernels: bool = Field(
         default=True,
-        description="On CPU, decode attention in a C kernel compiled for the host on first use "
-        "(needs a C compiler; without one, torch's ops run).",
+        description="On CPU, decode attention and the prefill's causal softmax in C kernels "
+        "compiled for the host on first use (needs a C compiler; without one, torch's ops run).",
     )
     kernel_cache: Path = Field(
         default_factory=_default_kernel_cache,
@@ -267,6 +297,13 @@ class TorchEngineSettings(Section):
         default=True,
         description="On CUDA, decode iterations replay CUDA graphs captured per batch and "
         "context-length bucket; false launches every kernel from Python.",
+    )
+    huge_pages: bool = Field(
+        default=True,
+        description="torch's CPU tensors of 2 MiB and more on transparent huge pages, for the "
+        "processes meshserve starts (torch reads it at start): a decode step streams every "
+        "weight, and 4 KiB pages cost it 8-15% in TLB misses.",
+        json_schema_extra=_env("THP_MEM_ALLOC_ENABLE"),
     )
 
 
@@ -388,6 +425,8 @@ class Settings(BaseModel):
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()
+            elif isinstance(value, bool):
+                value = int(value)  # 1/0, which foreign readers (torch) take too
             elif isinstance(value, dict | list):
                 value = json.dumps(_jsonable(value))
             out[leaf.env] = str(value)
@@ -531,8 +570,9 @@ def _type_name(annotation: Any) -> str:
 
 def _default(leaf: Leaf) -> str:
     info = leaf.info
-    if leaf.name == "kernel_cache":
-        return "~/.cache/meshserve/kernels"
+    home_caches = {"kernel_cache": "kernels", "capacity_cache": "capacity"}  # not this host's
+    if leaf.name in home_caches:
+        return f"~/.cache/meshserve/{home_caches[leaf.name]}"
     value = info.get_default(call_default_factory=True)
     if isinstance(value, timedelta):
         return f"{value.total_seconds():g}"

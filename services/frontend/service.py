@@ -246,6 +246,7 @@ class Frontend:
                     "state": str(te.state),
                     "model": te.model,
                     "engine": te.engine,
+                    "engine_reason": te.engine_reason,
                     "device": te.device,
                     "pool": te.pool_id,
                     "host": te.host,

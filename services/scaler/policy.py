@@ -25,6 +25,11 @@ The rule, per model (DeepServe §6, Dynamo's SLA planner, Knative's two windows)
   request for its keep-alive drops to ``min_replicas`` with its instances idle for as long.
   Scale-up and idle scale-down read the same clock (the newest arrival), so an instance
   unloaded at keep-alive is never reloaded without a new request.
+- When no TE is idle, a model that wants more instances takes them from models with more
+  than they want (``reclaim``): their surplus drains now instead of after the stable
+  window, and the freed TE is reserved for the model it was taken for. A model with requests
+  and no instance at all, where no model has a surplus, takes one instance from the model
+  with the most (max-min fair: nobody loses its last instance).
 """
 
 from __future__ import annotations
@@ -133,6 +138,8 @@ class ScalerState:
     models: Mapping[str, ModelMemory] = dataclasses.field(default_factory=dict)
     pending: Mapping[str, PendingLoad] = dataclasses.field(default_factory=dict)  # by TE
     draining: Mapping[str, str] = dataclasses.field(default_factory=dict)  # TE -> model
+    # TEs drained for another model (``reclaim``): TE -> the model that gets it when idle.
+    reserved: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def memory(self, model: str) -> ModelMemory:
         return self.models.get(model, ModelMemory())
@@ -528,6 +535,15 @@ def decide(
     actions: list[Action] = []
     targets: dict[str, Target] = {}
     idle = [te for te in tes if te.state == TEState.IDLE and te.te_id not in state.pending]
+    by_id = {te.te_id: te for te in tes}
+    # A reservation lasts while its TE drains and then idles; gone with the TE or once
+    # anything is loaded on it.
+    reserved = {
+        te_id: model
+        for te_id, model in state.reserved.items()
+        if te_id in by_id and te_id not in state.pending and by_id[te_id].state != TEState.LOADING
+    }
+    short: dict[str, int] = {}  # instances a model wants that no idle TE could take
     pending_by_model: dict[str, int] = {}
     for p in state.pending.values():
         pending_by_model[p.model] = pending_by_model.get(p.model, 0) + 1
@@ -566,11 +582,16 @@ def decide(
             if now - mem.failed_at < load_backoff(mem.failures, cfg):
                 memories[model] = mem
                 continue
-            for _ in range(t.wanted - current):
-                if not idle:
+            free = [te for te in idle if reserved.get(te.te_id, model) == model]
+            for n in range(t.wanted - current):
+                if not free:
+                    short[model] = t.wanted - current - n
                     break
-                te = placement_order(model, idle, view)[0]
+                mine = [te for te in free if reserved.get(te.te_id) == model]
+                te = placement_order(model, mine or free, view)[0]
                 idle.remove(te)
+                free.remove(te)
+                reserved.pop(te.te_id, None)
                 actions.append(Load(te.te_id, model, t.reason))
                 new_pending[te.te_id] = PendingLoad(model, te.pool_id, now, t.reason)
                 # Seen by the next placement, so the model's instances spread.
@@ -605,6 +626,76 @@ def decide(
                 new_draining[te.te_id] = model
         else:
             mem = _not_below(mem)
+        if t.wanted <= current:  # wants no more: what was freed for it is free for all
+            reserved = {te_id: m for te_id, m in reserved.items() if m != model}
         memories[model] = mem
-    state = dataclasses.replace(state, models=memories, pending=new_pending, draining=new_draining)
+    reserved = {te_id: m for te_id, m in reserved.items() if m in targets}
+    for te_id, model, reason in reclaim(short, targets, by_model, reserved, new_draining):
+        actions.append(Unload(te_id, model, reason))
+        new_draining[te_id] = model
+    state = dataclasses.replace(
+        state, models=memories, pending=new_pending, draining=new_draining, reserved=reserved
+    )
     return Decision(actions=actions, state=state, targets=targets)
+
+
+def reclaim(
+    short: Mapping[str, int],
+    targets: Mapping[str, Target],
+    by_model: Mapping[str, Sequence[TEView]],
+    reserved: dict[str, str],
+    draining: Mapping[str, str],
+) -> list[tuple[str, str, str]]:
+    """When every TE holds a model, a model that wants more instances than it has (``short``)
+    takes them from models that have more than they want: the surplus that scale-in would
+    remove once the stable window has passed, removed now for a model with work waiting.
+    Starved models (no instance at all) first, then the largest shortfall. The victim is the
+    least busy surplus instance (a starved model with no surplus left takes one from the model
+    with the most instances, if it has two or more); it drains and is ``reserved`` for the model it was taken for
+    (updated in place). Instances already being freed for a model count against its
+    shortfall. Returns (TE, its model, reason) to unload."""
+    freeing: dict[str, int] = {}
+    for model in reserved.values():
+        freeing[model] = freeing.get(model, 0) + 1
+    surplus: list[TEView] = []
+    for model, t in targets.items():
+        if t.wanted >= t.current or t.panicking or t.current > t.ready:
+            continue  # needs what it has, or is mid-burst or still loading
+        ready = [
+            te
+            for te in by_model.get(model, ())
+            if te.state == TEState.READY and te.te_id not in draining
+        ]
+        surplus += _victims(ready, t.current - t.wanted, idle_since=None)
+    surplus.sort(key=lambda te: (te.load, te.last_active, te.te_id))
+    # What each model keeps: a starved model may also take one of the richest model's.
+    kept: dict[str, list[TEView]] = {
+        m: sorted(
+            (te for te in tes if te.state == TEState.READY and te.te_id not in draining),
+            key=lambda te: (te.load, te.last_active, te.te_id),
+        )
+        for m, tes in by_model.items()
+    }
+    out: list[tuple[str, str, str]] = []
+
+    def take(te: TEView, model: str) -> None:
+        assert te.model is not None
+        kept[te.model] = [x for x in kept[te.model] if x.te_id != te.te_id]
+        reserved[te.te_id] = model
+        out.append((te.te_id, te.model, f"reclaimed for {model}"))
+
+    for model in sorted(short, key=lambda m: (targets[m].current > 0, -short[m], m)):
+        need = short[model] - freeing.get(model, 0)
+        while need > 0 and surplus:
+            take(surplus.pop(0), model)
+            need -= 1
+        if need > 0 and targets[model].current == 0 and not freeing.get(model):
+            # Starved, and every other model needs what it has: the first instance comes
+            # from the model with the most (at least two), its least busy one. Max-min
+            # fair: a model never loses its last instance to another.
+            rich = max(kept, key=lambda m: (len(kept[m]), m), default=None)
+            if rich is not None and rich != model and len(kept[rich]) >= 2:
+                te = kept[rich][0]
+                surplus = [x for x in surplus if x.te_id != te.te_id]
+                take(te, model)
+    return out

@@ -1,19 +1,27 @@
 """How much one instance of a model sustains on this engine and device, measured on the
 engine itself: the scaler sizes each model's fleet from it (``services/scaler/policy.py``).
 
-Measured once per model and engine, when the model first loads where none is stored: the
-scaler hands the stored one to every later load. Prompts are random token ids (timing does
+Measured once per model architecture, engine and host, when a model first loads where none
+is stored: the TE keeps it on disk (``CapacityStore``, so no later load on this host measures
+it again, in any cluster) and the scaler hands it to every later load (Redis). Prompts are random token ids (timing does
 not depend on content). ``meshserve-loadgen profile`` measures a fuller cost model with the
 same two probes (``prefill_s`` and ``decode_step_s``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
 
 from services.task_executor.engines.base import Engine, EngineRequest
+from services.task_executor.engines.capabilities import bind_features
 from shared.messages.api import SamplingParams
 from shared.messages.scaling import InstanceCapacity
 
@@ -43,24 +51,38 @@ def prefill_s(engine: Engine, rng: random.Random, vocab: int, length: int) -> fl
 def decode_step_s(
     engine: Engine, rng: random.Random, vocab: int, batch: int, context: int, steps: int
 ) -> float:
-    """Median step time of ``batch`` requests decoding together at about ``context`` tokens."""
+    """Median step time of ``batch`` requests decoding together at about ``context`` tokens.
+    They generate until ``steps`` such steps are timed and are then aborted: with chunked
+    prefill a batch's prompts join over several iterations, and requests with a fixed short
+    output would finish before the last joined."""
     tag = f"d{rng.random()}"
-    for i in range(batch):
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    room = max(steps + 4, engine.max_model_len - context - 1)
+    for rid in ids:
         engine.add_request(
             EngineRequest(
-                f"{tag}-{i}",
+                rid,
                 [rng.randrange(vocab) for _ in range(context)],
-                SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True),
             )
         )
-    times = []
-    while engine.has_work():
-        running_before = engine.stats().running
-        t = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t
-        if running_before == batch and engine.stats().waiting == 0:
-            times.append(dt)  # a pure decode step of the whole batch
+    times: list[float] = []
+    together = 0
+    try:
+        while engine.has_work() and len(times) < steps:
+            running_before = engine.stats().running
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            if running_before == batch and engine.stats().waiting == 0:
+                together += 1
+                if together > 1:  # the first may still hold the last prompt's last chunk
+                    times.append(dt)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_work():
+            engine.step()
     if not times:
         raise RuntimeError(f"batch {batch} never decoded together (max_num_seqs or KV too small?)")
     return statistics.median(times)
@@ -89,11 +111,27 @@ def fit_prefill(lengths: Sequence[int], seconds: Sequence[float]) -> tuple[float
     return (lin, 0.0) if err(lin, 0.0) <= err(0.0, quad) else (0.0, quad)
 
 
+def pace_at_full_budget(engine: Engine) -> None:
+    """An engine that paces its prefill (once it knows its costs, which the probes measure)
+    is probed as it then runs a lone prompt: at its full budget, not its cautious default."""
+    features = bind_features(engine)
+    if features.prefill_pacing is not None:
+        free = InstanceCapacity(
+            prefill_s=0.0,
+            prefill_attention_s=0.0,
+            decode_s=0.0,
+            decode_context_s=0.0,
+            max_num_seqs=1,
+        )
+        features.prefill_pacing.pace_prefill(free, 1.0)
+
+
 def measure_capacity(engine: Engine, *, vocab: int, max_num_seqs: int) -> InstanceCapacity:
     """Prefill cost from two prompt lengths; decode cost of a full batch (up to
     CAPACITY_MAX_BATCH sequences) at a short context, and its growth with the context from
     a small batch at a short and a long one. About a second on the demo model, a few on a
     0.5B model on two CPU cores; paid once per model and engine."""
+    pace_at_full_budget(engine)
     rng = random.Random(0)
     n = max(16, min(CAPACITY_PROMPT_TOKENS, engine.max_model_len // 2))
     prefill_s(engine, rng, vocab, 16)  # warm-up
@@ -102,8 +140,9 @@ def measure_capacity(engine: Engine, *, vocab: int, max_num_seqs: int) -> Instan
     a, b = fit_prefill(lengths, times)
     batch = max(1, min(max_num_seqs, CAPACITY_MAX_BATCH))
     steps = CAPACITY_DECODE_STEPS
-    short = min(CAPACITY_DECODE_CONTEXT, engine.max_model_len - steps - 4)
-    long = max(short, min(CAPACITY_LONG_CONTEXT, engine.max_model_len - steps - 4))
+    # Contexts that leave room to generate while the batch's prompts join.
+    short = max(1, min(CAPACITY_DECODE_CONTEXT, engine.max_model_len // 4))
+    long = max(short, min(CAPACITY_LONG_CONTEXT, engine.max_model_len // 2))
     full = decode_step_s(engine, rng, vocab, batch, short, steps)
     small = min(batch, CAPACITY_CONTEXT_BATCH)
     ctx_s = 0.0
@@ -115,9 +154,55 @@ def measure_capacity(engine: Engine, *, vocab: int, max_num_seqs: int) -> Instan
         prefill_s=a,
         prefill_attention_s=b,
         decode_s=full / batch,
+        decode_step_s=full,
         decode_context_s=ctx_s,
         max_num_seqs=max_num_seqs,
         engine=engine.name,
         device=engine.device,
         measured_at=time.time(),
     )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+class CapacityStore:
+    """Measured capacities on this host's disk, one file each, keyed by what the figures
+    depend on: the model's architecture (its ``config.json``, not its weights: a fine-tuned
+    variant runs at the same speed), the engine, device and dtype, the batch limit and
+    threads, and the CPU (a shared cache directory may serve several kinds of hosts)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def key(self, model_path: Path, **engine: object) -> str:
+        config = json.loads((model_path / "config.json").read_text())
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        what = {"config": config, **engine, "cpu": _cpu_name(), "cores": cores}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+    def get(self, key: str) -> InstanceCapacity | None:
+        try:
+            return msgspec.json.decode(
+                (self.directory / f"{key}.json").read_bytes(), type=InstanceCapacity
+            )
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    def put(self, key: str, capacity: InstanceCapacity) -> None:
+        """Atomic (a concurrent reader sees the old file or the new one); best effort."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+            tmp.write_bytes(msgspec.json.encode(capacity))
+            tmp.replace(self.directory / f"{key}.json")
+        except OSError:
+            pass

@@ -26,10 +26,15 @@ from typing import TypeVar
 
 import msgspec
 
-from services.task_executor.capacity import measure_capacity
+from services.task_executor.capacity import CapacityStore, measure_capacity
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.capabilities import EngineFeatures, bind_features
-from services.task_executor.engines.factory import choose_engine, create_engine
+from services.task_executor.engines.factory import (
+    choose_engine,
+    create_engine,
+    engine_choice,
+    prewarm,
+)
 from services.task_executor.engines.process import EngineProcessDied
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
@@ -114,6 +119,7 @@ class TaskExecutor:
         self._generated_tokens = 0
         self._recent_models: list[str] = []  # loaded here before, newest first
         self._capacity: InstanceCapacity | None = None  # of the model loaded
+        self._choice = engine_choice(settings)  # for any model; for the model loaded once one is
         self._load_steps: dict[str, float] = {}  # of the last load
         self._ready_at = 0.0
         self._streams: dict[str, _Stream] = {}  # by attempt key
@@ -157,7 +163,8 @@ class TaskExecutor:
             sent_at=time.time(),
             failed_model=self._failed_model,
             generated_tokens=self._generated_tokens,
-            engine=choose_engine(self._settings),
+            engine=self._choice.engine,
+            engine_reason=self._choice.reason,
             recent_models=list(self._recent_models),
             load_steps=self._load_steps,
             ready_at=self._ready_at,
@@ -189,6 +196,8 @@ class TaskExecutor:
             self._subjects.te_control(self.te_id),
             {LoadModel: self._on_load, UnloadModel: self._on_unload, Drain: self._on_drain},
         )
+        if self._engine_factory is create_engine:  # a load queued meanwhile waits its turn
+            self._engine_thread.submit(self._prewarm)
         self._hb.start(self._life)
         loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
         self._life.spawn(self._kv_publisher(), name="kv event publisher")
@@ -215,6 +224,15 @@ class TaskExecutor:
                 self.engine.close()
             self._engine_thread.shutdown(wait=False)
             self._life.stopped()
+
+    def _prewarm(self) -> None:
+        t = time.monotonic()
+        try:
+            prewarm(self._settings)
+        except Exception:  # the first load pays for it instead
+            log.exception("pre-warming the engine failed")
+        else:
+            log.info("engine pre-warmed", seconds=round(time.monotonic() - t, 2))
 
     async def shutdown(self) -> None:
         self._life.request_stop()
@@ -279,12 +297,16 @@ class TaskExecutor:
         TE-side steps of a scale-up, in seconds."""
         t1 = time.monotonic()
         steps["te_pre_load"] = t1 - t0  # the command's wait for the engine thread
+        self._choice = engine_choice(self._settings, cmd.model, Path(cmd.path))
         engine = self._engine_factory(cmd.model, Path(cmd.path), self._settings)
         t2 = time.monotonic()
         steps["te_load"] = t2 - t1
         try:
             features = bind_features(engine)
             capacity = cmd.capacity or self._measure_capacity(engine, Path(cmd.path))
+            if features.prefill_pacing is not None and capacity is not None:
+                tpot = self._settings.scaler.slo_tpot.total_seconds()
+                features.prefill_pacing.pace_prefill(capacity, tpot)
         except Exception:
             engine.close()
             raise
@@ -292,14 +314,27 @@ class TaskExecutor:
         return engine, features, capacity
 
     def _measure_capacity(self, engine: Engine, path: Path) -> InstanceCapacity | None:
+        """The capacity stored on this host for the model's architecture and this engine, or
+        measured now (and stored)."""
+        te = self._settings.task_executor
+        store = CapacityStore(te.capacity_cache)
         try:
-            vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
-            capacity = measure_capacity(
-                engine, vocab=vocab, max_num_seqs=self._settings.task_executor.max_num_seqs
+            key = store.key(
+                path,
+                engine=engine.name,
+                device=engine.device,
+                dtype=te.dtype,
+                max_num_seqs=te.max_num_seqs,
+                threads=te.torch_threads,
             )
+            if (capacity := store.get(key)) is not None:
+                return capacity
+            vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+            capacity = measure_capacity(engine, vocab=vocab, max_num_seqs=te.max_num_seqs)
         except Exception:  # the scaler sizes the model by its queue alone until one is stored
             log.exception("measuring the instance's capacity failed")
             return None
+        store.put(key, capacity)
         log.info("capacity measured", **msgspec.structs.asdict(capacity))
         return capacity
 
@@ -328,6 +363,7 @@ class TaskExecutor:
             await self._flush_kv_events()
         self._features = EngineFeatures()
         self._capacity = None
+        self._choice = engine_choice(self._settings)
         gc.collect()
         log.info("model unloaded", model=self.model, reason=cmd.reason)
         self.state, self.model = TEState.IDLE, None

@@ -32,6 +32,7 @@ class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_default
     prefix_pinning: bool = False  # keeps a prefix cached under a cache id (PrefixPinning)
     host_kv_tier: bool = False  # moves cached blocks to host memory and back (HostKvTier)
     weight_source: bool = False  # builds from weights handed to it (a TensorSource)
+    prefill_pacing: bool = False  # sizes each iteration's prompt tokens from its costs
 
 
 class TEHeartbeat(Message):
@@ -64,6 +65,7 @@ class TEHeartbeat(Message):
     )
     load_steps: dict[str, float] = msgspec.field(default_factory=dict)  # of the last load, seconds
     ready_at: float = 0.0  # unix seconds the loaded model turned ready
+    engine_reason: str = ""  # why this engine (engines/choice.py): for the loaded model, or any
 
 
 class JEHeartbeat(Message):

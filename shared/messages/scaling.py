@@ -57,12 +57,17 @@ class InstanceCapacity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     engine: str = ""
     device: str = ""
     measured_at: float = 0.0
+    decode_step_s: float = 0.0  # one step of that full batch (0: not measured, older stores)
 
     def prefill_tokens_per_s(self, prompt_tokens: int) -> float:
         return 1.0 / (self.prefill_s + self.prefill_attention_s * prompt_tokens)
 
     def decode_tokens_per_s(self, context_tokens: int) -> float:
         return 1.0 / (self.decode_s + self.decode_context_s * context_tokens)
+
+    def step_s(self) -> float:
+        """A decode step of the full batch at a short context."""
+        return self.decode_step_s or self.decode_s * self.max_num_seqs
 
 
 class LoadModel(Message):

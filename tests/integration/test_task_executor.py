@@ -104,6 +104,16 @@ async def test_streams_tokens_in_order_to_the_reply_subject(te, bus: Bus, cluste
     assert chunks[-1].prompt_tokens == 6
 
 
+async def test_a_loaded_torch_engine_is_paced_with_its_capacity_and_says_why_it_runs(te):
+    worker, _ = te
+    assert worker._capacity is not None and worker._features.prefill_pacing is not None
+    pacing = worker.engine._sched.pacing  # the TE handed the engine its measured costs
+    assert pacing is not None and pacing.prefill_s == worker._capacity.prefill_s
+    assert pacing.tpot_s == worker._settings.scaler.slo_tpot.total_seconds()
+    hb = worker._heartbeat()
+    assert hb.engine == "torch" and "checkpoint's precision" in hb.engine_reason
+
+
 async def test_refuses_a_task_mode_its_engine_cannot_run(te, cluster: str):
     _, client = te
     with pytest.raises(BadRequest) as e:

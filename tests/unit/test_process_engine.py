@@ -43,12 +43,17 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
     remote = ProcessEngine(_torch(model_dir), label="test")
     try:
         assert (remote.name, remote.device, remote.max_model_len) == ("torch", "cpu", 128)
-        # What the pipe carries: generating and KV events; not the KV hand-over or the
-        # host tier, which the child's torch engine has.
+        # What the pipe carries: generating and KV events; not the KV hand-over, the host
+        # tier or prefill pacing, which the child's torch engine has.
         caps = local.capabilities
-        assert caps.kv_events and caps.kv_export and caps.prefix_pinning
+        assert caps.kv_events and caps.kv_export and caps.prefix_pinning and caps.prefill_pacing
         assert remote.capabilities == msgspec.structs.replace(
-            caps, kv_export=False, kv_import=False, prefix_pinning=False, weight_source=False
+            caps,
+            kv_export=False,
+            kv_import=False,
+            prefix_pinning=False,
+            weight_source=False,
+            prefill_pacing=False,
         )
         assert remote.block_size == 4 and remote.prefill_budget == local.prefill_budget
         assert not remote.has_work()

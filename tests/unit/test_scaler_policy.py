@@ -265,3 +265,82 @@ def test_slo_misses_with_a_queue_add_an_instance() -> None:
     # Without a queue, missing the SLO is not something another instance fixes.
     d = decide(s, [te("r1", running=1), idle("a")], models=["m"], now=T0 + 20, cfg=CFG)
     assert d.actions == []
+
+
+def test_a_starved_model_reclaims_surplus_instances_when_no_te_is_idle() -> None:
+    """Every TE holds a model: ``m`` has three instances for a load that needs one (inside
+    its stable window, so scale-in has not removed them yet) and ``x`` gets requests with
+    none. ``m``'s least busy surplus instance drains for ``x``, the freed TE goes to ``x``
+    and not to another model that wants one, and nothing more is taken meanwhile."""
+    s = with_traffic(fresh(), seconds=60, rps=1)  # well under one instance
+    s = observe_capacity(s, "x", CAP)
+    s = observe_capacity(s, "y", CAP)
+    now = T0 + 60
+    s = observe_traffic(
+        s, "je1", [ModelTraffic(model="x", arrivals=3, prompt_tokens=300, held=3)], now=now, cfg=CFG
+    )
+    tes = [te("r1", running=2), te("r2", running=1), te("r3")]
+    d = decide(s, tes, models=["m", "x", "y"], now=now, cfg=CFG)
+    assert d.targets["m"].wanted == 1 and d.targets["x"].current == 0
+    assert unloads(d) == [Unload("r3", "m", "reclaimed for x")]
+    assert d.state.reserved == {"r3": "x"}
+    # While r3 drains, x's shortfall is being met: nothing more is taken.
+    draining = [te("r1", running=2), te("r2", running=1), te("r3", TEState.DRAINING)]
+    d = decide(d.state, draining, models=["m", "x", "y"], now=now + 0.5, cfg=CFG)
+    assert d.actions == []
+    # r3 is idle; y now wants an instance too, but r3 was freed for x.
+    s = observe_traffic(
+        d.state,
+        "je1",
+        [ModelTraffic(model="y", arrivals=1, prompt_tokens=100, held=1)],
+        now=now + 1,
+        cfg=CFG,
+    )
+    freed = [te("r1", running=2), te("r2", running=1), idle("r3")]
+    d = decide(s, freed, models=["m", "x", "y"], now=now + 1, cfg=CFG)
+    assert [a.te_id for a in loads(d) if a.model == "x"] == ["r3"]
+    assert not any(a.model == "y" for a in loads(d))
+    assert d.state.reserved == {"r2": "y"}  # y takes m's next surplus instance
+    assert Unload("r2", "m", "reclaimed for y") in unloads(d)
+
+
+def test_no_reclaim_from_a_model_that_needs_its_instances() -> None:
+    s = observe_traffic(
+        fresh(),
+        "je1",
+        [ModelTraffic(model="x", arrivals=1, prompt_tokens=100, held=1)],
+        now=T0,
+        cfg=CFG,
+    )
+    s = observe_traffic(
+        s, "je1", [ModelTraffic(model="m", arrivals=1, prompt_tokens=100)], now=T0, cfg=CFG
+    )
+    d = decide(s, [te("r1")], models=["m", "x"], now=T0, cfg=CFG)
+    assert d.actions == [] and d.state.reserved == {}
+
+
+def test_a_starved_model_takes_one_instance_from_the_richest_when_none_is_surplus() -> None:
+    """``m`` bursts and needs all three TEs; ``x`` gets a request with none. ``x`` takes
+    ``m``'s least busy instance (one, not more), and a model with one instance is never
+    taken from."""
+    s = observe_traffic(
+        fresh(),
+        "je1",
+        [ModelTraffic(model="m", arrivals=1, prompt_tokens=100)],
+        now=T0,
+        cfg=CFG,
+    )
+    s = observe_capacity(s, "x", CAP)
+    s = observe_traffic(
+        s, "je1", [ModelTraffic(model="x", arrivals=4, prompt_tokens=400, held=4)], now=T0, cfg=CFG
+    )
+    busy = [te("r1", running=8, waiting=8), te("r2", running=8, waiting=8), te("r3", running=5)]
+    d = decide(s, busy, models=["m", "x"], now=T0, cfg=CFG)
+    assert d.targets["m"].wanted >= 3
+    assert unloads(d) == [Unload("r3", "m", "reclaimed for x")]
+    s = observe_traffic(
+        s, "je1", [ModelTraffic(model="y", arrivals=1, prompt_tokens=100)], now=T0, cfg=CFG
+    )
+    lone = [te("r1", running=8, waiting=8), te("y1", model="y", running=1)]
+    d = decide(s, lone, models=["m", "x", "y"], now=T0, cfg=CFG)
+    assert unloads(d) == []

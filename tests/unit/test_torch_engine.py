@@ -16,9 +16,13 @@ from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import BlockAllocator
 from services.task_executor.engines.torch_engine.scheduler import (
+    Pacing,
     SchedulerConfig,
     SeqView,
+    pacing,
+    prefill_budget,
     schedule,
+    tpot_slack,
 )
 from shared.messages.api import SamplingParams
 from tests.engines import TEST_DEVICE, drain, tokens
@@ -441,6 +445,128 @@ def test_chunked_prefill_leaves_a_second_prompt_waiting_for_budget_but_not_preem
 def test_without_chunked_prefill_a_long_prompt_runs_whole() -> None:
     d = schedule([], [SeqView("long", 25)], free_blocks=100, config=CFG)
     assert d.prefill == ("long",) and d.cache_len == {"long": 25}
+
+
+# A 0.5B model on 2 CPU cores, roughly: a 50 ms decode step, 0.5 ms a prompt token; a 250 ms
+# TPOT target, of which 0.8 (200 ms) an iteration may take beside a request just started.
+PACE = Pacing(
+    tpot_s=0.25,
+    step_s=0.05,
+    decode_context_s=1e-6,
+    prefill_s=5e-4,
+    prefill_attention_s=1e-7,
+    floor=32,
+    ceiling=4096,
+)
+
+
+def test_prefill_budget_is_the_ceiling_until_something_decodes_then_what_keeps_the_tpot() -> None:
+    assert prefill_budget(PACE, [], 3000) == 4096  # a burst prefills at the full rate
+    # 200 ms - 50 ms step - 2 x 1,000 context tokens x 1 us = 148 ms, at 0.5 ms + 0.1 ms a
+    # token of a 1,000-token prompt: 246 tokens.
+    assert prefill_budget(PACE, [1000, 1000], 1000) == 246
+    # Longer prompts (attention) and longer contexts leave fewer; never under the floor.
+    assert prefill_budget(PACE, [1000, 1000], 8000) < 246
+    assert prefill_budget(PACE, [200_000], 1000) == 32
+    assert prefill_budget(dataclasses.replace(PACE, tpot_s=12.5), [10], 10) == 4096
+    # Decodes that ran under their target have slack, which a prompt may spend: 1 s of it
+    # allows (0.8 s - 52 ms) / 0.6 ms = 1,246 tokens.
+    assert prefill_budget(PACE, [1000, 1000], 1000, slack_s=1.0) == 1246
+    # A request already late (no slack) leaves the floor.
+    assert prefill_budget(PACE, [1000], 1000, slack_s=-0.5) == 32
+    # After 10 tokens 55 ms apart, a request has 2.5 - 0.5 = 2 s of slack.
+    assert tpot_slack(0.25, 10, 0.5) == pytest.approx(2.0)
+
+
+def test_paced_schedule_sizes_chunks_by_what_decodes() -> None:
+    cfg = dataclasses.replace(CHUNKED, max_prefill_tokens=10, pacing=PACE)
+    # Nothing decodes: a long prompt joins whole up to the ceiling.
+    d = schedule([], [SeqView("long", 6000)], free_blocks=10_000, config=cfg)
+    assert d.cache_len == {"long": 4096}
+    # A decode runs beside it: the chunk is what keeps the iteration within the TPOT target
+    # (the rule's own figure for these lengths), whatever max_prefill_tokens says.
+    running = [SeqView("dec", 1000, 250, 999), SeqView("long", 6000, 1024, 4096)]
+    d = schedule(running, [], free_blocks=10_000, config=cfg)
+    assert d.cache_len == {"dec": 1000, "long": 4096 + prefill_budget(PACE, [1000], 6000)}
+    # A prompt still waiting behind a running one sees no more than what is left.
+    running = [SeqView("dec", 1000, 250, 999)]
+    d = schedule(running, [SeqView("a", 100), SeqView("b", 500)], free_blocks=10_000, config=cfg)
+    budget = prefill_budget(PACE, [1000], 100)
+    assert d.prefill == ("a", "b") and d.cache_len["b"] == budget - 100
+    # Without chunked prefill there is nothing to pace.
+    whole = dataclasses.replace(cfg, chunked_prefill=False)
+    d = schedule(running, [SeqView("long", 6000)], free_blocks=10_000, config=whole)
+    assert d.cache_len["long"] == 6000
+
+
+def test_pacing_comes_from_the_measured_capacity() -> None:
+    from shared.messages.scaling import InstanceCapacity
+
+    cap = InstanceCapacity(
+        prefill_s=5e-4,
+        prefill_attention_s=1e-7,
+        decode_s=0.05 / 8,
+        decode_step_s=0.05,
+        decode_context_s=1e-6,
+        max_num_seqs=8,
+    )
+    p = pacing(cap, tpot_s=0.25, ceiling=4096)
+    assert (p.step_s, p.prefill_s, p.ceiling, p.floor) == (0.05, 5e-4, 4096, 32)
+    assert p.tpot_s == 0.25
+    # A capacity stored before decode_step_s existed: the full batch's step from decode_s.
+    old = InstanceCapacity(
+        prefill_s=5e-4,
+        prefill_attention_s=0,
+        decode_s=0.05 / 8,
+        decode_context_s=0,
+        max_num_seqs=8,
+    )
+    assert pacing(old, tpot_s=0.25, ceiling=4096).step_s == pytest.approx(0.05)
+
+
+def test_an_engine_paces_its_prefill_once_told_its_costs(model_dir: Path, monkeypatch) -> None:
+    from services.task_executor.engines.capabilities import CapabilityError, bind_features
+    from shared.messages.scaling import InstanceCapacity
+
+    engine = _engine(model_dir, max_num_seqs=4)
+    assert engine.capabilities.prefill_pacing and engine.prefill_budget.paced_tokens > 0
+    assert bind_features(engine).prefill_pacing is engine
+    prompt = [1 + i % 90 for i in range(100)]
+    cap = InstanceCapacity(
+        prefill_s=0.002,
+        prefill_attention_s=0,
+        decode_s=0.01,
+        decode_step_s=0.04,
+        decode_context_s=0,
+        max_num_seqs=4,
+    )
+    # A TPOT target that leaves room for 40 prompt tokens beside a request that has its first
+    # token only: (0.8 x 0.1515 s - 0.04 s) / 2 ms = 40.6. On a clock that does not move, its
+    # second token banks another 0.1515 s of slack: 101 tokens may go next, the 60 left.
+    monkeypatch.setattr(
+        "services.task_executor.engines.torch_engine.engine.time.monotonic", lambda: 100.0
+    )
+    engine.pace_prefill(cap, 0.1515)
+    engine.add_request(EngineRequest("dec", [3, 4, 5], greedy(30)))
+    engine.step()  # its prompt, alone: then it decodes
+    engine.add_request(EngineRequest("p", prompt, greedy(4)))
+    chunks, outs = [], []
+    while engine.has_work():
+        before = {r.request_id: r.num_computed for r in engine._running}
+        outs += [o for o in engine.step() if o.request_id == "p"]
+        after = {r.request_id: r.num_computed for r in engine._running}
+        if "p" in after and after["p"] <= len(prompt):
+            chunks.append(after["p"] - before.get("p", 0))
+    assert chunks[:2] == [40, 60]
+    # Chunked as it was, the prompt's tokens are those of a whole prefill.
+    alone = _engine(model_dir, max_prefill_tokens=128)
+    alone.add_request(EngineRequest("p", prompt, greedy(4)))
+    assert tokens(outs) == tokens(drain(alone)["p"])
+
+    fixed = _engine(model_dir, max_prefill_tokens=16)
+    assert not fixed.capabilities.prefill_pacing and fixed.prefill_budget.paced_tokens == 0
+    with pytest.raises(CapabilityError):
+        fixed.pace_prefill(cap, 0.15)
 
 
 def test_scheduler_does_nothing_without_work() -> None:

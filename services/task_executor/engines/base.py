@@ -62,10 +62,13 @@ IDLE_STATS = EngineStats(running=0, waiting=0, free_kv_blocks=0, total_kv_blocks
 class PrefillBudget(msgspec.Struct, frozen=True):
     """How an engine schedules prompts: at most ``tokens`` prompt tokens an iteration, and,
     when ``chunked``, a longer prompt split over several iterations beside running decodes
-    (what the profiler records and the simulator schedules with)."""
+    (what the profiler records and the simulator schedules with). ``paced_tokens``: once
+    paced (``prefill_pacing``), the budget of an iteration with nothing decoding, and less
+    while some decode; 0: never paced."""
 
     tokens: int
     chunked: bool
+    paced_tokens: int = 0
 
 
 class Engine(Protocol):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.task_executor.engines.base import Engine, EngineRequest
 from shared.messages.kv import KvEvent
+from shared.messages.scaling import InstanceCapacity
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +78,17 @@ class HostKvTier(Protocol):
     def populate_kv(self, block_hashes: Sequence[int]) -> int: ...
 
 
+@runtime_checkable
+class PrefillPacing(Protocol):
+    """``prefill_pacing``: each iteration's prompt tokens are sized from the engine's measured
+    costs, so running decodes keep a TPOT target and prompts take the rest."""
+
+    def pace_prefill(self, capacity: InstanceCapacity, tpot_s: float) -> None:
+        """From now on, pace with these costs (the instance's measured capacity) and keep
+        iterations with decodes under ``tpot_s``."""
+        ...
+
+
 class TensorSource(Protocol):
     """``weight_source``: named tensors an engine builds its weights from instead of reading
     the checkpoint itself (a checkpoint's safetensors files, or a host cache holding them).
@@ -98,6 +110,7 @@ class EngineFeatures:
     kv_import: KvImporter | None = None
     prefix_pinning: PrefixPinning | None = None
     host_kv_tier: HostKvTier | None = None
+    prefill_pacing: PrefillPacing | None = None
 
 
 def bind_features(engine: Engine) -> EngineFeatures:
@@ -113,6 +126,7 @@ def bind_features(engine: Engine) -> EngineFeatures:
         kv_import=engine if isinstance(engine, KvImporter) else None,
         prefix_pinning=engine if isinstance(engine, PrefixPinning) else None,
         host_kv_tier=engine if isinstance(engine, HostKvTier) else None,
+        prefill_pacing=engine if isinstance(engine, PrefillPacing) else None,
     )
     checks: tuple[tuple[str, bool, object, type], ...] = (
         ("kv_events", caps.kv_events, implemented.kv_events, KvEventSource),
@@ -120,6 +134,7 @@ def bind_features(engine: Engine) -> EngineFeatures:
         ("kv_import", caps.kv_import, implemented.kv_import, KvImporter),
         ("prefix_pinning", caps.prefix_pinning, implemented.prefix_pinning, PrefixPinning),
         ("host_kv_tier", caps.host_kv_tier, implemented.host_kv_tier, HostKvTier),
+        ("prefill_pacing", caps.prefill_pacing, implemented.prefill_pacing, PrefillPacing),
     )
     for flag, declared, handle, protocol in checks:
         if declared and handle is None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from services.task_executor.engines.base import Engine
 from services.task_executor.engines.capabilities import CapabilityError, TensorSource
+from services.task_executor.engines.choice import EngineChoice, HostView, Wanted, choose
 from shared.settings import Settings
 
 
@@ -19,18 +21,72 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def choose_engine(settings: Settings, model: str | None = None) -> str:
-    """The model's own engine if one is set, else MESHSERVE_ENGINE; auto means vLLM where
-    a CUDA device and vLLM (in this venv, or in MESHSERVE_VLLM_PYTHON's) are present, and
-    meshserve's torch engine elsewhere."""
-    if model is not None and model in settings.task_executor.model_engines:
-        return settings.task_executor.model_engines[model]
-    if settings.task_executor.engine != "auto":
-        return settings.task_executor.engine
-    has_vllm = bool(settings.vllm.python) or importlib.util.find_spec("vllm") is not None
-    if has_vllm and cuda_available():
-        return "vllm"
-    return "torch"
+def engine_choice(
+    settings: Settings, model: str | None = None, model_path: Path | None = None
+) -> EngineChoice:
+    """The engine for ``model`` (or for any model, without one) and why (``choice.py``):
+    the model's own engine if one is set, else MESHSERVE_ENGINE, where auto weighs the
+    device, the engines installed, the weight format asked for (by the settings or by the
+    model's config at ``model_path``) and the capabilities the deployment needs."""
+    te = settings.task_executor
+    if model is not None and model in te.model_engines:
+        wanted = Wanted(te.model_engines[model], pinned_by="MESHSERVE_MODEL_ENGINES")
+    elif te.engine != "auto":
+        wanted = Wanted(te.engine, pinned_by="MESHSERVE_ENGINE")
+    else:
+        wanted = Wanted(
+            "auto",
+            weight_format=_weight_format(te.weight_format, model_path),
+            needs=frozenset(te.engine_needs),
+        )
+    installed = {"torch"}
+    if settings.vllm.python or importlib.util.find_spec("vllm") is not None:
+        installed.add("vllm")
+    if importlib.util.find_spec("openvino_genai") is not None:
+        installed.add("openvino")
+    device = te.device
+    cuda = device.startswith("cuda") or (device == "auto" and cuda_available())
+    return choose(
+        HostView(device="cuda" if cuda else "cpu", installed=frozenset(installed)), wanted
+    )
+
+
+def choose_engine(
+    settings: Settings, model: str | None = None, model_path: Path | None = None
+) -> str:
+    return engine_choice(settings, model, model_path).engine
+
+
+def _weight_format(asked: str, model_path: Path | None) -> Literal["auto", "int8", "int4"]:
+    """What the settings ask, else what the model's config says it is (its
+    quantization_config's bits), else the checkpoint's own precision."""
+    if asked in ("int8", "int4"):
+        return "int8" if asked == "int8" else "int4"
+    try:
+        config = json.loads((model_path / "config.json").read_text()) if model_path else {}
+    except (OSError, ValueError):
+        return "auto"
+    bits = (config.get("quantization_config") or {}).get("bits")
+    return "int8" if bits == 8 else "int4" if bits == 4 else "auto"
+
+
+def prewarm(settings: Settings) -> None:
+    """What every load of this TE's engine would pay first, paid before any load: a TE is
+    pre-warmed and model-agnostic (DeepServe §6). For the torch engine, importing torch (about
+    1 s, most of a first load of a small model) and its CPU kernel (compiled once per host,
+    then loaded from the kernel cache). The child-process engines import in their child."""
+    if choose_engine(settings) != "torch":
+        return
+    from services.task_executor.engines.torch_engine import (
+        TorchEngine,  # noqa: F401
+        cpu_kernels,
+    )
+
+    if settings.torch.cpu_kernels and settings.task_executor.device in ("auto", "cpu"):
+        toolchain = cpu_kernels.Toolchain(
+            cc=settings.torch.cc, cache_dir=settings.torch.kernel_cache
+        )
+        cpu_kernels.prewarm(toolchain)
 
 
 def create_engine(
@@ -38,7 +94,7 @@ def create_engine(
 ) -> Engine:
     """``tensors``: the weights, handed over (a host cache) instead of read from the
     checkpoint; only an engine that declares ``weight_source`` takes them."""
-    kind = choose_engine(settings, model)
+    kind = choose_engine(settings, model, model_path)
     if tensors is not None and kind != "torch":
         raise CapabilityError(
             f"the {kind} engine runs in a child process and cannot take weights as tensors"
@@ -89,9 +145,11 @@ def create_engine(
 
 
 def openvino_engine_args(settings: Settings) -> dict[str, Any]:
-    """The OpenVINOEngine arguments a TE's settings give."""
+    """The OpenVINOEngine arguments a TE's settings give: the IR's weights are those
+    MESHSERVE_WEIGHT_FORMAT asks for, else the OpenVINO engine's own format."""
+    asked = settings.task_executor.weight_format
     return {
-        "weight_format": settings.openvino.weight_format,
+        "weight_format": asked if asked != "auto" else settings.openvino.weight_format,
         "kv_cache_bytes": settings.task_executor.kv_cache_bytes,
         "max_num_seqs": settings.task_executor.max_num_seqs,
         "enable_prefix_caching": settings.task_executor.prefix_caching,

@@ -17,8 +17,8 @@ heartbeat reads them from the event loop while a step may be running, and must n
 
 What crosses the pipe bounds what the engine can do from here: generating and KV events.
 The other capabilities (KV export and import, pinning, the host tier, weights handed over as
-tensors) need tensors or calls the pipe does not carry, so the parent does not claim them
-even where the child's engine has them.
+tensors, prefill pacing) need tensors or calls the pipe does not carry, so the parent does not
+claim them even where the child's engine has them.
 
 The child exits when the parent closes the engine, or when the pipe breaks (the TE died);
 a child that dies makes the next call raise ``EngineProcessDied``, which the TE treats as
@@ -139,6 +139,7 @@ class ProcessEngine:
             prefix_pinning=False,
             host_kv_tier=False,
             weight_source=False,
+            prefill_pacing=False,
         )
 
     @property

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,11 +31,12 @@ from services.task_executor.engines.base import (
     PrefillBudget,
     check_prompt,
 )
-from services.task_executor.engines.capabilities import TensorSource
-from services.task_executor.engines.torch_engine import sampling
+from services.task_executor.engines.capabilities import CapabilityError, TensorSource
+from services.task_executor.engines.torch_engine import linear, sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
 from services.task_executor.engines.torch_engine.cpu_kernels import DEFAULT_TOOLCHAIN, Toolchain
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
+from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
 from services.task_executor.engines.torch_engine.model import (
@@ -58,11 +60,14 @@ from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
     blocks_needed,
+    pacing,
     schedule,
+    tpot_slack,
 )
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
+from shared.messages.scaling import InstanceCapacity
 from shared.messages.tasks import TaskMode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,6 +84,13 @@ DEFAULT_GPU_KV_FRACTION = 0.4
 # 512 + 128 tokens) it gave 4x lower median TTFT, 8x lower worst inter-token gap and 11% more
 # aggregate throughput, for 12% less decode speed per request. A GPU prefills far faster.
 DEFAULT_PREFILL_TOKENS = {"cpu": 256, "cuda": 2048}
+# Once paced (pace_prefill, with the instance's measured costs: scheduler.Pacing), the budget
+# follows what decodes: this many prompt tokens an iteration while nothing does, and as many as
+# the decodes' TPOT slack allows while some do. On CPU 2,048 (vLLM's CPU server default too):
+# a 0.5B model prefills 1,900 tokens/s at 2k on a 2-core Sapphire Rapids host, about as fast as
+# at 4k in one iteration, and a short prompt that arrives behind a long one waits for an
+# iteration of 1 s rather than 2 (a replay of the Azure trace at light load: the TTFT p90).
+PACED_PREFILL_TOKENS = {"cpu": 2048, "cuda": 8192}
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -100,6 +112,7 @@ class _Request:
     # Sampling draws taken for the next tokens but not yet spent (a launch ahead takes its draw
     # early; if its token is thrown away, the recomputation reuses it).
     uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    first_token_at: float | None = None  # monotonic seconds its first output token came out
 
     @property
     def num_output(self) -> int:
@@ -158,8 +171,12 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, not {dtype!r}")
         return DTYPES[dtype]
-    # CPUs without bf16 matrix units run float32 faster, and bf16 on CPU must be a choice.
     if device.type == "cpu":
+        # A bf16 checkpoint stays bf16 where oneDNN multiplies bf16 (AMX, AVX-512 BF16): half
+        # the bytes a decode step streams. CPUs without (AVX2) run bf16 6-10x slower than
+        # float32, and an fp16 checkpoint is not widened to bf16's range silently.
+        if config.torch_dtype == "bfloat16" and linear.can_pack(torch.bfloat16, device):
+            return torch.bfloat16
         return torch.float32
     return DTYPES.get(config.torch_dtype or "", torch.bfloat16)
 
@@ -203,8 +220,9 @@ class TorchEngine:
         ``overlap_on_cpu``, which runs the forward on a worker thread (no gain measured on a
         2-core host: see ``overlap.make_launcher``).
 
-        ``max_prefill_tokens``: prompt tokens computed per iteration (default by device:
-        ``DEFAULT_PREFILL_TOKENS``). ``chunked_prefill``:
+        ``max_prefill_tokens``: prompt tokens computed per iteration; None: by device
+        (``DEFAULT_PREFILL_TOKENS``) until ``pace_prefill`` hands the engine its measured
+        costs, and from then on paced (``PACED_PREFILL_TOKENS``). ``chunked_prefill``:
         a prompt longer than what is left of that budget computes in chunks over several
         iterations, beside the running requests' decode steps, instead of whole in one
         iteration that stalls them (see ``scheduler``).
@@ -216,6 +234,9 @@ class TorchEngine:
         ``cuda_graphs``: on CUDA, decode iterations replay graphs captured per batch and
         context bucket (``cuda_graphs.py``); False launches every kernel from Python."""
         torch_device = resolve_device(device)
+        if torch_device.type == "cpu":
+            keep_large_allocations()  # host_malloc.py: no page faults on every prefill
+        paceable = max_prefill_tokens is None and chunked_prefill
         if max_prefill_tokens is None:
             max_prefill_tokens = DEFAULT_PREFILL_TOKENS.get(torch_device.type, 2048)
         if max_prefill_tokens < 1:
@@ -233,6 +254,7 @@ class TorchEngine:
             prefix_pinning=cached,
             host_kv_tier=cached and num_host_kv_blocks > 0,
             weight_source=True,
+            prefill_pacing=paceable,
         )
         self.dtype = resolve_dtype(dtype, self.config, torch_device)
         if tensors is None:
@@ -305,7 +327,11 @@ class TorchEngine:
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill
-        self.prefill_budget = PrefillBudget(max_prefill_tokens, chunked_prefill)
+        self.prefill_budget = PrefillBudget(
+            max_prefill_tokens,
+            chunked_prefill,
+            PACED_PREFILL_TOKENS.get(torch_device.type, 2048) if paceable else 0,
+        )
         self._sched = SchedulerConfig(
             block_size=block_size,
             max_num_seqs=max_num_seqs,
@@ -364,6 +390,16 @@ class TorchEngine:
         if not scheduled:
             return []
         return self._advance(scheduled, self._forward(scheduled))
+
+    def pace_prefill(self, capacity: InstanceCapacity, tpot_s: float) -> None:
+        """Size each iteration's prompt tokens from now on by ``scheduler.prefill_budget``:
+        this instance's measured costs, the decodes' TPOT target ``tpot_s``."""
+        if not self.capabilities.prefill_pacing:
+            raise CapabilityError("pacing needs chunked prefill and no fixed max_prefill_tokens")
+        ceiling = self.prefill_budget.paced_tokens
+        self._sched = dataclasses.replace(
+            self._sched, pacing=pacing(capacity, tpot_s=tpot_s, ceiling=ceiling)
+        )
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -513,10 +549,7 @@ class TorchEngine:
         requests that run in this iteration."""
         self._check_open()
         pc = self.prefix_cache
-        running = [
-            SeqView(r.request_id, len(r.token_ids), len(r.blocks), r.num_computed)
-            for r in self._running
-        ]
+        running = [self._running_view(r) for r in self._running]
         if sum(blocks_needed(v, self._sched.block_size) for v in running) > pc.num_free:
             # Preemption is coming: what a victim gives back excludes blocks others share.
             running = [
@@ -585,6 +618,8 @@ class TorchEngine:
             token = next(new_tokens)
             req.num_computed = len(req.token_ids)
             req.token_ids.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = time.monotonic()
             if req.sampling.temperature != 0:
                 req.uniforms.pop(0)
             if self.prefix_cache.enabled:
@@ -722,10 +757,7 @@ class TorchEngine:
         pc = self.prefix_cache
         room = self._sched.max_num_seqs - len(going_on)
         if self._waiting and room > 0:
-            running = [
-                SeqView(r.request_id, len(r.token_ids) + 1, len(r.blocks), len(r.token_ids))
-                for r in going_on
-            ]
+            running = [self._running_view(r, ahead=1) for r in going_on]
             waiting = [self._waiting_view(r) for r in itertools.islice(self._waiting, room)]
             decision = schedule(running, waiting, pc.num_free, self._sched)
             if decision.preempt or decision.prefill:
@@ -819,6 +851,22 @@ class TorchEngine:
         if req.imported_kv is not None:
             return req.block_hashes[: req.imported_kv.shape[2] // self._sched.block_size]
         return req.block_hashes
+
+    def _running_view(self, req: _Request, ahead: int = 0) -> SeqView:
+        """The scheduler's view of a running request (``ahead``: as it will be after that many
+        more tokens, for a look-ahead)."""
+        pacing, slack = self._sched.pacing, None
+        if pacing is not None and req.first_token_at is not None:
+            since = time.monotonic() - req.first_token_at
+            slack = tpot_slack(pacing.tpot_s, req.num_output + ahead, since)
+        n = len(req.token_ids) + ahead
+        return SeqView(
+            req.request_id,
+            n,
+            len(req.blocks),
+            n - 1 if ahead else req.num_computed,
+            tpot_slack_s=slack,
+        )
 
     def _waiting_view(self, req: _Request) -> SeqView:
         found, in_use = self.prefix_cache.probe(self._reusable_hashes(req))

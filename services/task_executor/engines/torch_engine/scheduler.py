@@ -18,6 +18,14 @@ Policy (close to vLLM's default):
   the running requests keep decoding beside it (Sarathi-Serve's stall-free batching). Decode
   tokens are not counted in the budget.
 - Nothing joins in an iteration that preempts: the cache is already short.
+- With pacing (``Pacing``, from the engine's measured costs), the budget is not fixed: while
+  no request is decoding, ``ceiling`` tokens, so a burst of prompts prefills in chunks as large
+  as the engine runs at its full rate; while some decode, the most prompt tokens whose
+  iteration every decoding request can absorb within its TPOT target (its mean time between
+  tokens), at least ``floor`` (``prefill_budget``). A request that has been decoding faster
+  than its target has slack (``tpot_slack``), and a prompt may spend it: at light load, where
+  decodes run far under the target, prompts prefill at nearly the full rate; at heavy load
+  they take what keeps every decode within its SLO.
 """
 
 from __future__ import annotations
@@ -26,6 +34,12 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for
+from shared.messages.scaling import InstanceCapacity
+
+# An iteration beside decodes aims at this share of their TPOT target: the rest is the serving
+# path's (sampling, streaming, the host's other processes) and the cost model's error.
+PACING_MARGIN = 0.8
+PACING_FLOOR = 32  # prompt tokens per iteration, whatever decodes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +54,64 @@ class SeqView:
     # chunked prefill has only its last token left, whatever this says.
     num_cached_tokens: int = 0
     num_shared_blocks: int = 0  # running: held blocks other requests also hold (kept if preempted)
+    # Decoding: how much longer than now the next iteration may end before this request's mean
+    # time between tokens passes the TPOT target (tpot_slack); None: not known (its target).
+    tpot_slack_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pacing:
+    """The prefill budget as a function of what is decoding, from what an iteration costs on
+    this engine and device (its measured capacity): an iteration with ``n`` prompt tokens of a
+    prompt of ``length`` tokens, beside decodes at contexts ``c_i``, takes about
+    ``step_s + sum(c_i) * decode_context_s + n * (prefill_s + prefill_attention_s * length)``.
+    """
+
+    tpot_s: float  # the decodes' TPOT target
+    step_s: float  # a decode step at a short context: the weights streamed once
+    decode_context_s: float  # per decoding request, per token of its context
+    prefill_s: float  # per prompt token
+    prefill_attention_s: float  # per prompt token, per token of its prompt
+    floor: int  # prompt tokens an iteration always may compute: prompts never starve
+    ceiling: int  # prompt tokens of an iteration with nothing decoding
+
+
+def pacing(capacity: InstanceCapacity, *, tpot_s: float, ceiling: int) -> Pacing:
+    """The pacing an engine with this measured capacity keeps for a TPOT target."""
+    return Pacing(
+        tpot_s=tpot_s,
+        step_s=capacity.step_s(),
+        decode_context_s=capacity.decode_context_s,
+        prefill_s=capacity.prefill_s,
+        prefill_attention_s=capacity.prefill_attention_s,
+        floor=min(PACING_FLOOR, ceiling),
+        ceiling=ceiling,
+    )
+
+
+def tpot_slack(tpot_s: float, tokens_out: int, since_first_s: float) -> float:
+    """How long the next iteration may take before a request that has produced ``tokens_out``
+    tokens, the first ``since_first_s`` seconds ago, averages more than ``tpot_s`` between
+    them: after it, (since_first_s + t) / tokens_out <= tpot_s."""
+    return tpot_s * tokens_out - since_first_s
+
+
+def prefill_budget(
+    pacing: Pacing,
+    decode_contexts: Sequence[int],
+    prompt_len: int,
+    slack_s: float | None = None,
+) -> int:
+    """Prompt tokens the next iteration may compute (``Pacing`` says how). ``slack_s``: the
+    least TPOT slack among the decoding requests (None: the target itself, as for a request
+    that has just started)."""
+    if not decode_contexts:
+        return pacing.ceiling
+    allowed = PACING_MARGIN * (pacing.tpot_s if slack_s is None else slack_s)
+    spare = allowed - pacing.step_s - pacing.decode_context_s * sum(decode_contexts)
+    per_token = pacing.prefill_s + pacing.prefill_attention_s * prompt_len
+    fits = int(spare / per_token) if per_token > 0 else pacing.ceiling
+    return max(pacing.floor, min(pacing.ceiling, fits))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +121,7 @@ class SchedulerConfig:
     max_prefill_tokens: int  # prompt tokens computed per iteration (decode tokens aside)
     watermark_blocks: int = 0
     chunked_prefill: bool = False
+    pacing: Pacing | None = None  # with chunked prefill: the budget per iteration instead
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +152,17 @@ def schedule(
 ) -> SchedulerDecision:
     """``running`` oldest first; ``waiting`` in the order they should join."""
     bs, budget, chunked = config.block_size, config.max_prefill_tokens, config.chunked_prefill
+    if chunked and config.pacing is not None:
+        decoding = [s for s in running if s.num_tokens - s.num_cached_tokens == 1]
+        prompts = [s for s in running if s.num_tokens - s.num_cached_tokens > 1]
+        first = prompts[0] if prompts else waiting[0] if waiting else None
+        slacks = [s.tpot_slack_s for s in decoding if s.tpot_slack_s is not None]
+        budget = prefill_budget(
+            config.pacing,
+            [s.num_tokens for s in decoding],
+            first.num_tokens if first else 0,
+            min(slacks, default=None),
+        )
     cache_len: dict[str, int] = {}
     for seq in running:
         end = seq.num_tokens
