@@ -32,6 +32,11 @@ the decode table, runs of the two alternating. On CPU "on" is the forward-thread
 (``overlap_on_cpu``, which the engine leaves off by default); ``--async-device cuda``
 measures it where it is meant to pay.
 
+Long prompts and contexts (first, on --long-model in bf16): prefill tok/s of one prompt of
+1k-8k tokens and decode ms/token at contexts of 512-8k, the torch engine beside vLLM's CPU
+build in its own venv, same workloads (``bench/long_context.py`` says how each is timed).
+``--long-only`` runs just that table; ``--no-long`` skips it.
+
 A summary table and the goals close the run. ``--no-decode`` / ``--no-openvino`` /
 ``--no-ov-api`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip parts.
 
@@ -78,6 +83,7 @@ from bench.common import (
     with_bandwidth,
     write_result,
 )
+from bench.long_context import bench_long_context
 from services.task_executor.engines.base import Engine
 from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for
@@ -742,6 +748,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cached-prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16, help="new tokens after the prefix")
     p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument(
+        "--no-long", action="store_true", help="skip long prompts and contexts beside vLLM"
+    )
+    p.add_argument("--long-only", action="store_true", help="only that table")
+    p.add_argument("--long-model", default="bench-qwen2-0.5b")
+    p.add_argument("--long-prefill", default="1024,2048,4096,8192", type=numbers)
+    p.add_argument("--long-contexts", default="512,2048,4096,8192", type=numbers)
+    p.add_argument("--long-reps", type=int, default=2)
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2")
@@ -776,6 +790,19 @@ def main(argv: list[str] | None = None) -> int:
     neighbours = Neighbours()
     bandwidth = neighbours.timed(measure_bandwidth)
     print(f"torch {torch.__version__}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s")
+    long_context: dict[str, Any] = {}
+    if not args.no_long:
+        long_context = bench_long_context(
+            ensure_model(args.long_model, args.models_dir),
+            args.long_prefill,
+            args.long_contexts,
+            args.new_tokens,
+            args.long_reps,
+            args.threads,
+        )
+        if args.long_only:
+            write_result(args.out, {"bandwidth_gb_s": bandwidth, "long_context": long_context})
+            return 0
     rows: list[dict[str, Any]] = []
     plan: list[tuple[str, str]] = []
     for name in names(args.models):
@@ -816,6 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         "openvino_api": api_rows,
         "prefix_cache": prefix_rows,
         "async_scheduling": async_rows,
+        "long_context": long_context,
         "summary": summary,
         "goals": goal_list,
         "errors": errors,

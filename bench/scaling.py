@@ -49,6 +49,8 @@ SCALING = {  # shortened so that a run of minutes shows scale-out, scale-in and 
     "TORCH_THREADS": "1",
     "HEARTBEAT_INTERVAL": "0.5",
 }
+LOG_LEVEL = ["warning"]  # the clusters' (--log-level)
+PREWARM_S = 5.0  # a cluster's TEs import their engine as they start: the trace starts after
 
 
 class Fleet:
@@ -60,6 +62,7 @@ class Fleet:
         self.peak: dict[str, int] = {}  # each model's own peak
         self.peak_total = 0  # instances at once, all models
         self.now: dict[str, int] = {}
+        self.tes = 0  # TEs in the cluster
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -81,6 +84,7 @@ class Fleet:
                 self.instance_s += sum(counts.values()) * (now - last)
                 last = now
                 self.now = counts
+                self.tes = len(body["task_executors"])
                 self.peak_total = max(self.peak_total, sum(counts.values()))
                 for m, n in counts.items():
                     self.peak[m] = max(self.peak.get(m, 0), n)
@@ -101,7 +105,7 @@ def _env(cluster: str, models: Path, port: int, pool: str, extra: dict[str, str]
             "MESHSERVE_MODELS_DIR": str(models),
             "MESHSERVE_HTTP_PORT": str(port),
             "MESHSERVE_POOL_ID": pool,
-            "MESHSERVE_LOG_LEVEL": "warning",
+            "MESHSERVE_LOG_LEVEL": LOG_LEVEL[0],
             **{f"MESHSERVE_{k}": v for k, v in {**SCALING, **extra}.items()},
         }
     )
@@ -141,6 +145,11 @@ def _run_cluster(
                 raise RuntimeError(f"{name}: the cluster did not start; see {logs}")
             fleet = Fleet(url).start()
             deadline = time.monotonic() + 300
+            while fleet.tes < 2 * pool_size:  # both pools joined
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: {fleet.tes} of {2 * pool_size} TEs joined")
+                time.sleep(0.5)
+            time.sleep(PREWARM_S)  # each TE pre-warms its engine (imports) once it starts
             while sum(fleet.now.values()) < floor or any(  # a fixed fleet loads first
                 n < floor // max(len(fleet.now), 1) for n in fleet.now.values()
             ):
@@ -220,8 +229,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=120.0, help="seconds of trace")
     p.add_argument("--pool-size", type=int, default=4, help="TEs per node pool (two pools)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        help="the clusters' log level (info: every scale event with its steps, in WORK/*.log)",
+    )
+    p.add_argument(
+        "--autoscaler-only", action="store_true", help="run the autoscaler's cluster alone"
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args(argv)
+    LOG_LEVEL[0] = args.log_level
 
     demo = ensure_model("demo", models_dir())
     work = Path(tempfile.mkdtemp(prefix="bench-scaling-"))
@@ -244,6 +262,10 @@ def main(argv: list[str] | None = None) -> None:
           f"CV {args.cv:g}; settings {SCALING}", flush=True)  # fmt: skip
 
     auto = _run_cluster("autoscaler", models, trace, demo, work, args.pool_size, {}, 0)
+    if args.autoscaler_only:
+        row = _row("autoscaler", auto["summary"], auto["instance_s"], auto["peak_total"])
+        print(json.dumps(row | {"work_dir": str(work)}, indent=1))
+        return
     peaks = {n: max(auto["peak"].get(n, 1), 1) for n in names}
     while sum(peaks.values()) > 2 * args.pool_size:  # models peaked at different times
         top = max(peaks, key=lambda n: peaks[n])

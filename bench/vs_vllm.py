@@ -18,6 +18,11 @@ costs around the same engine). Phases:
   prefix  one request with a shared 1,024-token prefix + 16 distinct tokens to warm the prefix
           cache, then --requests more with the same prefix and other suffixes (cached TTFT)
 
+With --trace FILE the phases give way to a replay of a window of that trace at each of
+--loads through meshserve-loadgen, the same clipped prompts for every server, and a table
+of TTFT, TPOT, SLO attainment and goodput with ratios to vLLM where the token totals agree
+(bench/vs_vllm_trace.py).
+
 Reports per server: per-request decode tok/s (completion tokens after the first ÷ time after
 the first token), aggregate tok/s at concurrency 8 (completion tokens ÷ phase wall time),
 TTFT p50/p90, cached-prefix TTFT against the uncached one, and meshserve/vLLM ratios. Prints
@@ -57,6 +62,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import RESULTS, ROOT, Col, Neighbours, Table, models_dir, write_result
+from bench.vs_vllm_trace import DEFAULT_LOADS, compare, parse_loads, print_table, replay_loads
 from devtools.vllm_cpu import ensure_vllm
 from loadgen.client import Record, stream_completion
 from loadgen.prompts import TokenPool, prompt_ids, tokenizer_pool
@@ -477,6 +483,25 @@ class Workload:
         return self._made[key]
 
 
+async def warm_up(
+    session: aiohttp.ClientSession, url: str, w: Workload
+) -> tuple[float, float | None]:
+    """One request, then 8 at once (a meshserve model loads on its first request, and
+    vLLM's compiled paths warm up): seconds it took, and the first request's TTFT."""
+    say("warm-up: 1 request, then 8 at once")
+    t0 = time.perf_counter()
+    first = await run_phase(session, url, w.get("warm1"), 32, 1)
+    if first.records[0].error:
+        raise RuntimeError(f"warm-up request failed: {first.records[0].error}")
+    await run_phase(session, url, w.get("warm8"), 8, C8)
+    return time.perf_counter() - t0, first.records[0].ttft_s
+
+
+async def warm_up_alone(url: str, w: Workload) -> tuple[float, float | None]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        return await warm_up(session, url, w)
+
+
 async def measure(url: str, w: Workload, nb: Neighbours, retries: int, quiet_s: float) -> dict:
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -502,13 +527,7 @@ async def measure(url: str, w: Workload, nb: Neighbours, retries: int, quiet_s: 
             best.attempts = attempt + 1
             return best
 
-        say("warm-up: 1 request, then 8 at once")
-        t0 = time.perf_counter()
-        first = await run_phase(session, url, w.get("warm1"), 32, 1)
-        if first.records[0].error:
-            raise RuntimeError(f"warm-up request failed: {first.records[0].error}")
-        await run_phase(session, url, w.get("warm8"), 8, C8)
-        warm_s = time.perf_counter() - t0
+        warm_s, first_ttft_s = await warm_up(session, url, w)
         n_c8 = len(w.get("c8"))
         say(f"c1: {w.n} requests, {PROMPT_TOKENS} prompt + {OUTPUT_TOKENS} tokens")
         c1 = await phase("c1", OUTPUT_TOKENS, 1, 1 + retries)
@@ -522,7 +541,7 @@ async def measure(url: str, w: Workload, nb: Neighbours, retries: int, quiet_s: 
     n_long = PREFIX_TOKENS + SUFFIX_TOKENS
     out = {
         "warmup_s": round(warm_s, 1),
-        "first_request_ttft_ms": round((first.records[0].ttft_s or 0) * 1000, 1),
+        "first_request_ttft_ms": round((first_ttft_s or 0) * 1000, 1),
         "c1": summarize(c1, PROMPT_TOKENS, OUTPUT_TOKENS),
         "c8": summarize(c8, PROMPT_TOKENS, OUTPUT_TOKENS),
         "uncached_1k": summarize(long, n_long, TTFT_OUTPUT_TOKENS),
@@ -664,6 +683,20 @@ def bench_one(
             wait_for_model(server, url, args.startup_timeout)
         startup_s = time.monotonic() - server.started
         say(f"{name} is up at {url} after {startup_s:.0f}s")
+        if args.trace is not None:
+            asyncio.run(warm_up_alone(url, w))
+            result = replay_loads(
+                url,
+                MODEL_ID,
+                args.model_dir,
+                args.trace,
+                args.loads,
+                window_s=args.window,
+                max_context=args.max_context,
+                out_dir=log_dir / f"trace-{name}",
+            )
+            server.snapshot()
+            return {"startup_s": round(startup_s, 1), "loads": result}
         nb = Neighbours(server.pids, quiet_cores=QUIET_CORES, noisy_cores=NOISY_CORES)
         result = asyncio.run(measure(url, w, nb, args.retries, args.quiet_wait))
         result = {"startup_s": round(startup_s, 1), **result}
@@ -744,8 +777,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds to wait, before each phase, for other processes to go quiet",
     )
     p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument(
+        "--trace",
+        type=Path,
+        help="replay a window of this trace instead of the fixed phases (bench/vs_vllm_trace.py)",
+    )
+    p.add_argument(
+        "--loads",
+        default=DEFAULT_LOADS,
+        help="with --trace: name=requests/s pairs, each a replay of the window thinned to it",
+    )
+    p.add_argument("--window", type=float, default=600, help="with --trace: seconds of trace")
+    p.add_argument(
+        "--max-context", type=int, default=4096, help="with --trace: prompts clipped to this"
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "vs-vllm.json")
     args = p.parse_args(argv)
+    try:
+        args.loads = parse_loads(args.loads)
+    except ValueError as e:
+        p.error(str(e))
     args.model_dir = (args.model_dir or models_dir() / MODEL_ID).resolve()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     known = {"vllm", "meshserve", "meshserve-torch", "meshserve-openvino", "meshserve-vllm"}
@@ -813,6 +864,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, _Stop) as e:
         say(f"interrupted ({str(e) or 'SIGINT'}); every server started here is stopped")
         return 130
+    if args.trace is not None:
+        report["workload"] = {
+            "trace": str(args.trace),
+            "loads_rps": args.loads,
+            "window_s": args.window,
+            "max_context": args.max_context,
+            "dtype": args.dtype,
+        }
+        report["trace_rows"] = compare(report["results"])
+        write_result(args.out, report)
+        print_table(report["trace_rows"])
+        print(f"server logs and per-request results: {log_dir}")
+        return 1 if report["errors"] else 0
     report["ratios_meshserve_over_vllm"] = ratios(report["results"])
     write_result(args.out, report)
     if report["results"]:
