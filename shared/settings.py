@@ -122,6 +122,29 @@ class JobExecutorSettings(Section):
         default=timedelta(seconds=5),
         description="Retry-After sent with a 503 for lack of capacity.",
     )
+    routing: Literal["combined", "least-loaded", "round-robin"] = Field(
+        default="combined",
+        description="How a JE picks among a model's ready TEs: `combined` (the prefix a TE "
+        "holds when loads are balanced, else the least prefill-plus-load cost), "
+        "`least-loaded` or `round-robin` (both ignore the prefix cache).",
+    )
+    routing_balance_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="Loads (outstanding tokens) within this many of each other count as "
+        "balanced: the cached prefix decides. Beyond, load does.",
+    )
+    routing_speculative_ttl: Duration = Field(
+        default=timedelta(seconds=120),
+        description="How long a JE assumes a TE whose engine publishes no KV events (vLLM, "
+        "OpenVINO) keeps the prefix of a prompt it placed there.",
+    )
+    routing_block_size: int = Field(
+        default=16,
+        ge=1,
+        description="Block size the JE hashes prompts with for TEs that publish no KV events "
+        "(those that do tell their own).",
+    )
 
 
 class ModelScaling(BaseModel):

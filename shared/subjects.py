@@ -225,3 +225,12 @@ class Keys:
     def capacities(self) -> str:
         """Hash: ``model|engine`` -> msgpack ``InstanceCapacity``, measured once each."""
         return f"{self.cluster}:capacity"
+
+    def kv_index_tes(self, model: str) -> str:
+        """Hash: TE id -> ``"<seq> <block size>"``, the last KV event batch in the model's
+        prompt index from that TE."""
+        return f"{self.cluster}:kvidx:{model}:tes"
+
+    def kv_index_blocks(self, model: str, te_id: str, tier: str) -> str:
+        """Set: the block hashes (8 bytes, little-endian) ``te_id`` holds in ``tier``."""
+        return f"{self.cluster}:kvidx:{model}:{te_id}:{tier}"

@@ -12,6 +12,7 @@ from services.cluster_manager.membership import Member, expired, identity, membe
 from services.cluster_manager.registry import scan_models
 from shared.bus import Bus
 from shared.errors import MeshserveError
+from shared.kv_index_store import KvIndexStore
 from shared.logging import get_logger
 from shared.messages.cluster import (
     ClusterView,
@@ -39,6 +40,7 @@ class ClusterManager:
         self._settings = settings
         self._bus = bus
         self._store = store
+        self._kv_index = KvIndexStore(store, settings.cluster)
         self._subjects = Subjects(settings.cluster)
         self._keys = Keys(settings.cluster)
         self._life = Lifecycle("cluster_manager")
@@ -98,11 +100,21 @@ class ClusterManager:
             self._changed()
 
     async def _on_leave(self, msg: Leave) -> None:
-        if self._members.pop(msg.member_id, None) is not None:
+        if (hb := self._members.pop(msg.member_id, None)) is not None:
             self._last_seen.pop(msg.member_id, None)
             log.info("member left", member=msg.member_id)
             self._changed()
             await self._member_down(msg.member_id, "left")
+            await self._forget_kv(hb)
+
+    async def _forget_kv(self, hb: object) -> None:
+        """A TE is gone: its prompt-index entries leave the store (its replicas drop it on the
+        view)."""
+        if isinstance(hb, TEHeartbeat) and hb.model is not None:
+            try:
+                await self._kv_index.forget(hb.model, hb.te_id)
+            except Exception as e:  # a replica resyncing it finds nothing: harmless
+                log.warning("prompt index forget failed", te=hb.te_id, error=str(e))
 
     async def _member_down(self, member: str, reason: str) -> None:
         """Tell whoever depends on the member (frontends streaming from it) at once."""
@@ -123,14 +135,16 @@ class ClusterManager:
         while True:
             now = time.monotonic()
             dead = expired(self._last_seen, now=now, timeout=timeout)
+            gone = [self._members.pop(mid, None) for mid in dead]
             for mid in dead:
-                self._members.pop(mid, None)
                 self._last_seen.pop(mid, None)
                 log.warning("member declared dead", member=mid, silent_for_s=timeout)
             if dead:
                 self._changed()
                 for mid in dead:
                     await self._member_down(mid, f"no heartbeat for {timeout:g}s")
+                for hb in gone:
+                    await self._forget_kv(hb)
             earliest = min(self._last_seen.values(), default=now) + timeout
             await asyncio.sleep(max(earliest - time.monotonic(), 0.0) + SWEEP_SLACK_S)
 

@@ -139,6 +139,7 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float | None = None
     held_s: float | None = None  # how long JEs held the job for capacity (None: never held)
+    routed: JobAccepted | None = None  # the first placement: where routing sent it, and why
     on_attempt: Callable[[int, str], None] | None = None
     _placed: tuple[str, int] | None = None  # (te_id, attempt) of the attempt now streaming
 
@@ -155,6 +156,8 @@ class Generation:
                 if accepted is None:  # the JE holding it was lost
                     continue
                 self._placed = (accepted.te_id, n)
+                if self.routed is None:
+                    self.routed = accepted
                 attempt.depend_on(accepted.te_id)
                 if self.on_attempt:
                     self.on_attempt(n, accepted.te_id)

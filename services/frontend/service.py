@@ -80,6 +80,18 @@ SCALE_STEP = Histogram(
     ["kind", "step"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
+ROUTED = Counter(
+    "meshserve_routing_decisions",
+    "Requests placed, by the routing branch that chose the TE and whether the prompt index "
+    "said it held a prefix of the prompt",
+    ["model", "branch", "hit"],
+)
+ROUTED_TOKENS = Counter(
+    "meshserve_routing_prompt_tokens",
+    "Prompt tokens of placed requests: all of them, the leading ones the prompt index matched "
+    "on the chosen TE, and those its prefix cache actually held",
+    ["model", "kind"],
+)
 OUTCOME_REPORT_S = 1.0
 
 
@@ -410,6 +422,12 @@ class Frontend:
         if gen.held_s is not None:
             HELD.labels(model).inc()
             HELD_WAIT.labels(model).observe(gen.held_s)
+        if (routed := gen.routed) is not None:
+            hit = "yes" if routed.matched_tokens else "no"
+            ROUTED.labels(model, routed.routing or "none", hit).inc()
+            ROUTED_TOKENS.labels(model, "prompt").inc(prompt_tokens)
+            ROUTED_TOKENS.labels(model, "matched").inc(routed.matched_tokens)
+            ROUTED_TOKENS.labels(model, "cached").inc(gen.cached_tokens)
         met = self._outcomes.record(
             model,
             ok=gen.finish_reason is not None,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from services.job_executor.scheduling import pick_te
+from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig
+from services.job_executor.scheduling import NO_REQUEST, Decision, Request, pick_te
 from services.views import TEView
 
 
@@ -27,6 +28,7 @@ class PendingJob:
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlaceOn:
     te_id: str
+    branch: str = dataclasses.field(default="", compare=False)  # why (the routing branch)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,12 +50,17 @@ def next_step(
     placed_since_report: Mapping[str, int],  # prompt tokens placed per TE since its report
     *,
     now: float,
+    request: Request = NO_REQUEST,
+    routing: RoutingConfig = DEFAULT_ROUTING,
 ) -> Step:
-    decision = pick_te(job.model, tes, placed_since_report, job.refused | job.exclude)
+    def pick(exclude: frozenset[str]) -> Decision:
+        return pick_te(job.model, tes, placed_since_report, exclude, request, routing)
+
+    decision = pick(job.refused | job.exclude)
     if decision.te_id is None and job.exclude:
-        decision = pick_te(job.model, tes, placed_since_report, job.refused)
+        decision = pick(job.refused)
     if decision.te_id is not None:
-        return PlaceOn(decision.te_id)
+        return PlaceOn(decision.te_id, decision.branch)
     if now >= job.deadline:
         return GiveUp()
     return Hold(urgent=decision.scale_up or bool(job.refused))

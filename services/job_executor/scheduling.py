@@ -1,17 +1,19 @@
 """Which TE gets a task. Pure: observed state in, decision out.
 
-For now: among ready TEs of the job's model, the least loaded, where load is outstanding
-work in tokens: the prompt tokens the TE last reported queued for prefill, plus those this
-JE placed on it since that report, plus DECODE_COST_TOKENS for each sequence it decodes. A
-count of requests would treat a 4,000-token prompt like a 40-token one and queue short
-prompts behind long prefills. Later policies (prefix locality, PD pairs, DeepServe's
-Algorithm 1) replace the body and keep the signature."""
+Among ready TEs of the job's model, the routing policy (``routing.route``) chooses from each
+one's load and the prompt tokens it already holds. Load is outstanding work in tokens: the
+prompt tokens the TE last reported queued for prefill, plus those this JE placed on it since
+that report (each placement's prompt after the prefix the TE holds), plus
+DECODE_COST_TOKENS for each sequence it decodes. A count of requests would treat a
+4,000-token prompt like a 40-token one and queue short prompts behind long prefills. PD
+pairs (DeepServe's first branch) come with disaggregation."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
+from services.job_executor.routing import DEFAULT_ROUTING, Candidate, RoutingConfig, route
 from services.views import TEView
 from shared.messages.cluster import TEState
 
@@ -20,6 +22,19 @@ from shared.messages.cluster import TEState
 class Decision:
     te_id: str | None  # None: nothing can take the job now
     scale_up: bool = False  # no instance is ready or coming: the scaler must add one
+    branch: str = ""  # the routing policy's reason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """What routing knows of the request beyond its model."""
+
+    prompt_tokens: int = 0
+    cached_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)  # per TE
+    spread: int = 0  # a number of its own, for ties (round-robin: the JE's counter)
+
+
+NO_REQUEST = Request()
 
 
 # What one decoding sequence weighs against queued prompt tokens: it takes a batch slot
@@ -41,6 +56,8 @@ def pick_te(
     tes: Sequence[TEView],
     placed_since_report: Mapping[str, int],
     exclude: Collection[str] = (),
+    request: Request = NO_REQUEST,
+    config: RoutingConfig = DEFAULT_ROUTING,
 ) -> Decision:
     ready = [
         te
@@ -50,5 +67,13 @@ def pick_te(
     if not ready:
         loading = any(te.model == model and te.state == TEState.LOADING for te in tes)
         return Decision(te_id=None, scale_up=not loading)
-    best = min(ready, key=lambda te: (te_load(te, placed_since_report), te.te_id))
-    return Decision(te_id=best.te_id)
+    candidates = [
+        Candidate(
+            te.te_id,
+            te_load(te, placed_since_report),
+            request.cached_tokens.get(te.te_id, 0),
+        )
+        for te in ready
+    ]
+    chosen = route(candidates, request.prompt_tokens, config, request.spread)
+    return Decision(te_id=chosen.te_id, branch=chosen.branch)

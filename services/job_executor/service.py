@@ -9,13 +9,26 @@ import os
 import socket
 import time
 import uuid
+import zlib
 from collections import defaultdict
 
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
+from services.job_executor.kv_index import IndexFeed
+from services.job_executor.routing import RoutingConfig
+from services.job_executor.scheduling import Request, te_load
 from services.views import TEView, te_view
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
-from shared.errors import Internal, MeshserveError, NoCapacity, NotFound, PeerUnreachable, Refused
+from shared.errors import (
+    Internal,
+    MeshserveError,
+    NoCapacity,
+    NotFound,
+    PeerUnreachable,
+    Refused,
+    Unavailable,
+)
+from shared.kv_index_store import KvIndexStore
 from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
@@ -23,6 +36,7 @@ from shared.messages.scaling import ModelTraffic, TrafficReport
 from shared.messages.tasks import ChatTask
 from shared.runner import Lifecycle
 from shared.settings import Settings
+from shared.store import Store
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -32,14 +46,26 @@ URGENT_MIN_S = 0.05  # an urgent report waits this long for others to join it
 
 
 class JobExecutor:
-    def __init__(self, *, settings: Settings, bus: Bus) -> None:
+    def __init__(self, *, settings: Settings, bus: Bus, store: Store | None = None) -> None:
         self._settings = settings
         self._bus = bus
+        self._store = store
         self._subjects = Subjects(settings.cluster)
         self.je_id = f"je-{uuid.uuid4().hex[:8]}"
         self._life = Lifecycle("job_executor")
+        je = settings.job_executor
+        self._routing = RoutingConfig(policy=je.routing, balance_tokens=je.routing_balance_tokens)
+        self._speculative_ttl_s = je.routing_speculative_ttl.total_seconds()
+        self._feed = IndexFeed(
+            bus,
+            self._subjects,
+            KvIndexStore(store, settings.cluster) if store is not None else None,
+            fallback_block_size=je.routing_block_size,
+        )
+        self._round_robin = 0
         self._view = ViewWatcher(bus, self._subjects)
         self._view.listeners.append(self._on_view)
+        self._view.listeners.append(self._feed.on_view)
         self._tes = TaskExecutorClient(bus, self._subjects)
         self._scaler = ScalerClient(bus, self._subjects)
         self._hb = Heartbeater(
@@ -47,7 +73,7 @@ class JobExecutor:
             self._heartbeat,
             settings.membership.heartbeat_interval.total_seconds(),
         )
-        # te_id -> (unix time, prompt tokens) of placements not yet in that TE's load report
+        # te_id -> (unix time, prefill tokens) of placements not yet in that TE's load report
         self._placed: dict[str, list[tuple[float, int]]] = defaultdict(list)
         self._traffic: dict[str, ModelTraffic] = {}  # since the last report, and held now
         self._report_now = asyncio.Event()
@@ -76,6 +102,7 @@ class JobExecutor:
                 self._placed[te_id] = [(t, n) for t, n in self._placed[te_id] if t > at]
 
     async def run(self) -> None:
+        await self._feed.start(self._life)
         await self._view.start(self._life)
         sub = await self._bus.subscribe(
             self._subjects.job_submit(), {ChatJob: self._on_job}, queue="je", concurrent=True
@@ -91,6 +118,8 @@ class JobExecutor:
         finally:
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)
+            if self._store is not None:
+                await self._store.close()
             self._life.stopped()
 
     async def shutdown(self) -> None:
@@ -114,6 +143,13 @@ class JobExecutor:
             model=job.model, deadline=job.deadline, exclude=frozenset(job.exclude_te_ids)
         )
         held = False
+        hashes = self._feed.prompt_hashes(job.model, job.prompt_token_ids)
+        self._round_robin += 1
+        spread = (
+            self._round_robin
+            if self._routing.policy == "round-robin"
+            else zlib.crc32(job.request_id.encode())
+        )
         try:
             while True:
                 view = self._view.view
@@ -127,7 +163,18 @@ class JobExecutor:
                     self._report_soon(urgent=True)  # the scaler retries, with backoff
                     raise Internal(f"The model `{job.model}` failed to load: {failure}")
                 placed = {te: sum(n for _, n in ps) for te, ps in self._placed.items()}
-                step = next_step(pending, self._te_views(view), placed, now=time.time())
+                tes = self._te_views(view)
+                candidates = [
+                    te.te_id for te in tes if te.model == job.model and te.state == TEState.READY
+                ]
+                request = Request(
+                    prompt_tokens=len(job.prompt_token_ids),
+                    cached_tokens=self._feed.cached_tokens(job.model, hashes, candidates),
+                    spread=spread,
+                )
+                step = next_step(
+                    pending, tes, placed, now=time.time(), request=request, routing=self._routing
+                )
                 if isinstance(step, PlaceOn):
                     try:
                         await self._tes.place(step.te_id, self._task(job))
@@ -147,13 +194,33 @@ class JobExecutor:
                             pending, refused=pending.refused | {step.te_id}
                         )
                         continue
-                    self._placed[step.te_id].append((time.time(), len(job.prompt_token_ids)))
-                    log.info("job placed", te=step.te_id, attempt=job.attempt)
+                    # Its prefill work there: the prompt tokens after the prefix it holds.
+                    matched = request.cached_tokens.get(step.te_id, 0)
+                    work = len(job.prompt_token_ids) - matched
+                    self._placed[step.te_id].append((time.time(), work))
+                    self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
+                    log.info(
+                        "job placed",
+                        te=step.te_id,
+                        attempt=job.attempt,
+                        routing=step.branch,
+                        matched_tokens=matched,
+                    )
+                    log.debug(
+                        "routing candidates",
+                        prompt_tokens=request.prompt_tokens,
+                        cached={te: request.cached_tokens.get(te, 0) for te in candidates},
+                        load={
+                            te.te_id: te_load(te, placed) for te in tes if te.te_id in candidates
+                        },
+                    )
                     return JobAccepted(
                         request_id=job.request_id,
                         te_id=step.te_id,
                         je_id=self.je_id,
                         attempt=job.attempt,
+                        matched_tokens=matched,
+                        routing=step.branch,
                     )
                 if isinstance(step, GiveUp) or self._life.stopping:
                     self._traffic_of(job.model).misses += 1
@@ -255,4 +322,9 @@ class JobExecutor:
 
 
 async def create(settings: Settings, bus: Bus) -> JobExecutor:
-    return JobExecutor(settings=settings, bus=bus)
+    try:
+        store = await Store.connect(settings.redis_url) if settings.redis_url else None
+    except Unavailable as e:  # it routes on the events it hears; Redis is only the shared copy
+        log.warning("prompt index without its Redis copy", error=e.message)
+        store = None
+    return JobExecutor(settings=settings, bus=bus, store=store)

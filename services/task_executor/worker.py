@@ -45,7 +45,9 @@ from shared.errors import (
     MeshserveError,
     PeerUnreachable,
     Refused,
+    Unavailable,
 )
+from shared.kv_index_store import KvIndexStore, apply_events
 from shared.logging import get_logger
 from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
@@ -59,6 +61,7 @@ from shared.messages.scaling import (
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
+from shared.store import Store
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -68,6 +71,7 @@ _T = TypeVar("_T")
 
 # Prefix-cache events are published at most this often, as one batch.
 KV_FLUSH_S = 0.05
+KV_CHECK_S = 2.0
 
 # Longest a stopping TE waits for the engine step in flight.
 STEP_STOP_TIMEOUT_S = 30.0
@@ -99,9 +103,15 @@ class TaskExecutor:
         te_id: str,
         pool_id: str,
         engine_factory: EngineFactory = create_engine,
+        store: Store | None = None,
     ) -> None:
         self._settings = settings
         self._bus = bus
+        self._store = store
+        # The durable copy of this TE's prompt-index entries (it is their only writer).
+        self._kv_store = KvIndexStore(store, settings.cluster) if store is not None else None
+        self._kv_held: dict[str, set[int]] = {}  # tier -> block hashes, as published
+        self._kv_stored_ok = True  # the last write to the store went through
         self._subjects = Subjects(settings.cluster)
         self.te_id = te_id
         self.pool_id = pool_id
@@ -133,7 +143,7 @@ class TaskExecutor:
         self._closing = False
         self._kv_pending: list[KvEvent] = []
         self._kv_block_size = 0
-        self._kv_seq = 0
+        self._kv_seq = 0  # batches published by this TE, across every model it loads
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_active = time.time()
@@ -222,6 +232,10 @@ class TaskExecutor:
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             if self.engine is not None:
                 self.engine.close()
+            if self.model is not None:
+                await self._forget_kv(self.model)
+            if self._store is not None:
+                await self._store.close()
             self._engine_thread.shutdown(wait=False)
             self._life.stopped()
 
@@ -361,6 +375,8 @@ class TaskExecutor:
                 log.exception("closing the engine failed", model=self.model)
             self._collect_kv_events()
             await self._flush_kv_events()
+        if self.model is not None:
+            await self._forget_kv(self.model)
         self._features = EngineFeatures()
         self._capacity = None
         self._choice = engine_choice(self._settings)
@@ -496,10 +512,16 @@ class TaskExecutor:
             self._kv_pending.extend(source.drain_kv_events())
 
     async def _kv_publisher(self) -> None:
-        """Prefix-cache events leave in batches, at most one message per flush period."""
+        """Prefix-cache events leave in batches, at most one message per flush period; every
+        KV_CHECK_S the store is checked to still hold this TE's entries (Redis may have
+        restarted and lost them while no batch was due)."""
+        checked = time.monotonic()
         while True:
             await asyncio.sleep(KV_FLUSH_S)
             await self._flush_kv_events()
+            if time.monotonic() - checked >= KV_CHECK_S:
+                checked = time.monotonic()
+                await self._check_kv_store()
 
     async def _flush_kv_events(self) -> None:
         if not self._kv_pending or self.model is None:
@@ -513,10 +535,53 @@ class TaskExecutor:
         )
         self._kv_pending = []
         self._kv_seq += 1
+        apply_events(self._kv_held, batch.events)
+        await self._store_kv(batch)  # before publishing: a replica resyncing reads it there
         try:
             await self._bus.publish(self._subjects.kv_events(self.te_id), batch)
         except PeerUnreachable as e:
             log.warning("kv event publish failed", error=str(e))
+
+    async def _store_kv(self, batch: KvEventBatch) -> None:
+        if self._kv_store is None:
+            return
+        try:
+            if not (self._kv_stored_ok and await self._kv_store.apply(batch)):
+                await self._kv_store.snapshot(
+                    batch.model, self.te_id, batch.seq, batch.block_size, self._kv_held
+                )
+            self._kv_stored_ok = True
+        except Exception as e:  # Redis away: the next batch writes a snapshot
+            if self._kv_stored_ok:
+                log.warning("prompt index store write failed", error=str(e))
+            self._kv_stored_ok = False
+
+    async def _check_kv_store(self) -> None:
+        if self._kv_store is None or self.model is None or not self._kv_block_size:
+            return
+        if self._kv_seq == 0:
+            return
+        try:
+            stored = await self._kv_store.stored_seq(self.model, self.te_id)
+            if stored != self._kv_seq - 1:
+                log.info("prompt index entries rewritten", stored_seq=stored, seq=self._kv_seq - 1)
+                await self._kv_store.snapshot(
+                    self.model, self.te_id, self._kv_seq - 1, self._kv_block_size, self._kv_held
+                )
+            self._kv_stored_ok = True
+        except Exception as e:
+            if self._kv_stored_ok:
+                log.warning("prompt index store check failed", error=str(e))
+            self._kv_stored_ok = False
+
+    async def _forget_kv(self, model: str) -> None:
+        """The model is unloaded: its entries leave the store (replicas drop them on the view)."""
+        self._kv_held = {}
+        if self._kv_store is not None:
+            try:
+                await self._kv_store.forget(model, self.te_id)
+            except Exception as e:  # the cluster manager forgets it when the TE goes
+                log.warning("prompt index store forget failed", error=str(e))
 
     async def _apply_queued(self, engine: Engine) -> None:
         for engine_id in self._aborts:
@@ -631,7 +696,12 @@ def main() -> None:
     importlib.import_module(prewarm)
 
     async def factory(settings: Settings, bus: Bus) -> TaskExecutor:
-        return TaskExecutor(settings=settings, bus=bus, te_id=te_id, pool_id=pool_id)
+        try:
+            store = await Store.connect(settings.redis_url) if settings.redis_url else None
+        except Unavailable as e:  # it serves; routing learns its cache from its events alone
+            log.warning("prompt index entries not stored", error=e.message)
+            store = None
+        return TaskExecutor(settings=settings, bus=bus, te_id=te_id, pool_id=pool_id, store=store)
 
     run_service(f"task_executor.{te_id}", factory, settings)
 

@@ -32,6 +32,8 @@ class JobAccepted(Message):
     te_id: str
     je_id: str
     attempt: int = 0
+    matched_tokens: int = 0  # leading prompt tokens the prompt index says the TE holds
+    routing: str = ""  # the routing branch that chose the TE (routing.route)
 
 
 class JobHeld(Message):

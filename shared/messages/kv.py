@@ -5,8 +5,8 @@ These are the events' only shape: an engine records them as it caches and evicts
 process (if it runs in one) sends them over the pipe, and the TE publishes them as they are.
 Block hashes are chained: the hash of a block covers every token before it, so one hash names
 a whole prefix, and an index needs no token ids. Every engine must hash the same way for one
-index to serve them all; the torch engine's ``prefix_cache.hash_block_tokens`` is the
-reference (the event shape follows vLLM's KV events)."""
+index to serve them all: ``shared.block_hash`` is the spec (the event shape follows vLLM's
+KV events)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from services.task_executor.engines.base import EngineRequest
-from services.task_executor.engines.torch_engine.prefix_cache import chain_hashes
 from services.task_executor.worker import TaskExecutor
+from shared.block_hash import chain_hashes
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient
 from shared.errors import BadRequest, InstanceLost, Refused, from_reply

@@ -51,11 +51,7 @@ from services.task_executor.engines.torch_engine.overlap import (
     OverlapStats,
     make_launcher,
 )
-from services.task_executor.engines.torch_engine.prefix_cache import (
-    PrefixCache,
-    chain_hashes,
-    extend_chain,
-)
+from services.task_executor.engines.torch_engine.prefix_cache import PrefixCache
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
@@ -65,6 +61,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     tpot_slack,
 )
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
+from shared.block_hash import chain_hashes, extend_chain
 from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
 from shared.messages.scaling import InstanceCapacity

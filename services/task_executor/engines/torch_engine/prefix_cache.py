@@ -5,10 +5,7 @@ After FlowServe's Relational Tensor Cache (DeepServe): a small API over the bloc
 match by prefix tokens or by a pinned cache id, allocate / append / free blocks, offload blocks
 to host memory and populate them back.
 
-Hash (a fixed spec: a router indexes these hashes across processes and machines, so they must
-never depend on the process, the platform or the Python version). For full block ``i`` of a
-sequence, ``h_i = blake2b-64(le_u64(h_{i-1}) || le_i32(token ids of block i))``, read as a
-little-endian unsigned 64-bit integer, with ``h_{-1} = 0``. Only full blocks have a hash.
+Blocks are named by ``shared.block_hash`` (the spec every engine and the router share).
 
 Ownership. The cache is itself an owner (one reference in the allocator) of every block in its
 index. A block nobody else owns is *evictable*: it still serves matches, and it is given up,
@@ -22,8 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-import struct
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +28,7 @@ from services.task_executor.engines.torch_engine.kv_cache import (
     PagedKVCache,
     blocks_for,
 )
+from shared.block_hash import chain_hashes
 from shared.messages.kv import (
     DEVICE,
     HOST,
@@ -41,27 +37,6 @@ from shared.messages.kv import (
     KvBlocksStored,
     KvEvent,
 )
-
-
-def hash_block_tokens(parent: int | None, token_ids: Sequence[int]) -> int:
-    data = (parent or 0).to_bytes(8, "little") + struct.pack(f"<{len(token_ids)}i", *token_ids)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hashes of every full block of ``token_ids``."""
-    hashes: list[int] = []
-    extend_chain(hashes, token_ids, block_size)
-    return hashes
-
-
-def extend_chain(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
-    """Append the hashes of the full blocks of ``token_ids`` that ``hashes`` lacks (a growing
-    sequence pays for each block once)."""
-    parent = hashes[-1] if hashes else None
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,193 @@
+"""The job executor's prompt index replica, the block hash it keys on, and the routing
+policies: on hand-built states."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.job_executor.prompt_index import ModelIndex, PromptIndex
+from services.job_executor.routing import Candidate, RoutingConfig, route
+from shared.block_hash import chain_hashes, hash_block_tokens
+from shared.messages.kv import HOST, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEventBatch
+
+BS = 4
+
+
+def batch(te: str, seq: int, *events: object) -> KvEventBatch:
+    return KvEventBatch(te_id=te, model="m", seq=seq, block_size=BS, events=list(events))  # type: ignore[arg-type]
+
+
+def hashes(tokens: list[int]) -> list[int]:
+    return chain_hashes(tokens, BS)
+
+
+PROMPT = list(range(40))  # 10 blocks
+H = hashes(PROMPT)
+
+
+class TestBlockHash:
+    def test_fast_chain_equals_the_spec_block_by_block(self):
+        rng = random.Random(0)
+        tokens = [rng.randrange(200_000) for _ in range(1000)]
+        parent, want = None, []
+        for s in range(0, 1000 - 15, 16):
+            parent = hash_block_tokens(parent, tokens[s : s + 16])
+            want.append(parent)
+        assert chain_hashes(tokens, 16) == want  # 62 full blocks; the 8-token tail has none
+
+    def test_a_block_names_every_token_before_it(self):
+        a, b = hashes([1, 2, 3, 4, 5, 6, 7, 8]), hashes([9, 2, 3, 4, 5, 6, 7, 8])
+        assert a[1] != b[1]  # same second block, different first: different chains
+
+    def test_a_variant_root_shares_no_key_with_the_base(self):
+        base = chain_hashes(PROMPT, BS)
+        adapter = chain_hashes(PROMPT, BS, root=0xADA)
+        assert not set(base) & set(adapter)
+
+
+class TestIndex:
+    def test_match_counts_leading_blocks_per_te(self):
+        ix = ModelIndex(BS)
+        ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H[:6])))
+        ix.apply(batch("b", 0, KvBlocksStored(block_hashes=H[:2])))
+        ix.apply(batch("c", 0, KvBlocksStored(block_hashes=H[3:8])))  # no leading block
+        assert ix.match(H, ["a", "b", "c", "d"]) == {"a": 6, "b": 2, "c": 0}
+
+    def test_a_hole_in_the_chain_ends_the_match(self):
+        ix = ModelIndex(BS)
+        ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H)))
+        ix.apply(batch("a", 1, KvBlocksRemoved(block_hashes=[H[4]])))
+        assert ix.match(H, ["a"]) == {"a": 4}
+
+    def test_host_tier_blocks_count_until_both_tiers_lose_them(self):
+        ix = ModelIndex(BS)
+        ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H[:4])))
+        ix.apply(batch("a", 1, KvBlocksStored(block_hashes=H[:4], tier=HOST)))
+        ix.apply(batch("a", 2, KvBlocksRemoved(block_hashes=H[:4])))
+        assert ix.match(H, ["a"]) == {"a": 4}
+        ix.apply(batch("a", 3, KvAllCleared(tier=HOST)))
+        assert ix.match(H, ["a"]) == {"a": 0}
+        assert len(ix) == 0
+
+    def test_events_in_order_apply_and_repeats_are_ignored(self):
+        ix = ModelIndex(BS)
+        assert not ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H[:2]))).gap
+        assert ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H[:9]))).stale
+        assert ix.match(H, ["a"]) == {"a": 2}
+
+    def test_a_gap_asks_for_a_resync_and_changes_nothing(self):
+        ix = ModelIndex(BS)
+        ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H[:2])))
+        applied = ix.apply(batch("a", 2, KvBlocksStored(block_hashes=H[:9])))
+        assert applied.gap
+        assert ix.match(H, ["a"]) == {"a": 2}
+        ix.load("a", 2, {"device": H[:5]})  # the store's copy, as of seq 2
+        assert ix.match(H, ["a"]) == {"a": 5}
+        assert ix.apply(batch("a", 2, KvBlocksStored(block_hashes=H))).stale
+        assert not ix.apply(batch("a", 3, KvBlocksStored(block_hashes=H[5:7]))).gap
+        assert ix.match(H, ["a"]) == {"a": 7}
+
+    def test_a_te_first_heard_mid_sequence_is_a_gap(self):
+        assert ModelIndex(BS).apply(batch("a", 57, KvBlocksStored(block_hashes=H))).gap
+
+    def test_a_dropped_te_is_gone_and_its_bit_reused(self):
+        ix = ModelIndex(BS)
+        ix.apply(batch("a", 0, KvBlocksStored(block_hashes=H)))
+        ix.apply(batch("b", 0, KvBlocksStored(block_hashes=H[:3])))
+        ix.drop("a")
+        assert ix.match(H, ["a", "b"]) == {"b": 3}
+        ix.apply(batch("c", 0, KvBlocksStored(block_hashes=H[:1])))  # takes a's bit
+        assert ix.match(H, ["b", "c"]) == {"b": 3, "c": 1}
+        assert len(ix) == 3
+
+    def test_speculative_entries_expire_and_yield_to_real_events(self):
+        ix = ModelIndex(BS)
+        ix.speculate("v", H[:5], now=100.0, ttl_s=10.0)
+        assert ix.match(H, ["v"]) == {"v": 5}
+        ix.expire(105.0)
+        assert ix.match(H, ["v"]) == {"v": 5}
+        ix.expire(111.0)
+        assert ix.match(H, ["v"]) == {"v": 0}
+        ix.speculate("v", H[:5], now=200.0, ttl_s=10.0)
+        ix.apply(batch("v", 0, KvBlocksStored(block_hashes=H[:2])))  # it speaks for itself
+        assert ix.match(H, ["v"]) == {"v": 2}
+
+    def test_models_are_separate_and_retain_drops_tes_that_left(self):
+        px = PromptIndex()
+        px.of("m", BS).apply(batch("a", 0, KvBlocksStored(block_hashes=H)))
+        other = px.of("n", BS)
+        other.apply(
+            KvEventBatch(
+                te_id="b", model="n", seq=0, block_size=BS, events=[KvBlocksStored(block_hashes=H)]
+            )
+        )
+        assert other.match(H, ["a"]) == {}  # a holds it for m, not for n
+        assert px.retain({"m": {"a"}}) == [("n", "b")]
+        assert px.of("m", BS).match(H, ["a"]) == {"a": 10}
+
+    def test_match_at_scale_is_one_pass_over_the_prompt(self):
+        """100 TEs, 2,048-block prompt: the walk stops where the last TE drops out."""
+        ix = ModelIndex(16)
+        prompt = chain_hashes(list(range(32768)), 16)
+        for i in range(100):
+            ix.apply(
+                KvEventBatch(
+                    te_id=f"t{i}",
+                    model="m",
+                    seq=0,
+                    block_size=16,
+                    events=[KvBlocksStored(block_hashes=prompt[: i * 20])],
+                )
+            )
+        got = ix.match(prompt, [f"t{i}" for i in range(100)])
+        assert got == {f"t{i}": i * 20 for i in range(100)}
+
+
+class TestRouting:
+    def c(self, te: str, load: int = 0, cached: int = 0) -> Candidate:
+        return Candidate(te, load, cached)
+
+    def test_balanced_loads_go_where_the_prefix_is(self):
+        r = route(
+            [self.c("a", 100), self.c("b", 0, cached=800), self.c("c", 50)],
+            1000,
+            RoutingConfig(),
+            0,
+        )
+        assert (r.te_id, r.branch) == ("b", "locality")
+
+    def test_equal_prefixes_go_to_the_least_loaded_holder(self):
+        cands = [self.c("a", 300, 800), self.c("b", 100, 800), self.c("c", 0)]
+        assert route(cands, 1000, RoutingConfig(), 0).te_id == "b"
+
+    def test_an_overloaded_holder_loses_to_cost(self):
+        cands = [self.c("a", 5000, cached=800), self.c("b", 0), self.c("c", 100)]
+        r = route(cands, 1000, RoutingConfig(balance_tokens=2048), 0)
+        assert (r.te_id, r.branch) == ("b", "load")
+
+    def test_imbalanced_loads_still_value_a_long_prefix(self):
+        # cost a: 100 + 2900 = 3000; b: 4000 + 0 = 4000; c: 4000 + 3000 = 7000
+        cands = [self.c("a", 2900, cached=3900), self.c("b", 0), self.c("c", 3000)]
+        r = route(cands, 4000, RoutingConfig(balance_tokens=1000), 0)
+        assert (r.te_id, r.branch) == ("a", "load")
+
+    def test_misses_spread_instead_of_piling_on_one_te(self):
+        cands = [self.c("a"), self.c("b"), self.c("c")]
+        chosen = {route(cands, 500, RoutingConfig(), spread).te_id for spread in range(30)}
+        assert chosen == {"a", "b", "c"}
+
+    def test_least_loaded_ignores_the_cache(self):
+        cands = [self.c("a", 10, cached=900), self.c("b", 5)]
+        r = route(cands, 1000, RoutingConfig(policy="least-loaded"), 0)
+        assert (r.te_id, r.branch) == ("b", "least-loaded")
+
+    def test_round_robin_cycles_in_name_order(self):
+        cands = [self.c("b", cached=900), self.c("a"), self.c("c")]
+        cfg = RoutingConfig(policy="round-robin")
+        assert [route(cands, 10, cfg, n).te_id for n in range(4)] == ["a", "b", "c", "a"]
+
+    def test_no_candidate_is_an_error(self):
+        with pytest.raises(ValueError):
+            route([], 10, RoutingConfig(), 0)
