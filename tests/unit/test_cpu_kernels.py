@@ -17,6 +17,7 @@ from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.factory import create_engine
 from services.task_executor.engines.torch_engine import TorchEngine, cpu_kernels
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
+from shared.native import Toolchain
 from shared.settings import Settings
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import _write_tiny_llama, greedy
@@ -99,7 +100,7 @@ def test_decode_attention_is_declined_where_it_cannot_run() -> None:
 
 
 def test_build_is_cached_per_host_and_fails_clearly_without_a_compiler(tmp_path: Path) -> None:
-    toolchain = cpu_kernels.Toolchain(cache_dir=tmp_path / "kernels")
+    toolchain = Toolchain(cache_dir=tmp_path / "kernels")
     first = cpu_kernels.build(toolchain=toolchain)
     assert first.parent == tmp_path / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
@@ -107,7 +108,7 @@ def test_build_is_cached_per_host_and_fails_clearly_without_a_compiler(tmp_path:
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
 
     with pytest.raises(RuntimeError, match="no C compiler"):
-        cpu_kernels.build(toolchain=cpu_kernels.Toolchain(cc="no-such-compiler"))
+        cpu_kernels.build(toolchain=Toolchain(cc="no-such-compiler"))
 
 
 def test_the_settings_choose_the_toolchain(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from services.task_executor.engines.base import Engine
 from services.task_executor.engines.capabilities import CapabilityError, TensorSource
 from services.task_executor.engines.choice import EngineChoice, HostView, Wanted, choose
+from shared import block_hash
+from shared.native import Toolchain
 from shared.settings import Settings
 
 
@@ -77,16 +79,14 @@ def prewarm(settings: Settings) -> None:
     then loaded from the kernel cache). The child-process engines import in their child."""
     if choose_engine(settings) != "torch":
         return
+    block_hash.use_native(Toolchain.of(settings))  # the prefix cache hashes every prompt
     from services.task_executor.engines.torch_engine import (
         TorchEngine,  # noqa: F401
         cpu_kernels,
     )
 
     if settings.torch.cpu_kernels and settings.task_executor.device in ("auto", "cpu"):
-        toolchain = cpu_kernels.Toolchain(
-            cc=settings.torch.cc, cache_dir=settings.torch.kernel_cache
-        )
-        cpu_kernels.prewarm(toolchain)
+        cpu_kernels.prewarm(Toolchain.of(settings))
 
 
 def create_engine(
@@ -101,7 +101,6 @@ def create_engine(
         )
     if kind == "torch":
         from services.task_executor.engines.torch_engine import TorchEngine
-        from services.task_executor.engines.torch_engine.cpu_kernels import Toolchain
 
         return TorchEngine(
             model_path,
@@ -114,7 +113,7 @@ def create_engine(
             enable_prefix_caching=settings.task_executor.prefix_caching,
             num_host_kv_blocks=settings.torch.host_kv_blocks,
             cpu_kernels=settings.torch.cpu_kernels,
-            kernel_toolchain=Toolchain(cc=settings.torch.cc, cache_dir=settings.torch.kernel_cache),
+            kernel_toolchain=Toolchain.of(settings),
             cuda_graphs=settings.torch.cuda_graphs,
             tensors=tensors,
         )

@@ -30,18 +30,16 @@ Without a compiler, or for a dtype or shape the kernel does not take, ``decode_a
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from shared import native
+from shared.native import DEFAULT_TOOLCHAIN, Toolchain
 
 log = logging.getLogger(__name__)
 
@@ -78,70 +76,12 @@ class KernelError(RuntimeError):
     """The compiled kernel refused its arguments (a bug: the wrapper checks them first)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Toolchain:
-    """How kernels are built here: the C compiler, and where built libraries are kept (one
-    per set of sources, flags, compiler version and CPU). A TE's come from its settings
-    (``MESHSERVE_KERNEL_CACHE``, ``CC``)."""
-
-    cc: str = "cc"
-    cache_dir: Path = Path.home() / ".cache" / "meshserve" / "kernels"
-
-
-DEFAULT_TOOLCHAIN = Toolchain()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def _compiler_version(cc: str) -> str:
-    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    return out.stdout
-
-
 def build(sources: Sequence[Path] = SOURCES, toolchain: Toolchain = DEFAULT_TOOLCHAIN) -> Path:
-    """The shared library of ``sources`` on this host, compiled unless cached. Raises
-    ``RuntimeError`` when no compiler is found or every flag set fails."""
-    cc = toolchain.cc
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} is not on PATH)")
-    text = b"\0".join(source.read_bytes() for source in (*sources, *HEADERS))
-    version = _compiler_version(cc)
-    errors = []
-    for flags, libs in zip(_FLAG_SETS, _LIBS, strict=True):
-        key = hashlib.sha256(
-            b"\0".join(
-                [text, " ".join(flags + libs).encode(), version.encode(), _cpu_flags().encode()]
-            )
-        ).hexdigest()[:24]
-        target = toolchain.cache_dir / f"kernels-{key}.so"
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Compiled beside the target and renamed: processes building at once never see half a
-        # library.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *flags, *map(str, sources), "-o", tmp, *libs]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if out.returncode == 0:
-            os.replace(tmp, target)
-            log.info("compiled %s -> %s", ", ".join(p.name for p in sources), target)
-            return target
-        os.unlink(tmp)
-        errors.append(f"{' '.join(cmd)}: {out.stderr.strip()[-2000:]}")
-    names = ", ".join(p.name for p in sources)
-    raise RuntimeError(f"could not compile {names}:\n" + "\n".join(errors))
+    """The shared library of ``sources`` on this host, compiled unless cached
+    (``shared.native.build``). Raises ``RuntimeError`` when no compiler is found or every
+    flag set fails."""
+    flag_sets = list(zip(_FLAG_SETS, _LIBS, strict=True))
+    return native.build("kernels", sources, toolchain, flag_sets, headers=HEADERS)
 
 
 @functools.cache

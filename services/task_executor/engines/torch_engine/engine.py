@@ -34,7 +34,6 @@ from services.task_executor.engines.base import (
 from services.task_executor.engines.capabilities import CapabilityError, TensorSource
 from services.task_executor.engines.torch_engine import linear, sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
-from services.task_executor.engines.torch_engine.cpu_kernels import DEFAULT_TOOLCHAIN, Toolchain
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
@@ -66,6 +65,7 @@ from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
 from shared.messages.scaling import InstanceCapacity
 from shared.messages.tasks import TaskMode
+from shared.native import DEFAULT_TOOLCHAIN, Toolchain
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
