@@ -20,7 +20,7 @@ class TEView:
     model: str | None = None
     running: int = 0  # sequences decoding (each holds a decode slot)
     waiting: int = 0  # accepted, not yet running
-    queued_prompt_tokens: int = 0  # prompt tokens accepted and not yet prefilled
+    queued_prompt_tokens: int = 0  # prompt tokens accepted, not yet prefilled, not expected cached
     last_active: float = 0.0  # unix seconds of the last task accepted or token produced
     reported_at: float = 0.0  # when these figures were true
     failed_model: str | None = None  # the model whose last load failed here

@@ -124,15 +124,16 @@ class JobExecutorSettings(Section):
     )
     routing: Literal["combined", "least-loaded", "round-robin"] = Field(
         default="combined",
-        description="How a JE picks among a model's ready TEs: `combined` (the prefix a TE "
-        "holds when loads are balanced, else the least prefill-plus-load cost), "
+        description="How a JE picks among a model's ready TEs: `combined` (the longest cached "
+        "prefix among the TEs whose prefill-plus-load cost is near the least), "
         "`least-loaded` or `round-robin` (both ignore the prefix cache).",
     )
     routing_balance_tokens: int = Field(
         default=2048,
         ge=0,
-        description="Loads (outstanding tokens) within this many of each other count as "
-        "balanced: the cached prefix decides. Beyond, load does.",
+        description="How much more a TE may cost than the cheapest for a request (its prefill "
+        "plus its load, in tokens), beyond the prompt tokens it holds, and still take the "
+        "request for holding more of its prompt.",
     )
     routing_speculative_ttl: Duration = Field(
         default=timedelta(seconds=120),

@@ -88,8 +88,9 @@ ROUTED = Counter(
 )
 ROUTED_TOKENS = Counter(
     "meshserve_routing_prompt_tokens",
-    "Prompt tokens of placed requests: all of them, the leading ones the prompt index matched "
-    "on the chosen TE, and those its prefix cache actually held",
+    "Prompt tokens of placed requests: all of them (prompt), the leading ones the prompt index "
+    "matched on the chosen TE (matched) and on the ready TE holding the most (best: what an "
+    "oracle router would reuse), and those the chosen TE's prefix cache actually held (cached)",
     ["model", "kind"],
 )
 OUTCOME_REPORT_S = 1.0
@@ -427,6 +428,7 @@ class Frontend:
             ROUTED.labels(model, routed.routing or "none", hit).inc()
             ROUTED_TOKENS.labels(model, "prompt").inc(prompt_tokens)
             ROUTED_TOKENS.labels(model, "matched").inc(routed.matched_tokens)
+            ROUTED_TOKENS.labels(model, "best").inc(routed.best_matched_tokens)
             ROUTED_TOKENS.labels(model, "cached").inc(gen.cached_tokens)
         met = self._outcomes.record(
             model,

@@ -17,6 +17,7 @@ from services.job_executor.kv_index import IndexFeed
 from services.job_executor.routing import RoutingConfig
 from services.job_executor.scheduling import Request, te_load
 from services.views import TEView, te_view
+from shared import block_hash
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
 from shared.errors import (
@@ -34,6 +35,7 @@ from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
 from shared.messages.scaling import ModelTraffic, TrafficReport
 from shared.messages.tasks import ChatTask
+from shared.native import Toolchain
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
@@ -54,7 +56,10 @@ class JobExecutor:
         self.je_id = f"je-{uuid.uuid4().hex[:8]}"
         self._life = Lifecycle("job_executor")
         je = settings.job_executor
-        self._routing = RoutingConfig(policy=je.routing, balance_tokens=je.routing_balance_tokens)
+        self._routing = RoutingConfig(
+            policy=je.routing,
+            balance_tokens=je.routing_balance_tokens,
+        )
         self._speculative_ttl_s = je.routing_speculative_ttl.total_seconds()
         self._feed = IndexFeed(
             bus,
@@ -176,28 +181,43 @@ class JobExecutor:
                     pending, tes, placed, now=time.time(), request=request, routing=self._routing
                 )
                 if isinstance(step, PlaceOn):
-                    try:
-                        await self._tes.place(step.te_id, self._task(job))
-                    except Refused as e:
-                        log.info("placement refused", te=step.te_id, error=e.message)
-                        pending = dataclasses.replace(
-                            pending, refused=pending.refused | {step.te_id}
-                        )
-                        continue
-                    except PeerUnreachable as e:
-                        # No answer in time: it may still have taken the task, so cancel it
-                        # there before trying elsewhere.
-                        log.info("placement unanswered", te=step.te_id, error=e.message)
-                        with contextlib.suppress(MeshserveError):
-                            await self._tes.cancel(step.te_id, job.request_id, job.attempt)
-                        pending = dataclasses.replace(
-                            pending, refused=pending.refused | {step.te_id}
-                        )
-                        continue
-                    # Its prefill work there: the prompt tokens after the prefix it holds.
                     matched = request.cached_tokens.get(step.te_id, 0)
-                    work = len(job.prompt_token_ids) - matched
-                    self._placed[step.te_id].append((time.time(), work))
+                    log.debug(
+                        "routing candidates",
+                        te=step.te_id,
+                        prompt_tokens=request.prompt_tokens,
+                        cached={te: request.cached_tokens.get(te, 0) for te in candidates},
+                        load={
+                            te.te_id: te_load(te, placed) for te in tes if te.te_id in candidates
+                        },
+                    )
+                    # Its prefill work there (the prompt tokens after the prefix it holds),
+                    # counted before the answer so that jobs placed meanwhile see it.
+                    work = (time.time(), len(job.prompt_token_ids) - matched)
+                    self._placed[step.te_id].append(work)
+                    try:
+                        await self._tes.place(step.te_id, self._task(job, matched))
+                    except (Refused, PeerUnreachable) as e:
+                        with contextlib.suppress(ValueError):
+                            self._placed[step.te_id].remove(work)
+                        if isinstance(e, PeerUnreachable):
+                            # No answer in time: it may still have taken the task, so cancel
+                            # it there before trying elsewhere.
+                            log.info("placement unanswered", te=step.te_id, error=e.message)
+                            with contextlib.suppress(MeshserveError):
+                                await self._tes.cancel(step.te_id, job.request_id, job.attempt)
+                        else:
+                            log.info("placement refused", te=step.te_id, error=e.message)
+                        pending = dataclasses.replace(
+                            pending, refused=pending.refused | {step.te_id}
+                        )
+                        continue
+                    # Stamped again with the answer's time: a TE report sent before the TE had
+                    # the task must not retire it (_on_view).
+                    entries = self._placed[step.te_id]
+                    with contextlib.suppress(ValueError):
+                        entries.remove(work)
+                    entries.append((time.time(), work[1]))
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     log.info(
                         "job placed",
@@ -206,20 +226,13 @@ class JobExecutor:
                         routing=step.branch,
                         matched_tokens=matched,
                     )
-                    log.debug(
-                        "routing candidates",
-                        prompt_tokens=request.prompt_tokens,
-                        cached={te: request.cached_tokens.get(te, 0) for te in candidates},
-                        load={
-                            te.te_id: te_load(te, placed) for te in tes if te.te_id in candidates
-                        },
-                    )
                     return JobAccepted(
                         request_id=job.request_id,
                         te_id=step.te_id,
                         je_id=self.je_id,
                         attempt=job.attempt,
                         matched_tokens=matched,
+                        best_matched_tokens=max(request.cached_tokens.values(), default=0),
                         routing=step.branch,
                     )
                 if isinstance(step, GiveUp) or self._life.stopping:
@@ -309,7 +322,7 @@ class JobExecutor:
                 log.warning("traffic report failed", error=str(e))
 
     @staticmethod
-    def _task(job: ChatJob) -> ChatTask:
+    def _task(job: ChatJob, matched_tokens: int) -> ChatTask:
         return ChatTask(
             request_id=job.request_id,
             model=job.model,
@@ -318,10 +331,12 @@ class JobExecutor:
             reply_to=job.reply_to,
             deadline=job.deadline,
             attempt=job.attempt,
+            matched_tokens=matched_tokens,
         )
 
 
 async def create(settings: Settings, bus: Bus) -> JobExecutor:
+    block_hash.use_native(Toolchain.of(settings))  # every prompt is hashed to be matched
     try:
         store = await Store.connect(settings.redis_url) if settings.redis_url else None
     except Unavailable as e:  # it routes on the events it hears; Redis is only the shared copy

@@ -90,6 +90,7 @@ class _Stream:
     engine_id: str
     reply_to: str
     prompt_tokens: int
+    prefill_tokens: int  # of those, the ones not expected in the prefix cache (queued work)
     seq: int = 0
     generated: int = 0
 
@@ -191,7 +192,7 @@ class TaskExecutor:
             hb.total_kv_blocks = st.total_kv_blocks
             hb.capacity = self._capacity
             hb.queued_prompt_tokens = sum(
-                stream.prompt_tokens for stream in self._streams.values() if not stream.generated
+                stream.prefill_tokens for stream in self._streams.values() if not stream.generated
             )
         return hb
 
@@ -427,6 +428,7 @@ class TaskExecutor:
             engine_id=f"{task.key}@{self._placements}",
             reply_to=task.reply_to,
             prompt_tokens=n,
+            prefill_tokens=n - min(max(task.matched_tokens, 0), n - 1),
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
         self._adds[stream.key] = EngineRequest(

@@ -56,7 +56,9 @@ class TEHeartbeat(Message):
     failed_model: str | None = None  # the model whose last load failed (see error)
     generated_tokens: int = 0  # tokens this TE has produced since it started
     engine_capabilities: EngineCapabilities | None = None  # of the loaded engine; None if idle
-    queued_prompt_tokens: int = 0  # prompt tokens of accepted requests not yet prefilled
+    # prompt tokens of accepted requests not yet prefilled, less the prefixes the router
+    # expected in the prefix cache (ChatTask.matched_tokens)
+    queued_prompt_tokens: int = 0
     recent_models: list[str] = msgspec.field(
         default_factory=list
     )  # loaded here before, newest first

@@ -33,6 +33,7 @@ class JobAccepted(Message):
     je_id: str
     attempt: int = 0
     matched_tokens: int = 0  # leading prompt tokens the prompt index says the TE holds
+    best_matched_tokens: int = 0  # the most any ready TE of the model held (an oracle's hit)
     routing: str = ""  # the routing branch that chose the TE (routing.route)
 
 

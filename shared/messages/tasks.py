@@ -33,6 +33,9 @@ class ChatTask(Message):
     deadline: float  # unix seconds; a TE drops work that can no longer be useful
     mode: TaskMode = TaskMode.COLOCATED
     attempt: int = 0
+    # Leading prompt tokens the router's prompt index says this TE holds: the TE counts the
+    # rest as its queued prefill work until the engine starts the prompt.
+    matched_tokens: int = 0
 
     @property
     def key(self) -> str:

@@ -104,7 +104,7 @@ class _Client:
             task = ChatTask(
                 request_id=f"busy-{uuid.uuid4().hex}",
                 model="demo",
-                prompt_token_ids=[30 + i, 31, 32, 33],
+                prompt_token_ids=[30 + i, *range(31, 230)],  # queued: 200 tokens each
                 sampling=SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True),
                 reply_to=f"{self.subjects.cluster}.test.sink",
                 deadline=time.time() + 60,
@@ -188,10 +188,14 @@ async def _scenario(run: Running, settings: Settings, store, stores: list[Store]
         assert got.matched_tokens == len(PREFIX)
         assert cached >= len(PREFIX)  # the engine did hold it
 
-    # Overloaded with other work, the holder no longer gets the prefix.
-    busy = await client.busy(holder, 24)
+    # Overloaded with other work (32 decoding, 16 prompts queued: far more than the prefix
+    # and the allowance are worth), the holder no longer gets the prefix.
+    busy = await client.busy(holder, 48)
     await client.until(
-        lambda v: any(t.te_id == holder and t.running + t.waiting >= 20 for t in v.tes)
+        lambda v: any(
+            t.te_id == holder and t.running + t.waiting >= 40 and t.queued_prompt_tokens
+            for t in v.tes
+        )
     )
     elsewhere, _ = await client.complete([*PREFIX, 7, 8, 9])
     assert elsewhere.te_id != holder
@@ -219,4 +223,6 @@ async def _scenario(run: Running, settings: Settings, store, stores: list[Store]
     await asyncio.sleep(0.5)
     got, _ = await client.complete([*PREFIX, 10, 11, 12])
     assert got.je_id == je4.je_id
-    assert (got.te_id, got.routing, got.matched_tokens) == (holder, "locality", len(PREFIX))
+    # Both TEs that computed the prefix hold it now; either is right, a third is not.
+    assert got.te_id in {holder, elsewhere.te_id}
+    assert (got.routing, got.matched_tokens) == ("locality", len(PREFIX))

@@ -4,13 +4,16 @@ policies: on hand-built states."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 
 from services.job_executor.prompt_index import ModelIndex, PromptIndex
 from services.job_executor.routing import Candidate, RoutingConfig, route
+from shared import block_hash
 from shared.block_hash import chain_hashes, hash_block_tokens
 from shared.messages.kv import HOST, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEventBatch
+from shared.native import Toolchain
 
 BS = 4
 
@@ -36,6 +39,28 @@ class TestBlockHash:
             parent = hash_block_tokens(parent, tokens[s : s + 16])
             want.append(parent)
         assert chain_hashes(tokens, 16) == want  # 62 full blocks; the 8-token tail has none
+
+    @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+    def test_the_c_chain_equals_the_python_one(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(block_hash, "_native", [])
+        rng = random.Random(1)
+        cases = []
+        for block in (1, 4, 16, 29, 30, 31, 32, 64, 100, 512):  # 30: one full 128-byte block
+            tokens = [rng.randrange(-(2**31), 2**31) for _ in range(block * 7 + 3)]
+            cases.append((tokens, block, rng.getrandbits(64)))
+        want = [chain_hashes(t, b, root) for t, b, root in cases]
+        tokens = cases[2][0]
+        whole = chain_hashes(tokens, 16)
+        assert block_hash.use_native(Toolchain(cache_dir=tmp_path)) and block_hash.native_in_use()
+        assert [chain_hashes(t, b, root) for t, b, root in cases] == want
+        grown = chain_hashes(tokens[:50], 16)  # 3 blocks: Python's; the next 4 in C
+        block_hash.extend_chain(grown, tokens, 16)
+        assert grown == whole
+
+    def test_without_a_compiler_python_hashes(self, monkeypatch):
+        monkeypatch.setattr(block_hash, "_native", [])
+        assert not block_hash.use_native(Toolchain(cc="no-such-compiler"))
+        assert chain_hashes(PROMPT, BS) == H
 
     def test_a_block_names_every_token_before_it(self):
         a, b = hashes([1, 2, 3, 4, 5, 6, 7, 8]), hashes([9, 2, 3, 4, 5, 6, 7, 8])
@@ -170,8 +195,23 @@ class TestRouting:
     def test_imbalanced_loads_still_value_a_long_prefix(self):
         # cost a: 100 + 2900 = 3000; b: 4000 + 0 = 4000; c: 4000 + 3000 = 7000
         cands = [self.c("a", 2900, cached=3900), self.c("b", 0), self.c("c", 3000)]
-        r = route(cands, 4000, RoutingConfig(balance_tokens=1000), 0)
-        assert (r.te_id, r.branch) == ("a", "load")
+        r = route(cands, 4000, RoutingConfig(balance_tokens=0), 0)
+        assert (r.te_id, r.branch) == ("a", "locality")
+
+    def test_a_holder_a_little_dearer_than_the_cheapest_still_wins(self):
+        # cost a: 1000 - 600 + 2500 = 2900; b: 1000 + 0 = 1000. a is near within 600 + 2048.
+        cands = [self.c("a", 2500, cached=600), self.c("b", 0)]
+        assert route(cands, 1000, RoutingConfig(balance_tokens=2048), 0).te_id == "a"
+        assert route(cands, 1000, RoutingConfig(balance_tokens=1000), 0).te_id == "b"
+
+    def test_a_holder_far_behind_loses_even_a_long_prefix(self):
+        # a holds 7,000 of 8,000 tokens but is 20,000 tokens behind: cost 21,000, more than
+        # the cheapest's 8,000 + the allowance 1,000 + what it holds 7,000
+        cands = [self.c("a", 20000, cached=7000), self.c("b", 0)]
+        r = route(cands, 8000, RoutingConfig(balance_tokens=1000), 0)
+        assert (r.te_id, r.branch) == ("b", "load")
+        cands = [self.c("a", 15000, cached=7000), self.c("b", 0)]  # 16,000: near
+        assert route(cands, 8000, RoutingConfig(balance_tokens=1000), 0).te_id == "a"
 
     def test_misses_spread_instead_of_piling_on_one_te(self):
         cands = [self.c("a"), self.c("b"), self.c("c")]
