@@ -28,6 +28,7 @@ from loadgen.progress import Progress
 from loadgen.prompts import PromptError, TokenPool, approximate_pool, tokenizer_pool
 from loadgen.replay import EndpointError, SendOptions, list_models, replay
 from loadgen.traces import FORMATS, TraceError, TraceRequest, read_trace, write_trace
+from services.job_executor.routing import RoutingConfig
 from shared.slo import SLO, parse_slo
 
 __all__ = ["main", "report"]
@@ -113,6 +114,11 @@ def _requests(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
         reqs = transforms.scale_rate(reqs, args.rate_scale, args.seed)
     if args.time_scale != 1:
         reqs = transforms.scale_time(reqs, args.time_scale)
+    if args.prompt_scale != 1:
+        try:
+            reqs = transforms.scale_prompts(reqs, args.prompt_scale)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     reqs = transforms.limit(reqs, duration_s=args.duration, max_requests=args.max_requests)
     if not reqs:
         raise UsageError("no requests left after --duration/--max-requests/--rate-scale")
@@ -333,6 +339,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         network_s=args.network_ms / 1000,
         record_gaps=not args.no_gaps,
+        routing=_routing(args),
+        prefix_caching=not args.no_prefix_caching,
     )
     calibration = None
     if args.calibrate:
@@ -395,6 +403,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"held requests {stats.held} (mean wait "
         f"{stats.held_wait_s / max(stats.held, 1):.2f} s), timeouts {stats.timeouts}"
     )
+    if cfg.prefix_caching:
+        print(
+            f"prefix reuse, % of prompt tokens: routed to a cached prefix "
+            f"{100 * stats.matched_rate:.1f} (an oracle routing each request to the instance "
+            f"holding the most: {100 * stats.oracle_hit_rate:.1f}; any cache of any size: "
+            f"{100 * _reuse_bound(planned):.1f}), taken from the cache at admission "
+            f"{100 * stats.hit_rate:.1f}; routing {stats.routed}"
+        )
+    if args.routing == "all":
+        _compare_routing(planned, profiles, cfg, slo, args.out, (summary, stats))
     if ideal is not None:
         ideal_is = ideal["stats"]["instance_seconds"]
         ratio = stats.instance_seconds / ideal_is if ideal_is else float("nan")
@@ -404,6 +422,68 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{ideal_is:.0f}; this run uses {ratio:.2f}x the ideal's instance-seconds"
         )
     return 0
+
+
+def _routing(args: argparse.Namespace) -> RoutingConfig:
+    """The JE's routing settings, with the command line's choices over them."""
+    from shared.settings import Settings
+
+    je = Settings.load().job_executor
+    policy = args.routing or je.routing
+    return RoutingConfig(
+        policy="combined" if policy == "all" else policy,
+        balance_tokens=je.routing_balance_tokens
+        if args.balance_tokens is None
+        else args.balance_tokens,
+    )
+
+
+def _reuse_bound(planned: list) -> float:
+    from loadgen.prefix_sim import reuse_bound
+
+    return reuse_bound([(p.input_tokens, p.hash_ids, p.block_size) for p in planned])
+
+
+def _compare_routing(planned: list, profiles: dict, cfg, slo, out: Path, done: tuple) -> None:
+    """Every routing policy on the same requests: a table, and routing.json. ``done``: the
+    summary and stats of ``cfg``'s own policy, already run."""
+    from loadgen.report import summarize
+    from loadgen.simulator import simulate
+    from services.job_executor.routing import POLICIES
+
+    rows = {}
+    for policy in POLICIES:
+        if policy == cfg.routing.policy:
+            summary, stats = done
+        else:
+            routing = dataclasses.replace(cfg.routing, policy=policy)
+            results, stats = simulate(planned, profiles, dataclasses.replace(cfg, routing=routing))
+            summary = summarize(results, slo, exact_prompts=True)
+        rows[policy] = {
+            "ttft_ms": summary["ttft_ms"],
+            "tpot_ms": summary["tpot_ms"],
+            "goodput_rps": summary["goodput_rps"],
+            "slo_attainment": summary["slo_attainment"],
+            "failed": summary["failed"],
+            "prompt_tokens": stats.prompt_tokens,
+            "hit_rate": stats.hit_rate,
+            "matched_rate": stats.matched_rate,
+            "oracle_hit_rate": stats.oracle_hit_rate,
+            "instance_seconds": stats.instance_seconds,
+        }
+    head = f"{'policy':<14}{'TTFT p50':>10}{'TTFT p90':>10}{'TPOT p90':>10}"
+    head += f"{'goodput':>9}{'SLO':>8}{'failed':>8}{'routed':>8}{'oracle':>8}{'cached':>8}"
+    print(head)
+    for policy, r in rows.items():
+        print(
+            f"{policy:<14}{r['ttft_ms']['p50']:>8.0f}ms{r['ttft_ms']['p90']:>8.0f}ms"
+            f"{r['tpot_ms']['p90']:>8.0f}ms{r['goodput_rps']:>9.3f}"
+            f"{100 * (r['slo_attainment'] or 0):>7.1f}%{r['failed']:>8}"
+            f"{100 * r['matched_rate']:>7.1f}%{100 * r['oracle_hit_rate']:>7.1f}%"
+            f"{100 * r['hit_rate']:>7.1f}%"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def _calibrate(run_dir: Path, planned: list, profiles: dict, cfg) -> dict:
@@ -497,6 +577,13 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="<1 thins arrivals (keeps each with this probability); >1 adds "
         "jittered copies with renamed prefix blocks",
+    )
+    p.add_argument(
+        "--prompt-scale",
+        type=float,
+        default=1.0,
+        help="multiply prompt lengths and the trace's prefix block size (0.125: a trace of "
+        "512-token blocks gets 64-token ones; sharing keeps its share of each prompt)",
     )
     p.add_argument(
         "--duration",
@@ -707,6 +794,24 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")
+    m.add_argument(
+        "--routing",
+        choices=("combined", "least-loaded", "round-robin", "all"),
+        help="the JE's routing policy (default: MESHSERVE_ROUTING's); 'all' runs each on the "
+        "same requests and prints them side by side (routing.json in --out)",
+    )
+    m.add_argument(
+        "--balance-tokens",
+        type=int,
+        help="loads within this many tokens count as balanced (default: "
+        "MESHSERVE_ROUTING_BALANCE_TOKENS')",
+    )
+    m.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="instances keep no prompt prefixes (by default each keeps an LRU of the "
+        "trace's hash_ids blocks as large as its KV cache)",
+    )
     m.add_argument(
         "--calibrate",
         type=Path,

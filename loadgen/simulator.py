@@ -20,8 +20,13 @@ Only the engines are replaced, by a profiled cost model (``costmodel.EngineProfi
 long an iteration takes for its decodes and prefills, how long a model takes to load, how
 many KV blocks the engine has. Network hops cost ``network_s`` each.
 
-Not modelled yet (they grow with the policy issues): prefix caching, PD disaggregation,
-TE failures. ``instant_loads`` gives λScale's ideal: the same policy with instances that
+- routing: the JE's ``services.job_executor.routing`` policy (``SimConfig.routing``) over
+  each TE's cached prefix of the prompt, which the simulator knows exactly (a precise index);
+- prefix caching: each instance keeps an LRU of the trace's chained block keys
+  (``loadgen.prefix_sim``) as large as its KV cache; a request admitted with a cached
+  prefix prefills only the rest (the scheduler sees it as the engine shows it).
+
+Not modelled yet (they grow with the policy issues): PD disaggregation, TE failures. ``instant_loads`` gives λScale's ideal: the same policy with instances that
 are ready the moment they are asked for (``simulate --compare-ideal``).
 
 Results are ``loadgen.results.Result`` objects, so a simulated run is summarised, plotted
@@ -33,15 +38,19 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from loadgen.costmodel import EngineProfile
 from loadgen.plan import Planned
+from loadgen.prefix_sim import PrefixLRU, chain_keys
 from loadgen.results import Result
 from services.frontend.outcomes import Outcomes
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
+from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig
+from services.job_executor.scheduling import Request
 from services.scaler.policy import (
     Load,
     ModelPolicy,
@@ -92,6 +101,8 @@ class SimConfig:
     )  # what the frontend counts as met, for the scaler
     instant_loads: bool = False  # λScale's ideal: an instance is ready the moment it is asked
     record_gaps: bool = True  # keep every inter-token gap (memory: 8 bytes per token)
+    routing: RoutingConfig = DEFAULT_ROUTING
+    prefix_caching: bool = True  # instances reuse the K/V of prompt prefixes they computed
 
     def scaler_config(self) -> ScalerConfig:
         return ScalerConfig(
@@ -119,6 +130,27 @@ class SimStats:
     instance_seconds: float = 0.0  # TEs loading, serving or draining a model
     held: int = 0  # requests that waited for an instance
     held_wait_s: float = 0.0  # their waits, summed
+    prompt_tokens: int = 0  # of requests placed
+    matched_tokens: int = 0  # at placement, the cached prefix of the instance chosen
+    oracle_tokens: int = 0  # at placement, the longest cached prefix any instance held
+    cached_tokens: int = 0  # at first admission, what the instance's cache still held
+    routed: dict[str, int] = dataclasses.field(default_factory=dict)  # by routing branch
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens the engines took from their prefix caches."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def matched_rate(self) -> float:
+        """Prompt tokens the chosen instances held when the router chose them."""
+        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def oracle_hit_rate(self) -> float:
+        """The same for a router that always picks the instance holding the most: compare
+        with ``matched_rate`` (both at placement, on the same caches)."""
+        return self.oracle_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -133,6 +165,11 @@ class _Seq:
     first_token_at: float = 0.0
     held_at: float | None = None
     job: PendingJob | None = None
+    keys: tuple[int, ...] = ()  # chained keys of the trace's shared prompt blocks
+    shared_blocks: int = 0  # of blocks, those it shares from the prefix cache
+    matched: int = 0  # the cached prefix the router expected where it placed it
+    placed: bool = False  # routed once (a later placement is a retry: not counted again)
+    admitted: bool = False  # admitted to an engine once (a later one recomputes)
 
     @property
     def num_tokens(self) -> int:
@@ -155,6 +192,16 @@ class _TE:
     epoch: int = 0  # bumped on unload, so a stale event is ignored
     since: float = EPOCH  # when it left IDLE (instance-seconds)
     recent_models: tuple[str, ...] = ()
+    cache: PrefixLRU | None = None  # its prefix cache, while a model is loaded
+
+    def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
+        """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
+        prompt (its last token is computed to sample from)."""
+        if self.cache is None or not seq.keys or self.profile is None:
+            return 0
+        tokens = self.cache.match(seq.keys, touch=touch) * seq.plan.block_size
+        bs = self.profile.block_size
+        return min(tokens, seq.prompt - 1) // bs * bs
 
     def view(self, now: float) -> TEView:
         return TEView(
@@ -164,7 +211,13 @@ class _TE:
             model=self.model,
             running=len(self.running),
             waiting=len(self.waiting),
-            queued_prompt_tokens=sum(s.prompt for s in self.waiting),
+            # as a TE counts it: prompts not started or still prefilling, less the prefix the
+            # router expected cached
+            queued_prompt_tokens=sum(
+                s.prompt - s.matched
+                for s in itertools.chain(self.waiting, self.running)
+                if not s.generated
+            ),
             last_active=self.last_active,
             reported_at=now,
             recent_models=self.recent_models,
@@ -211,6 +264,7 @@ class Simulation:
             if p.paced
         }
         self._reports_due = False
+        self._round_robin = 0
         self._scaler_at: float | None = None  # when the next scaler tick is due
         self._models = sorted({p.model for p in planned})
         self.results: list[Result] = []
@@ -277,6 +331,8 @@ class Simulation:
         )
         self.results.append(result)
         seq = _Seq(plan=p, result=result, prompt=p.input_tokens)
+        if self.cfg.prefix_caching and p.hash_ids and p.block_size:
+            seq.keys = chain_keys(p.hash_ids[: p.input_tokens // p.block_size])
         seq.job = PendingJob(model=p.model, deadline=self.now + self.cfg.placement_timeout_s)
         traffic = self._traffic_of(p.model)
         traffic.arrivals += 1
@@ -303,14 +359,32 @@ class Simulation:
         model = seq.plan.model
         assert seq.job is not None
         tes = [self._view[t] for t in self._by_model.get(model, ())]
-        step = next_step(seq.job, tes, self._placed, now=self.now)
+        cached = {
+            v.te_id: c
+            for v in tes
+            if v.state == TEState.READY and (c := self._by_id[v.te_id].cached_prefix(seq))
+        }
+        self._round_robin += 1
+        request = Request(
+            prompt_tokens=seq.prompt,
+            cached_tokens=cached,
+            spread=(
+                self._round_robin
+                if self.cfg.routing.policy == "round-robin"
+                else zlib.crc32(seq.plan.key.encode())
+            ),
+        )
+        step = next_step(
+            seq.job, tes, self._placed, now=self.now, request=request, routing=self.cfg.routing
+        )
         if isinstance(step, Hold):
             if step.urgent:
                 self._schedule_scaler(self.cfg.network_s, urgent=True)
             return False
         if isinstance(step, GiveUp):
             return False  # its expire event fails it
-        self._placed[step.te_id] = self._placed.get(step.te_id, 0) + seq.prompt
+        work = seq.prompt - cached.get(step.te_id, 0)
+        self._placed[step.te_id] = self._placed.get(step.te_id, 0) + work
         te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
             # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
@@ -322,6 +396,13 @@ class Simulation:
             traffic.held -= 1
             traffic.held_prompt_tokens -= seq.plan.input_tokens
             seq.held_at = None
+        self.stats.routed[step.branch] = self.stats.routed.get(step.branch, 0) + 1
+        seq.matched = cached.get(step.te_id, 0)
+        if not seq.placed:
+            seq.placed = True
+            self.stats.prompt_tokens += seq.plan.input_tokens
+            self.stats.matched_tokens += cached.get(step.te_id, 0)
+            self.stats.oracle_tokens += max(cached.values(), default=0)
         te.waiting.append(seq)
         te.last_active = self.now
         self._dirty.add(te.te_id)
@@ -460,7 +541,7 @@ class Simulation:
         """A draining TE unloads once its last request finished."""
         if te.state != TEState.DRAINING or te.running or te.waiting or te.busy:
             return
-        te.state, te.model, te.profile = TEState.IDLE, None, None
+        te.state, te.model, te.profile, te.cache = TEState.IDLE, None, None, None
         te.epoch += 1
         self._state_changed(te)
         self.stats.unloads += 1
@@ -473,6 +554,8 @@ class Simulation:
         assert te.profile is not None and te.model is not None
         te.state = TEState.READY
         te.free_blocks = te.profile.kv_blocks
+        if self.cfg.prefix_caching:
+            te.cache = PrefixLRU(te.profile.kv_blocks * te.profile.block_size)
         te.last_active = self.now
         te.recent_models = (te.model, *(m for m in te.recent_models if m != te.model))[:8]
         self._state_changed(te)
@@ -514,8 +597,11 @@ class Simulation:
         ]
         # The scheduler admits in queue order and stops at the first that does not fit: only
         # the head of the queue can matter (a long queue would make every iteration O(n)).
-        head = itertools.islice(te.waiting, prof.max_num_seqs)
-        waiting = [SeqView(str(id(s)), s.prompt, 0) for s in head]
+        head = list(itertools.islice(te.waiting, prof.max_num_seqs))
+        hits = {s: te.cached_prefix(s) for s in head}
+        waiting = [
+            SeqView(str(id(s)), s.prompt, hits[s] // bs, num_cached_tokens=hits[s]) for s in head
+        ]
         sched = SchedulerConfig(
             block_size=bs,
             max_num_seqs=prof.max_num_seqs,
@@ -528,8 +614,8 @@ class Simulation:
             gone = set(decision.preempt)
             for s in [s for s in te.running if str(id(s)) in gone][::-1]:
                 te.running.remove(s)
-                te.free_blocks += s.blocks
-                s.blocks = 0
+                te.free_blocks += s.blocks - s.shared_blocks
+                s.blocks = s.shared_blocks = 0
                 s.computed = 0
                 s.prompt = s.num_tokens  # recomputed from all its tokens
                 te.waiting.appendleft(s)
@@ -537,6 +623,14 @@ class Simulation:
         going_on = set(decision.running)
         ran = [s for s in te.running if str(id(s)) in going_on]
         prefill = [te.waiting.popleft() for _ in range(len(decision.prefill))]
+        for s in prefill:
+            hit = hits.get(s, 0)
+            if hit:
+                te.cached_prefix(s, touch=True)
+            s.computed, s.blocks, s.shared_blocks = hit, hit // bs, hit // bs
+            if not s.admitted:
+                s.admitted = True
+                self.stats.cached_tokens += hit
         ctx = 0
         chunks: list[int] = []  # prompt tokens each prefilling request computes now
         cached: list[int] = []  # and those of its prompt computed before
@@ -568,6 +662,8 @@ class Simulation:
             s.computed = end
             if end < s.num_tokens:
                 continue  # a prompt chunk: the prompt goes on in the next iteration
+            if not s.generated and te.cache is not None and s.keys:
+                te.cache.insert(s.keys, s.plan.block_size)  # its prompt's blocks stay
             s.generated += 1
             r = s.result
             if r.ttft_s is None:
@@ -578,8 +674,8 @@ class Simulation:
             s.last_token_at = arrive
             if s.generated >= s.plan.output_tokens:
                 te.running.remove(s)
-                te.free_blocks += s.blocks
-                s.blocks = 0
+                te.free_blocks += s.blocks - s.shared_blocks
+                s.blocks = s.shared_blocks = 0
                 r.e2e_s = arrive - EPOCH - r.sent_s
                 r.status = 200
                 r.prompt_tokens = s.plan.input_tokens

@@ -59,6 +59,34 @@ def scale_rate(reqs: list[TraceRequest], factor: float, seed: int = 0) -> list[T
     return normalize(out)
 
 
+def scale_prompts(reqs: list[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Every prompt ``factor`` times as long, and its blocks with it: a trace of 512-token
+    blocks at 0.125 has 64-token blocks, so the same requests share the same share of their
+    prompts (the trace's prefix structure, at lengths a small model or host can serve).
+    ``factor`` must make the block size a whole number of tokens. Outputs are untouched
+    (``--max-output-tokens`` caps them)."""
+    if factor <= 0:
+        raise ValueError("prompt scale must be positive")
+    if factor == 1:
+        return list(reqs)
+    out = []
+    for r in reqs:
+        block = r.block_size * factor
+        if r.block_size and (block < 1 or abs(block - round(block)) > 1e-9):
+            raise ValueError(
+                f"prompt scale {factor:g} makes the trace's {r.block_size}-token blocks "
+                f"{block:g} tokens: choose a scale that leaves whole tokens"
+            )
+        out.append(
+            dataclasses.replace(
+                r,
+                input_tokens=max(1, round(r.input_tokens * factor)),
+                block_size=round(block) if r.block_size else 0,
+            )
+        )
+    return out
+
+
 def limit(
     reqs: list[TraceRequest], *, duration_s: float | None = None, max_requests: int | None = None
 ) -> list[TraceRequest]:
