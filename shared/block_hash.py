@@ -43,15 +43,20 @@ def use_native(toolchain: Toolchain = DEFAULT_TOOLCHAIN) -> bool:
     if _native:
         return True
     try:
-        lib = ctypes.CDLL(str(native.build("block_hash", [_SOURCE], toolchain, _FLAG_SETS)))
+        path = str(native.build("block_hash", [_SOURCE], toolchain, _FLAG_SETS))
+        lib, with_gil = ctypes.CDLL(path), ctypes.PyDLL(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("block hashes in Python (no C build): %s", e)
         return False
-    fn = lib.chain_hashes
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64]
-    fn.argtypes += [ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    _native.append(fn)
+    i64, u64, ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+    of_array = lib.chain_hashes
+    of_array.argtypes = [ptr, i64, i64, u64, ptr]
+    of_array.restype = ctypes.c_int
+    # Called with the GIL held: it reads the list's items through the C API.
+    of_list = with_gil.chain_hashes_list
+    of_list.argtypes = [ctypes.py_object, i64, i64, i64, u64, ptr]
+    of_list.restype = ctypes.c_int
+    _native.extend((of_array, of_list))
     return True
 
 
@@ -80,16 +85,20 @@ def extend_chain(
     full = (len(token_ids) - start) // block_size
     if full <= 0:
         return
-    # One conversion of the tokens to int32, then a hash per block of it.
-    tokens = array.array("i", token_ids[start : start + full * block_size])
     parent = hashes[-1] if hashes else root
     if _native and full >= _MIN_NATIVE_BLOCKS and block_size <= 4096:
         out = array.array("Q", bytes(8 * full))
-        tokens_at, _ = tokens.buffer_info()
         out_at, _ = out.buffer_info()
-        if _native[0](tokens_at, full, block_size, parent, out_at) == 0:
+        if type(token_ids) is list:
+            done = _native[1](token_ids, start, full, block_size, parent, out_at)
+        else:
+            tokens = array.array("i", token_ids[start : start + full * block_size])
+            done = _native[0](tokens.buffer_info()[0], full, block_size, parent, out_at)
+        if done == 0:
             hashes.extend(out)
             return
+    # One conversion of the tokens to int32, then a hash per block of it.
+    tokens = array.array("i", token_ids[start : start + full * block_size])
     if not _LITTLE:
         tokens.byteswap()
     data = memoryview(tokens).cast("B")

@@ -88,6 +88,18 @@ static uint64_t blake2b_64(const uint8_t *msg, size_t len) {
   return h[0];
 }
 
+static void put_block(uint8_t *msg, uint64_t parent, const uint32_t *tokens, int64_t n) {
+  for (int k = 0; k < 8; k++) msg[k] = (uint8_t)(parent >> (8 * k));
+  for (int64_t j = 0; j < n; j++) {
+    uint32_t u = tokens[j];
+    uint8_t *p = msg + 8 + 4 * j;
+    p[0] = (uint8_t)u;
+    p[1] = (uint8_t)(u >> 8);
+    p[2] = (uint8_t)(u >> 16);
+    p[3] = (uint8_t)(u >> 24);
+  }
+}
+
 /* out[i] = h_i for the n_blocks full blocks of tokens (n_blocks * block_size int32s). */
 int chain_hashes(const int32_t *tokens, int64_t n_blocks, int64_t block_size, uint64_t root,
                  uint64_t *out) {
@@ -96,16 +108,46 @@ int chain_hashes(const int32_t *tokens, int64_t n_blocks, int64_t block_size, ui
   size_t len = 8 + 4 * (size_t)block_size;
   uint64_t parent = root;
   for (int64_t i = 0; i < n_blocks; i++) {
-    for (int k = 0; k < 8; k++) msg[k] = (uint8_t)(parent >> (8 * k));
-    const int32_t *t = tokens + i * block_size;
+    put_block(msg, parent, (const uint32_t *)tokens + i * block_size, block_size);
+    parent = blake2b_64(msg, len);
+    out[i] = parent;
+  }
+  return 0;
+}
+
+/* The same over a Python list of ints, from item ``start`` on, read in place: turning a
+ * 32k-token list into an int32 array first costs more than hashing it. Called with the GIL
+ * held (ctypes.PyDLL). The C API's stable functions are declared here rather than taken
+ * from Python.h, so that no Python headers are needed to build: they resolve against the
+ * interpreter that loads the library. Returns -2 for an item that is not an int of 32 bits
+ * (the caller then hashes in Python, which raises the error a user should see). */
+extern long PyLong_AsLong(void *);
+extern void *PyList_GetItem(void *, long);
+extern void *PyErr_Occurred(void);
+extern void PyErr_Clear(void);
+
+int chain_hashes_list(void *list, int64_t start, int64_t n_blocks, int64_t block_size,
+                      uint64_t root, uint64_t *out) {
+  if (block_size <= 0 || block_size > 4096) return -1;
+  uint8_t msg[8 + 4 * 4096];
+  uint32_t block[4096];
+  size_t len = 8 + 4 * (size_t)block_size;
+  uint64_t parent = root;
+  for (int64_t i = 0; i < n_blocks; i++) {
     for (int64_t j = 0; j < block_size; j++) {
-      uint32_t u = (uint32_t)t[j];
-      uint8_t *p = msg + 8 + 4 * j;
-      p[0] = (uint8_t)u;
-      p[1] = (uint8_t)(u >> 8);
-      p[2] = (uint8_t)(u >> 16);
-      p[3] = (uint8_t)(u >> 24);
+      void *item = PyList_GetItem(list, (long)(start + i * block_size + j));
+      if (item == NULL) {
+        PyErr_Clear();
+        return -2;
+      }
+      long v = PyLong_AsLong(item);
+      if ((v == -1 && PyErr_Occurred() != NULL) || v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Clear();
+        return -2;
+      }
+      block[j] = (uint32_t)(int32_t)v;
     }
+    put_block(msg, parent, block, block_size);
     parent = blake2b_64(msg, len);
     out[i] = parent;
   }

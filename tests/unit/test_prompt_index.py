@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import struct
 
 import pytest
 
@@ -56,6 +57,9 @@ class TestBlockHash:
         grown = chain_hashes(tokens[:50], 16)  # 3 blocks: Python's; the next 4 in C
         block_hash.extend_chain(grown, tokens, 16)
         assert grown == whole
+        assert chain_hashes(tuple(tokens), 16) == whole  # not a list: through an int32 array
+        with pytest.raises((OverflowError, struct.error)):  # Python's own error for a bad id
+            chain_hashes([*tokens[:5], 2**40, *tokens[5:100]], 16)
 
     def test_without_a_compiler_python_hashes(self, monkeypatch):
         monkeypatch.setattr(block_hash, "_native", [])
