@@ -284,6 +284,25 @@ class Table:
         return "\n".join(lines)
 
 
+# --- replays -------------------------------------------------------------------------------
+
+
+def replay_row(config: str, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A table row of what ``meshserve-loadgen replay`` (or ``simulate``) summarised."""
+    return {
+        "config": config,
+        "requests": summary.get("requests"),
+        "prompt_tokens": summary.get("input_tokens"),
+        "output_tokens": summary.get("output_tokens"),
+        "ttft_p50": summary["ttft_ms"]["p50"],
+        "ttft_p90": summary["ttft_ms"]["p90"],
+        "tpot_p90": summary["tpot_ms"]["p90"],
+        "slo": 100 * (summary.get("slo_attainment") or 0.0),
+        "goodput": summary.get("goodput_rps"),
+        "failed": summary.get("failed"),
+    }
+
+
 # --- results --------------------------------------------------------------------------------
 
 

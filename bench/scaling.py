@@ -25,21 +25,26 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, ROOT, Col, Table, ensure_model, models_dir, write_result
+from bench.cluster import LocalCluster, instances
+from bench.common import (
+    RESULTS,
+    ROOT,
+    Col,
+    Table,
+    ensure_model,
+    models_dir,
+    replay_row,
+    write_result,
+)
 from loadgen.costmodel import load_profiles, save_profiles
-from shared.embedded import free_port
-from shared.settings import Settings, process_environment
 
 SCALING = {  # shortened so that a run of minutes shows scale-out, scale-in and zero
     "KEEP_ALIVE": "10",
@@ -56,8 +61,8 @@ PREWARM_S = 5.0  # a cluster's TEs import their engine as they start: the trace 
 class Fleet:
     """Samples ``/health``: instance-seconds and each model's peak instance count."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url.removesuffix("/v1") + "/health"
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
         self.instance_s = 0.0
         self.peak: dict[str, int] = {}  # each model's own peak
         self.peak_total = 0  # instances at once, all models
@@ -74,12 +79,8 @@ class Fleet:
         last = time.monotonic()
         while not self._stop.is_set():
             with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(self.url, timeout=2) as r:
-                    body = json.loads(r.read())
-                counts: dict[str, int] = {}
-                for te in body["task_executors"]:
-                    if te.get("model") and te["state"] in ("loading", "ready", "draining"):
-                        counts[te["model"]] = counts.get(te["model"], 0) + 1
+                body = self.cluster.health()
+                counts = instances(body, ("loading", "ready", "draining"))
                 now = time.monotonic()
                 self.instance_s += sum(counts.values()) * (now - last)
                 last = now
@@ -95,22 +96,6 @@ class Fleet:
         self._thread.join()
 
 
-def _env(cluster: str, models: Path, port: int, pool: str, extra: dict[str, str]) -> dict:
-    s = Settings.load()
-    return process_environment(
-        {
-            "MESHSERVE_CLUSTER": cluster,
-            "MESHSERVE_NATS_URL": s.nats_url or "",
-            "MESHSERVE_REDIS_URL": s.redis_url or "",
-            "MESHSERVE_MODELS_DIR": str(models),
-            "MESHSERVE_HTTP_PORT": str(port),
-            "MESHSERVE_POOL_ID": pool,
-            "MESHSERVE_LOG_LEVEL": LOG_LEVEL[0],
-            **{f"MESHSERVE_{k}": v for k, v in {**SCALING, **extra}.items()},
-        }
-    )
-
-
 def _run_cluster(
     name: str,
     models: Path,
@@ -121,100 +106,52 @@ def _run_cluster(
     extra: dict[str, str],
     floor: int,
 ) -> dict[str, Any]:
-    cluster, port = f"bench-scaling-{uuid.uuid4().hex[:6]}", free_port()
-    logs = out / f"{name}.log"
-    with logs.open("w") as log:
-        up = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--pool-size", str(pool_size)],
-            env=_env(cluster, models, port, "pool-a", extra),
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
+    with LocalCluster(
+        name,
+        models,
+        pool_size=pool_size,
+        settings={**SCALING, **extra},
+        log=out / f"{name}.log",
+        second_pool=True,
+        log_level=LOG_LEVEL[0],
+    ) as cluster:
+        fleet = Fleet(cluster).start()
+        deadline = time.monotonic() + 300
+        while fleet.tes < 2 * pool_size:  # both pools joined
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: {fleet.tes} of {2 * pool_size} TEs joined")
+            time.sleep(0.5)
+        time.sleep(PREWARM_S)  # each TE pre-warms its engine (imports) once it starts
+        while sum(fleet.now.values()) < floor or any(  # a fixed fleet loads first
+            n < floor // max(len(fleet.now), 1) for n in fleet.now.values()
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the fleet did not load: {fleet.now}")
+            time.sleep(0.5)
+        fleet.instance_s = 0.0
+        run_dir = out / name
+        subprocess.run(
+            [sys.executable, "-m", "loadgen.cli", "replay", str(trace), "--url", cluster.url,
+             "--tokenizer", str(tokenizer), "--no-plots", "--out", str(run_dir)],
+            check=True,
             cwd=ROOT,
-        )
-        pool_b = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "task-executor", "--pool-id", "pool-b"],
-            env=_env(cluster, models, port, "pool-b", {**extra, "POOL_SIZE": str(pool_size)}),
-            stdout=log,
-            stderr=log,
-            cwd=ROOT,
-        )
-        try:
-            url = up.stdout.readline().strip() if up.stdout else ""
-            if not url.startswith("http"):
-                raise RuntimeError(f"{name}: the cluster did not start; see {logs}")
-            fleet = Fleet(url).start()
-            deadline = time.monotonic() + 300
-            while fleet.tes < 2 * pool_size:  # both pools joined
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name}: {fleet.tes} of {2 * pool_size} TEs joined")
-                time.sleep(0.5)
-            time.sleep(PREWARM_S)  # each TE pre-warms its engine (imports) once it starts
-            while sum(fleet.now.values()) < floor or any(  # a fixed fleet loads first
-                n < floor // max(len(fleet.now), 1) for n in fleet.now.values()
-            ):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name}: the fleet did not load: {fleet.now}")
-                time.sleep(0.5)
-            fleet.instance_s = 0.0
-            run_dir = out / name
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "loadgen.cli",
-                    "replay",
-                    str(trace),
-                    "--url",
-                    url,
-                    "--tokenizer",
-                    str(tokenizer),
-                    "--no-plots",
-                    "--out",
-                    str(run_dir),
-                ],
-                check=True,
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-            )
-            replay_s = time.monotonic()
-            deadline = replay_s + 120
-            while sum(fleet.now.values()) > floor and time.monotonic() < deadline:
-                time.sleep(0.5)  # the autoscaler's tail: back to zero after the keep-alive
-            fleet.stop()
-            summary = json.loads((run_dir / "summary.json").read_text())
-            return {
-                "summary": summary,
-                "instance_s": fleet.instance_s,
-                "peak": fleet.peak,
-                "peak_total": fleet.peak_total,
-            }
-        finally:
-            for p in (pool_b, up):
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-            for p in (pool_b, up):
-                try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while sum(fleet.now.values()) > floor and time.monotonic() < deadline:
+            time.sleep(0.5)  # the autoscaler's tail: back to zero after the keep-alive
+        fleet.stop()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {
+            "summary": summary,
+            "instance_s": fleet.instance_s,
+            "peak": fleet.peak,
+            "peak_total": fleet.peak_total,
+        }
 
 
 def _row(config: str, summary: dict[str, Any], instance_s: float, peak: int) -> dict[str, Any]:
-    return {
-        "config": config,
-        "requests": summary.get("requests"),
-        "prompt_tokens": summary.get("input_tokens"),
-        "output_tokens": summary.get("output_tokens"),
-        "instance_s": instance_s,
-        "ttft_p50": summary["ttft_ms"]["p50"],
-        "ttft_p90": summary["ttft_ms"]["p90"],
-        "tpot_p90": summary["tpot_ms"]["p90"],
-        "slo": 100 * (summary.get("slo_attainment") or 0.0),
-        "goodput": summary.get("goodput_rps"),
-        "failed": summary.get("failed"),
-        "peak": peak,
-    }
+    return replay_row(config, summary) | {"instance_s": instance_s, "peak": peak}
 
 
 def main(argv: list[str] | None = None) -> None:

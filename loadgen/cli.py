@@ -464,6 +464,7 @@ def _compare_routing(planned: list, profiles: dict, cfg, slo, out: Path, done: t
             "tpot_ms": summary["tpot_ms"],
             "goodput_rps": summary["goodput_rps"],
             "slo_attainment": summary["slo_attainment"],
+            "requests": summary["requests"],
             "failed": summary["failed"],
             "prompt_tokens": stats.prompt_tokens,
             "hit_rate": stats.hit_rate,

@@ -29,7 +29,9 @@ def _bench(*args: str, timeout: float = 120) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("name", ["engine", "gpu", "kernels", "scheduling", "vs_vllm"])
+@pytest.mark.parametrize(
+    "name", ["engine", "gpu", "kernels", "scheduling", "vs_vllm", "scaling", "routing"]
+)
 def test_every_bench_starts(name: str) -> None:
     assert "usage:" in _bench(f"bench.{name}", "--help")
 
@@ -71,3 +73,18 @@ def test_bench_scheduling_replays_both_scenarios_under_each_setting(tmp_path: Pa
     for row in medians["long"].values():
         assert row["long_ttft_s"] > 0 and row["decode_stall_max_s"] > 0
     assert "closed (medians of 1)" in printed and "chunked:16" in printed
+
+
+def test_bench_routing_times_the_prompt_index(tmp_path: Path) -> None:
+    out = tmp_path / "routing.json"
+    printed = _bench(
+        "bench.routing", "--skip-cluster", "--skip-sim", "--index-tes", "5",
+        "--index-blocks", "3000", "--index-prompt-tokens", "1024", "--out", str(out),
+    )  # fmt: skip
+    index = json.loads(out.read_text())["index"]
+    assert index["tes"] == 5 and index["prompt_blocks"] == 64
+    assert index["blocks"] >= 2900  # the prompt's blocks and each TE's own
+    for key in ("hash_ms", "match_ms", "hash_and_match_ms", "miss_ms"):
+        assert 0 < index[key]["p50"] <= index[key]["p99"]
+    assert index["churn_batches_per_s"] > 0
+    assert "prompt index: " in printed
