@@ -269,7 +269,7 @@ def trace_bound(window_s: float, time_scale: float, prompt_scale: float, context
     reqs = transforms.scale_prompts(reqs, prompt_scale)
     reqs = transforms.limit(reqs, duration_s=window_s * time_scale)
     planned = plan(reqs, model=MODEL, max_context={MODEL: context})
-    return reuse_bound([(p.input_tokens, p.hash_ids, p.block_size) for p in planned])
+    return reuse_bound(planned)
 
 
 # --- the simulator --------------------------------------------------------------------------

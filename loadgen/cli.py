@@ -291,6 +291,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from loadgen.costmodel import DEFAULT_PROFILE, load_profiles
+    from loadgen.prefix_sim import reuse_bound
     from loadgen.report import summarize
     from loadgen.simulator import SimConfig, simulate
 
@@ -408,7 +409,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"prefix reuse, % of prompt tokens: routed to a cached prefix "
             f"{100 * stats.matched_rate:.1f} (an oracle routing each request to the instance "
             f"holding the most: {100 * stats.oracle_hit_rate:.1f}; any cache of any size: "
-            f"{100 * _reuse_bound(planned):.1f}), taken from the cache at admission "
+            f"{100 * reuse_bound(planned):.1f}), taken from the cache at admission "
             f"{100 * stats.hit_rate:.1f}; routing {stats.routed}"
         )
     if args.routing == "all":
@@ -436,12 +437,6 @@ def _routing(args: argparse.Namespace) -> RoutingConfig:
         if args.balance_tokens is None
         else args.balance_tokens,
     )
-
-
-def _reuse_bound(planned: list) -> float:
-    from loadgen.prefix_sim import reuse_bound
-
-    return reuse_bound([(p.input_tokens, p.hash_ids, p.block_size) for p in planned])
 
 
 def _compare_routing(planned: list, profiles: dict, cfg, slo, out: Path, done: tuple) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+from loadgen.plan import Planned
+
 
 def chain_keys(hash_ids: Sequence[int]) -> tuple[int, ...]:
     """A key per trace block that names its whole prefix."""
@@ -64,14 +66,14 @@ class PrefixLRU:
             held.popitem(last=False)
 
 
-def reuse_bound(prompts: Sequence[tuple[int, Sequence[int], int]]) -> float:
+def reuse_bound(planned: Sequence[Planned]) -> float:
     """The share of prompt tokens that an unbounded cache seen by every request would hold:
     each prompt's leading blocks that an earlier prompt had, whole blocks, never its last
-    token. ``prompts``: (prompt tokens, trace hash ids, trace block size), in arrival order.
-    No router and no cache of real size does better."""
+    token; ``planned`` in arrival order. No router and no cache of real size does better."""
     seen: set[int] = set()
     total = reused = 0
-    for n, hash_ids, block in prompts:
+    for p in planned:
+        n, hash_ids, block = p.input_tokens, p.hash_ids, p.block_size
         total += n
         if not block or not hash_ids:
             continue

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,7 +48,7 @@ from loadgen.prefix_sim import PrefixLRU, chain_keys
 from loadgen.results import Result
 from services.frontend.outcomes import Outcomes
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
-from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig
+from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
 from services.job_executor.scheduling import Request
 from services.scaler.policy import (
     Load,
@@ -368,11 +367,7 @@ class Simulation:
         request = Request(
             prompt_tokens=seq.prompt,
             cached_tokens=cached,
-            spread=(
-                self._round_robin
-                if self.cfg.routing.policy == "round-robin"
-                else zlib.crc32(seq.plan.key.encode())
-            ),
+            spread=spread_of(self.cfg.routing, self._round_robin, seq.plan.key),
         )
         step = next_step(
             seq.job, tes, self._placed, now=self.now, request=request, routing=self.cfg.routing
@@ -383,8 +378,8 @@ class Simulation:
             return False
         if isinstance(step, GiveUp):
             return False  # its expire event fails it
-        work = seq.prompt - cached.get(step.te_id, 0)
-        self._placed[step.te_id] = self._placed.get(step.te_id, 0) + work
+        matched = cached.get(step.te_id, 0)
+        self._placed[step.te_id] = self._placed.get(step.te_id, 0) + seq.prompt - matched
         te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
             # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
@@ -397,11 +392,11 @@ class Simulation:
             traffic.held_prompt_tokens -= seq.plan.input_tokens
             seq.held_at = None
         self.stats.routed[step.branch] = self.stats.routed.get(step.branch, 0) + 1
-        seq.matched = cached.get(step.te_id, 0)
+        seq.matched = matched
         if not seq.placed:
             seq.placed = True
             self.stats.prompt_tokens += seq.plan.input_tokens
-            self.stats.matched_tokens += cached.get(step.te_id, 0)
+            self.stats.matched_tokens += matched
             self.stats.oracle_tokens += max(cached.values(), default=0)
         te.waiting.append(seq)
         te.last_active = self.now

@@ -34,6 +34,7 @@ comparison on the same cluster.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 from typing import Literal
 
@@ -61,6 +62,12 @@ class Candidate:
 class Route:
     te_id: str
     branch: str  # "locality", "load", "least-loaded", "round-robin": why this one
+
+
+def spread_of(config: RoutingConfig, counter: int, key: str) -> int:
+    """A request's ``spread``: round-robin's counter (the caller's, one more per request),
+    else a hash of the request's own key, so that ties fall evenly whichever JE places it."""
+    return counter if config.policy == "round-robin" else zlib.crc32(key.encode())
 
 
 def _spread(tied: Sequence[Candidate], spread: int) -> Candidate:

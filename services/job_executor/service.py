@@ -9,12 +9,11 @@ import os
 import socket
 import time
 import uuid
-import zlib
 from collections import defaultdict
 
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
-from services.job_executor.routing import RoutingConfig
+from services.job_executor.routing import RoutingConfig, spread_of
 from services.job_executor.scheduling import Request, te_load
 from services.views import TEView, te_view
 from shared import block_hash
@@ -150,11 +149,7 @@ class JobExecutor:
         held = False
         hashes = self._feed.prompt_hashes(job.model, job.prompt_token_ids)
         self._round_robin += 1
-        spread = (
-            self._round_robin
-            if self._routing.policy == "round-robin"
-            else zlib.crc32(job.request_id.encode())
-        )
+        spread = spread_of(self._routing, self._round_robin, job.request_id)
         try:
             while True:
                 view = self._view.view

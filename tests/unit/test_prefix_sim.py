@@ -11,25 +11,15 @@ from loadgen.prefix_sim import PrefixLRU, chain_keys, reuse_bound
 from loadgen.simulator import SimConfig, simulate
 from loadgen.traces import TraceRequest
 from services.job_executor.routing import RoutingConfig
+from tests.unit.test_loadgen_simulator import profile as simulator_profile
 
 
-def profile(**kw) -> EngineProfile:
-    base = dict(
-        model="m",
-        load_s=0.0,
-        decode_batches=(1, 8),
-        decode_s=(0.01, 0.01),
-        decode_ctx_s=0.0,
-        prefill_s=0.001,  # 1 ms a prompt token: a cached prefix shows in the TTFT
-        prefill_s2=0.0,
-        max_num_seqs=8,
-        max_prefill_tokens=8192,
-        kv_blocks=4096,
-        block_size=16,
+def profile() -> EngineProfile:
+    # 1 ms a prompt token and no load time: a cached prefix shows in the TTFT.
+    return simulator_profile(
+        load_s=0.0, decode_s=(0.01, 0.01), max_prefill_tokens=8192, kv_blocks=4096,
         max_model_len=8192,
-    )
-    base.update(kw)
-    return EngineProfile(**base)
+    )  # fmt: skip
 
 
 def req(t: float, n: int, hash_ids: tuple[int, ...], out: int = 2) -> TraceRequest:
@@ -69,12 +59,15 @@ class TestPrefixLRU:
 
 
 def test_reuse_bound_counts_what_any_earlier_prompt_shared() -> None:
-    prompts = [
-        (256, (1, 2, 3, 4), 64),  # new: nothing
-        (256, (1, 2, 5, 6), 64),  # 2 blocks seen
-        (128, (1, 2), 64),  # both blocks seen, but never the last token
-        (100, (), 0),  # no ids: nothing
-    ]
+    prompts = plan(
+        [
+            req(0, 256, (1, 2, 3, 4)),  # new: nothing
+            req(1, 256, (1, 2, 5, 6)),  # 2 blocks seen
+            req(2, 128, (1, 2)),  # both blocks seen, but never the last token
+            TraceRequest(arrival_s=3, input_tokens=100, output_tokens=2),  # no ids: nothing
+        ],
+        model="m",
+    )
     assert reuse_bound(prompts) == pytest.approx((128 + 127) / (256 + 256 + 128 + 100))
 
 
