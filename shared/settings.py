@@ -331,6 +331,35 @@ class TorchEngineSettings(Section):
     )
 
 
+class HostCacheSettings(Section):
+    env_prefix = "HOST_CACHE_"
+
+    bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Host memory the host weight cache may hold (services/task_executor/"
+        "weight_cache): models' weights, tensor by tensor in the engine's form, shared by "
+        "the TEs of the host and kept after a model unloads, so that a later load maps them "
+        "instead of reading and packing the checkpoint. Unset: a quarter of the host's "
+        "memory, at most half of what the cache directory's filesystem has free; 0: off.",
+    )
+    dir: Path = Field(
+        default=Path("/dev/shm/meshserve-weights"),
+        description="Where the cache's files live: a memory filesystem (tmpfs) shared by the "
+        "host's TEs. Entries are keyed by content, so clusters on one host share them.",
+    )
+    load_bandwidth: float = Field(
+        default=1.0e9,
+        gt=0,
+        description="Bytes per second a load that misses the cache reads and packs at: the "
+        "eviction cost's size / load_bandwidth (weight_cache/eviction.py).",
+    )
+    horizon: Duration = Field(
+        default=timedelta(minutes=10),
+        description="How far ahead eviction weighs an entry's chance of being needed again.",
+    )
+
+
 class OpenVINOSettings(Section):
     env_prefix = "OPENVINO_"
 
@@ -373,8 +402,8 @@ class LoadgenSettings(Section):
 
 
 class Settings(BaseModel):
-    """The whole tree. Sections still to come (auth, limits, the host weight cache) are
-    further fields of this class, each a Section."""
+    """The whole tree. Sections still to come (auth, limits) are further fields of this
+    class, each a Section."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -403,6 +432,7 @@ class Settings(BaseModel):
     scaler: ScalerSettings = ScalerSettings()
     task_executor: TaskExecutorSettings = TaskExecutorSettings()
     torch: TorchEngineSettings = TorchEngineSettings()
+    host_cache: HostCacheSettings = HostCacheSettings()
     openvino: OpenVINOSettings = OpenVINOSettings()
     vllm: VLLMSettings = VLLMSettings()
     loadgen: LoadgenSettings = LoadgenSettings()

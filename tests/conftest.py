@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +39,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "unit tests run without servers, trained models, venvs or GPUs; move these to "
             "tests/integration: " + "; ".join(misplaced)
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_cache_dir() -> Iterator[Path]:
+    """The host weight cache of every engine and cluster the tests start, in a directory of
+    this session's (removed after it), not the host's own /dev/shm/meshserve-weights."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = Path(tempfile.mkdtemp(prefix="meshserve-test-weights-", dir=base))
+    os.environ["MESHSERVE_HOST_CACHE_DIR"] = str(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -22,12 +22,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 
 from services.task_executor.capacity import CapacityStore, measure_capacity
-from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
+from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest, LoadReport
 from services.task_executor.engines.capabilities import EngineFeatures, bind_features
 from services.task_executor.engines.factory import (
     choose_engine,
@@ -66,7 +66,13 @@ from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
-EngineFactory = Callable[[str, Path, Settings], Engine]
+
+class EngineFactory(Protocol):
+    def __call__(
+        self, model: str, model_path: Path, settings: Settings, *, report: LoadReport
+    ) -> Engine: ...
+
+
 _T = TypeVar("_T")
 
 # Prefix-cache events are published at most this often, as one batch.
@@ -313,9 +319,11 @@ class TaskExecutor:
         t1 = time.monotonic()
         steps["te_pre_load"] = t1 - t0  # the command's wait for the engine thread
         self._choice = engine_choice(self._settings, cmd.model, Path(cmd.path))
-        engine = self._engine_factory(cmd.model, Path(cmd.path), self._settings)
+        report = LoadReport()
+        engine = self._engine_factory(cmd.model, Path(cmd.path), self._settings, report=report)
         t2 = time.monotonic()
         steps["te_load"] = t2 - t1
+        steps.update({f"te_load_{name}": s for name, s in report.phases.items()})
         try:
             features = bind_features(engine)
             capacity = cmd.capacity or self._measure_capacity(engine, Path(cmd.path))

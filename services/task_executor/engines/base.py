@@ -13,6 +13,7 @@ exactly these over its pipe.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -69,6 +70,33 @@ class PrefillBudget(msgspec.Struct, frozen=True):
     tokens: int
     chunked: bool
     paced_tokens: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class LoadReport:
+    """What one load took: its phases, and what it took from the host weight cache and put
+    there (``weight_cache``; zero without one)."""
+
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+    stored_bytes: int = 0  # copied into the cache by this load
+    uncached_bytes: int = 0  # built but not stored (no room)
+    evicted_bytes: int = 0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def merge(self, other: LoadReport) -> None:
+        self.hits += other.hits
+        self.hit_bytes += other.hit_bytes
+        self.misses += other.misses
+        self.stored_bytes += other.stored_bytes
+        self.uncached_bytes += other.uncached_bytes
+        self.evicted_bytes += other.evicted_bytes
+        for name, seconds in other.phases.items():
+            self.add_phase(name, seconds)
 
 
 class Engine(Protocol):

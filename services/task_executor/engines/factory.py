@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from services.task_executor.engines.base import Engine
+from services.task_executor.engines.base import Engine, LoadReport
 from services.task_executor.engines.capabilities import CapabilityError, TensorSource
 from services.task_executor.engines.choice import EngineChoice, HostView, Wanted, choose
 from shared import block_hash
@@ -90,10 +90,17 @@ def prewarm(settings: Settings) -> None:
 
 
 def create_engine(
-    model: str, model_path: Path, settings: Settings, *, tensors: TensorSource | None = None
+    model: str,
+    model_path: Path,
+    settings: Settings,
+    *,
+    tensors: TensorSource | None = None,
+    report: LoadReport | None = None,
 ) -> Engine:
-    """``tensors``: the weights, handed over (a host cache) instead of read from the
-    checkpoint; only an engine that declares ``weight_source`` takes them."""
+    """``tensors``: the weights, handed over instead of read from the checkpoint; only an
+    engine that declares ``weight_source`` takes them. Otherwise the torch engine loads
+    through the host weight cache where the settings turn it on (``host_cache``).
+    ``report``: filled with the load's phases and what it took from the cache."""
     kind = choose_engine(settings, model, model_path)
     if tensors is not None and kind != "torch":
         raise CapabilityError(
@@ -101,6 +108,7 @@ def create_engine(
         )
     if kind == "torch":
         from services.task_executor.engines.torch_engine import TorchEngine
+        from services.task_executor.weight_cache.store import HostWeightCache
 
         return TorchEngine(
             model_path,
@@ -116,6 +124,9 @@ def create_engine(
             kernel_toolchain=Toolchain.of(settings),
             cuda_graphs=settings.torch.cuda_graphs,
             tensors=tensors,
+            weight_cache=HostWeightCache.from_settings(settings) if tensors is None else None,
+            model_name=model,
+            load_report=report,
         )
     if kind == "openvino":
         from services.task_executor.engines.process import ProcessEngine

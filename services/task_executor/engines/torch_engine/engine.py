@@ -28,6 +28,7 @@ from services.task_executor.engines.base import (
     EngineOutput,
     EngineRequest,
     EngineStats,
+    LoadReport,
     PrefillBudget,
     check_prompt,
 )
@@ -60,6 +61,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     tpot_slack,
 )
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
+from services.task_executor.weight_cache.store import CacheSession, HostWeightCache
 from shared.block_hash import chain_hashes, extend_chain
 from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
@@ -202,10 +204,19 @@ class TorchEngine:
         kernel_toolchain: Toolchain | None = None,
         cuda_graphs: bool = True,
         tensors: TensorSource | None = None,
+        weight_cache: HostWeightCache | None = None,
+        model_name: str | None = None,
+        load_report: LoadReport | None = None,
     ) -> None:
         """``tensors``: where the weights come from (default: the checkpoint's safetensors
-        files in ``model_dir``; a host cache may hand them over instead). ``model_dir`` still
-        gives the config.
+        files in ``model_dir``). ``model_dir`` still gives the config.
+
+        ``weight_cache``: the host's weight cache; each weight is mapped from it where it is
+        there already in this engine's form, else made from ``tensors`` and stored
+        (``weight_cache/store.py``), under ``model_name`` (default: the directory's name).
+        ``load_report``: filled with what the load took from the cache and its phases
+        (seconds: ``weights`` in all, ``fingerprint``, ``map``, ``build`` and ``store`` with a
+        cache, then ``engine_init``).
 
         ``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
         one, blocks evicted from the device are copied there, and ``offload_kv`` works.
@@ -256,7 +267,23 @@ class TorchEngine:
         self.dtype = resolve_dtype(dtype, self.config, torch_device)
         if tensors is None:
             tensors = CheckpointTensors(Path(model_dir))
-        self.weights = load_weights(tensors, self.config, dtype=self.dtype, device=torch_device)
+        report = load_report if load_report is not None else LoadReport()
+        t_weights = time.monotonic()
+        self._weights_stored: CacheSession | None = None  # swapped in once stored
+        if weight_cache is not None:
+            name = model_name or Path(model_dir).name
+            self._weights_stored = weight_cache.session(name, Path(model_dir), report)
+        self.weights = load_weights(
+            tensors,
+            self.config,
+            dtype=self.dtype,
+            device=torch_device,
+            derived=self._weights_stored,
+        )
+        if self._weights_stored is not None:
+            self._weights_stored.finish()
+        t_init = time.monotonic()
+        report.add_phase("weights", t_init - t_weights)
 
         cfg = self.config
         wanted_len = max_model_len or cfg.max_position_embeddings
@@ -351,6 +378,7 @@ class TorchEngine:
         )
         self._ahead: _Ahead | None = None
         self.overlap = OverlapStats()
+        report.add_phase("engine_init", time.monotonic() - t_init)
 
     # --- Engine protocol ---------------------------------------------------------------
 
@@ -383,10 +411,20 @@ class TorchEngine:
     def step(self) -> Sequence[EngineOutput]:
         if self._launcher is not None:
             return self._step_overlapped()
+        self._swap_in_stored_weights()  # between forwards: none is running
         scheduled = self._schedule()
         if not scheduled:
             return []
         return self._advance(scheduled, self._forward(scheduled))
+
+    def _swap_in_stored_weights(self) -> None:
+        """Once the host cache holds what this load built, the cache's pages replace the
+        engine's own copies (which are freed): the same values, shared with every TE."""
+        stored = self._weights_stored
+        if stored is None or (replacements := stored.replacements()) is None:
+            return
+        self._weights_stored = None
+        self.weights.swap(replacements)
 
     def pace_prefill(self, capacity: InstanceCapacity, tpot_s: float) -> None:
         """Size each iteration's prompt tokens from now on by ``scheduler.prefill_budget``:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from services.task_executor.engines.torch_engine.weights import shard_files
+from services.task_executor.checkpoint import shard_files
 
 FORMAT = "meshserve-kv/1"
 _META_KEY = "meshserve_kv"

@@ -11,8 +11,13 @@ plain and ``F.linear`` runs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+import xxhash
+
+from shared import native
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -34,6 +39,15 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 # matmuls 1.32x faster at 8 tokens and 1.29x at 16, the same at 1 token; the 152k x 896 lm_head
 # 1.5x faster at 2-8 tokens and 1.09x slower at 1.
 PACK_BATCH_HINT = 8
+
+
+@functools.cache
+def packed_form(dtype: torch.dtype) -> str:
+    """What a packed weight's bytes depend on besides its values (the host cache's form of a
+    packed matrix): oneDNN's layout for the dtype and batch hint, chosen by torch's oneDNN
+    for this CPU's instruction set."""
+    flags = xxhash.xxh3_64_hexdigest(native.cpu_flags().encode())
+    return f"{dtype}|fused|onednn-linear-{PACK_BATCH_HINT}|torch-{torch.__version__}|cpu-{flags}"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

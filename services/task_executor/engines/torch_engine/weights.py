@@ -7,15 +7,15 @@ a layer runs three matmuls on its input instead of five.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 
+from services.task_executor.checkpoint import shard_files
 from services.task_executor.engines.capabilities import TensorSource
 from services.task_executor.engines.torch_engine import linear
 from services.task_executor.engines.torch_engine.config import ModelConfig
@@ -44,6 +44,19 @@ class ModelWeights:
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; when tied, embed's values (its packed copy on CPU)
 
+    def swap(self, replacements: Mapping[int, torch.Tensor]) -> int:
+        """Every tensor whose ``id`` is a key of ``replacements`` replaced by its value (the
+        host cache's mapping of the same values); how many were replaced."""
+        n = 0
+        owners: list[Any] = [self, *self.layers]
+        for owner in owners:
+            for f in dataclasses.fields(owner):
+                new = replacements.get(id(getattr(owner, f.name)))
+                if new is not None:
+                    setattr(owner, f.name, new)
+                    n += 1
+        return n
+
     def decode_bytes(self) -> int:
         """Bytes of weights one decode step streams: every matrix, norm and bias, and the LM
         head; the embedding table only contributes the rows looked up, ignored here."""
@@ -52,18 +65,6 @@ class ModelWeights:
             fields = (getattr(layer, f.name) for f in dataclasses.fields(layer))
             tensors.extend(t for t in fields if t is not None)
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def shard_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        with index.open() as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
 class CheckpointTensors:
@@ -91,13 +92,32 @@ class CheckpointTensors:
         return tensor
 
 
+class DerivedTensors(Protocol):
+    """Where the engine's own tensors may already be, made (``weight_cache.CacheSession``):
+    the tensor made from checkpoint tensors ``sources`` as ``form`` says, or ``build()``."""
+
+    def tensor(
+        self, sources: Sequence[str], form: str, build: Callable[[], torch.Tensor]
+    ) -> torch.Tensor: ...
+
+
 def load_weights(
-    tensors: TensorSource, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+    tensors: TensorSource,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    derived: DerivedTensors | None = None,
 ) -> ModelWeights:
     """The runner's weights from a checkpoint's tensors (``CheckpointTensors(model_dir)``, or
-    any other ``TensorSource`` with the checkpoint's names)."""
+    any other ``TensorSource`` with the checkpoint's names). With ``derived`` (the host
+    cache), each of them is first looked up there, in the form this host's engine uses:
+    cast and fused on the host, and packed for oneDNN where matrices are; a tensor for a
+    GPU is then copied to the device once."""
     ckpt = tensors
     packed = linear.can_pack(dtype, device)
+    plain_form = f"{dtype}|fused"
+    matrix_form = linear.packed_form(dtype) if packed else plain_form
     if dtype == torch.bfloat16 and device.type == "cpu" and not packed:
         log.warning(
             "this CPU has no bf16 matrix support in oneDNN (AVX2 only): bf16 matmuls fall back "
@@ -105,16 +125,25 @@ def load_weights(
             "up); dtype float32 (or auto) runs faster here"
         )
 
-    def load(*names: str) -> torch.Tensor:
+    def on_host(*names: str) -> torch.Tensor:
         # Concatenate on the host in the target dtype, then move once: the device never holds
         # the unfused copies.
         parts = [ckpt.get(n).to(dtype) for n in names]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return t.to(device).contiguous()
+        return t.contiguous()
+
+    def made(names: Sequence[str], form: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if derived is None:
+            return build()
+        return derived.tensor(names, form, build)
+
+    def load(*names: str) -> torch.Tensor:
+        return made(names, plain_form, lambda: on_host(*names)).to(device)
 
     def load_matrix(*names: str) -> torch.Tensor:
-        t = load(*names)
-        return linear.pack(t) if packed else t
+        if packed:
+            return made(names, matrix_form, lambda: linear.pack(on_host(*names)))
+        return load(*names)
 
     layers = []
     for i in range(config.num_layers):
@@ -142,7 +171,9 @@ def load_weights(
     # without one is tied whatever its config says (the flag's default differs by family).
     tied = config.tie_word_embeddings or "lm_head.weight" not in ckpt
     if tied:
-        lm_head = linear.pack(embed) if packed else embed
+        # On CPU, embed is on the host in the dtype already: packed as it is.
+        name = "model.embed_tokens.weight"
+        lm_head = made([name], matrix_form, lambda: linear.pack(embed)) if packed else embed
     else:
         lm_head = load_matrix("lm_head.weight")
     return ModelWeights(embed=embed, layers=layers, norm=load("model.norm.weight"), lm_head=lm_head)

