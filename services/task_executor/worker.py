@@ -69,7 +69,13 @@ log = get_logger(__name__)
 
 class EngineFactory(Protocol):
     def __call__(
-        self, model: str, model_path: Path, settings: Settings, *, report: LoadReport
+        self,
+        model: str,
+        model_path: Path,
+        settings: Settings,
+        *,
+        report: LoadReport,
+        weights_from: str | None = None,
     ) -> Engine: ...
 
 
@@ -320,7 +326,13 @@ class TaskExecutor:
         steps["te_pre_load"] = t1 - t0  # the command's wait for the engine thread
         self._choice = engine_choice(self._settings, cmd.model, Path(cmd.path))
         report = LoadReport()
-        engine = self._engine_factory(cmd.model, Path(cmd.path), self._settings, report=report)
+        engine = self._engine_factory(
+            cmd.model,
+            Path(cmd.path),
+            self._settings,
+            report=report,
+            weights_from=cmd.weights_from,
+        )
         t2 = time.monotonic()
         steps["te_load"] = t2 - t1
         steps.update({f"te_load_{name}": s for name, s in report.phases.items()})

@@ -75,6 +75,9 @@ class LoadModel(Message):
     path: str
     # The capacity measured on an earlier load; None: measure it before turning ready.
     capacity: InstanceCapacity | None = None
+    # host:port of another pool's weight server holding the model (a fork over TCP), for a
+    # pool whose host cache lacks it; None: this host's cache, else the checkpoint.
+    weights_from: str | None = None
 
 
 class UnloadModel(Message):

@@ -363,7 +363,9 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
     from services.task_executor.engines.process import ProcessEngine
     from services.task_executor.engines.torch_engine import TorchEngine
 
-    def in_a_child(model: str, path: Path, settings: Settings, *, report: object) -> ProcessEngine:
+    def in_a_child(
+        model: str, path: Path, settings: Settings, *, report: object, weights_from: object
+    ) -> ProcessEngine:
         return ProcessEngine(functools.partial(TorchEngine, path, device="cpu"), label=model)
 
     settings = Settings(cluster=cluster, heartbeat_interval=timedelta(seconds=0.2))

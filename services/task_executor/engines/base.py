@@ -83,6 +83,8 @@ class LoadReport:
     stored_bytes: int = 0  # copied into the cache by this load
     uncached_bytes: int = 0  # built but not stored (no room)
     evicted_bytes: int = 0
+    fetched: int = 0  # entries taken from another host's cache over TCP (a fork)
+    fetched_bytes: int = 0
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds
 
     def add_phase(self, name: str, seconds: float) -> None:
@@ -95,6 +97,8 @@ class LoadReport:
         self.stored_bytes += other.stored_bytes
         self.uncached_bytes += other.uncached_bytes
         self.evicted_bytes += other.evicted_bytes
+        self.fetched += other.fetched
+        self.fetched_bytes += other.fetched_bytes
         for name, seconds in other.phases.items():
             self.add_phase(name, seconds)
 

@@ -96,11 +96,14 @@ def create_engine(
     *,
     tensors: TensorSource | None = None,
     report: LoadReport | None = None,
+    weights_from: str | None = None,
 ) -> Engine:
     """``tensors``: the weights, handed over instead of read from the checkpoint; only an
     engine that declares ``weight_source`` takes them. Otherwise the torch engine loads
     through the host weight cache where the settings turn it on (``host_cache``).
-    ``report``: filled with the load's phases and what it took from the cache."""
+    ``report``: filled with the load's phases and what it took from the cache.
+    ``weights_from``: another host's weight server to fork the weights from (the torch
+    engine with the host cache on; others read the checkpoint)."""
     kind = choose_engine(settings, model, model_path)
     if tensors is not None and kind != "torch":
         raise CapabilityError(
@@ -127,6 +130,7 @@ def create_engine(
             weight_cache=HostWeightCache.from_settings(settings) if tensors is None else None,
             model_name=model,
             load_report=report,
+            weights_from=weights_from,
         )
     if kind == "openvino":
         from services.task_executor.engines.process import ProcessEngine

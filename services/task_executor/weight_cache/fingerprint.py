@@ -71,16 +71,54 @@ def checkpoint_fingerprints(model_dir: Path, memo_dir: Path | None) -> dict[str,
     return out
 
 
+def memoised(model_dir: Path, memo_dir: Path) -> dict[str, str] | None:
+    """The checkpoint's fingerprints where every shard's are memoised (else None: nothing
+    is hashed here)."""
+    out: dict[str, str] = {}
+    try:
+        for path in shard_files(model_dir):
+            out.update(json.loads(_memo_path(path, memo_dir).read_text()))
+    except (OSError, ValueError):
+        return None
+    return out
+
+
+def remember(model_dir: Path, memo_dir: Path, fps: Mapping[str, str]) -> bool:
+    """Memoise fingerprints another host computed for the same model (a fork), shard by
+    shard, where they name every tensor of this host's checkpoint; False (nothing written)
+    where they do not: that checkpoint is not the one they describe."""
+    shards = {path: _header_names(path) for path in shard_files(model_dir)}
+    if any(name not in fps for names in shards.values() for name in names):
+        return False
+    for path, names in shards.items():
+        _write_memo(_memo_path(path, memo_dir), {n: fps[n] for n in names})
+    return True
+
+
+def _header_names(path: Path) -> list[str]:
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        return [n for n in json.loads(f.read(header_len)) if n != "__metadata__"]
+
+
+def _write_memo(memo: Path, fps: Mapping[str, str]) -> None:
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dict(fps)))
+    tmp.replace(memo)
+
+
+def _memo_path(path: Path, memo_dir: Path) -> Path:
+    return memo_dir / f"{xxhash.xxh3_64_hexdigest(file_identity(path).encode())}.json"
+
+
 def _memoised(path: Path, memo_dir: Path | None) -> dict[str, str]:
     if memo_dir is None:
         return shard_fingerprints(path)
-    memo = memo_dir / f"{xxhash.xxh3_64_hexdigest(file_identity(path).encode())}.json"
+    memo = _memo_path(path, memo_dir)
     with contextlib.suppress(FileNotFoundError, ValueError):
         cached: dict[str, str] = json.loads(memo.read_text())
         return cached
     fps = shard_fingerprints(path)
-    memo_dir.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(fps))
-    tmp.replace(memo)
+    _write_memo(memo, fps)
     return fps

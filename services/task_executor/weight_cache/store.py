@@ -47,12 +47,17 @@ import xxhash
 from services.task_executor.engines.base import LoadReport
 from services.task_executor.weight_cache import tensor_file
 from services.task_executor.weight_cache.eviction import EntryView, EvictionConfig, choose_victims
-from services.task_executor.weight_cache.fingerprint import checkpoint_fingerprints
+from services.task_executor.weight_cache.fingerprint import (
+    checkpoint_fingerprints,
+    memoised,
+    remember,
+)
+from services.task_executor.weight_cache.transfer import ForkError, MissingEntry, WeightPeer
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".t"
+SUFFIX = tensor_file.SUFFIX
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,14 +106,36 @@ class HostWeightCache:
             return None
 
     def session(
-        self, model: str, model_dir: Path, report: LoadReport | None = None
+        self,
+        model: str,
+        model_dir: Path,
+        report: LoadReport | None = None,
+        peer: WeightPeer | None = None,
     ) -> CacheSession:
         """A load of ``model`` from the checkpoint in ``model_dir``: its tensors' fingerprints
-        (memoised), then ``tensor`` per engine tensor, then ``finish``; what it does goes
-        into ``report``."""
+        (memoised here, else the ``peer``'s, else hashed from the checkpoint), then
+        ``tensor`` per engine tensor, then ``finish``; what it does goes into ``report``.
+        ``peer``: a weight server (another host's pool) that tensors missing here are
+        fetched from before they are built from the checkpoint."""
         t0 = time.monotonic()
-        fps = checkpoint_fingerprints(model_dir, self.root / "fingerprints")
-        session = CacheSession(self, model, fps, report or LoadReport())
+        memo = self.root / "fingerprints"
+        fps = memoised(model_dir, memo)
+        if fps is None and peer is not None:
+            try:
+                fps = peer.fingerprints(model)
+            except ForkError as e:
+                log.warning("fork of %s: %s; reading the checkpoint instead", model, e)
+                peer = None
+            if fps is not None and not remember(model_dir, memo, fps):
+                log.warning(
+                    "fork of %s: %s's tensors are not this checkpoint's; reading it instead",
+                    model,
+                    peer.address if peer else "the peer",
+                )
+                fps, peer = None, None
+        if fps is None:
+            fps = checkpoint_fingerprints(model_dir, memo)
+        session = CacheSession(self, model, fps, report or LoadReport(), peer)
         session.report.add_phase("fingerprint", time.monotonic() - t0)
         return session
 
@@ -211,11 +238,13 @@ class CacheSession:
         model: str,
         fingerprints: Mapping[str, str],
         report: LoadReport,
+        peer: WeightPeer | None = None,
     ) -> None:
         self.cache = cache
         self.model = model
         self.fingerprints = fingerprints
         self.report = report
+        self.peer = peer
         self._used: dict[str, bool] = {}  # key -> hit
         self._pending: list[tuple[str, torch.Tensor]] = []  # built here, to store
         self._built: dict[str, torch.Tensor] = {}
@@ -240,6 +269,10 @@ class CacheSession:
             self.report.hit_bytes += _size(path)
             self._used[key] = True
             return mapped
+        if self.peer is not None and (fetched := self._fetch(key, path)) is not None:
+            self.report.add_phase("fetch", time.monotonic() - t0)
+            self._used.setdefault(key, False)
+            return fetched
         built = build()
         self.report.add_phase("build", time.monotonic() - t0)
         self.report.misses += 1
@@ -247,6 +280,33 @@ class CacheSession:
         self._pending.append((key, built))
         self._built[key] = built
         return built
+
+    def _fetch(self, key: str, path: Path) -> torch.Tensor | None:
+        """The entry from the peer, into this host's cache, mapped; None when it cannot be
+        (logged once: the rest of the load reads the checkpoint)."""
+        assert self.peer is not None
+        try:
+            size = self.peer.size(key)
+            with self.cache.locked() as index:
+                if not path.exists():
+                    if not self.cache._make_room(index, size, self.report):
+                        return None
+                    self.peer.fetch(key, path)
+                    self.report.fetched += 1
+                    self.report.fetched_bytes += size
+        except MissingEntry:
+            return None  # built here; the peer may hold the others
+        except ForkError as e:
+            log.warning(
+                "fork of %s from %s failed (%s): loading the rest from the checkpoint",
+                self.model,
+                self.peer.address,
+                e,
+            )
+            self.peer.close()
+            self.peer = None
+            return None
+        return _map(path)
 
     def finish(self, alpha: float = 1.0) -> LoadReport:
         """The load is done: what it built is stored on a thread of its own, off the load's
@@ -325,7 +385,13 @@ class CacheSession:
                 e["last_use"] = now
                 e["alpha"] = max(e.get("alpha", 1.0), alpha)
             total = sum(_size(self.cache.path(k)) for k in keys)
-            index["models"][self.model] = {"keys": keys, "bytes": total}
+            index["models"][self.model] = {
+                "keys": keys,
+                "bytes": total,
+                "fingerprints": dict(self.fingerprints),  # served to forks (transfer.py)
+            }
+        if self.peer is not None:
+            self.peer.close()
 
 
 def default_budget(directory: Path) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+SUFFIX = ".t"  # of a tensor file's name: KEY.t
 HEADER_BYTES = 4096
 MAGIC = b"meshserve-tensor-1\n"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

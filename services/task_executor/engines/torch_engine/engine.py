@@ -62,6 +62,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
 )
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from services.task_executor.weight_cache.store import CacheSession, HostWeightCache
+from services.task_executor.weight_cache.transfer import WeightPeer
 from shared.block_hash import chain_hashes, extend_chain
 from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
@@ -207,6 +208,7 @@ class TorchEngine:
         weight_cache: HostWeightCache | None = None,
         model_name: str | None = None,
         load_report: LoadReport | None = None,
+        weights_from: str | None = None,
     ) -> None:
         """``tensors``: where the weights come from (default: the checkpoint's safetensors
         files in ``model_dir``). ``model_dir`` still gives the config.
@@ -215,8 +217,10 @@ class TorchEngine:
         there already in this engine's form, else made from ``tensors`` and stored
         (``weight_cache/store.py``), under ``model_name`` (default: the directory's name).
         ``load_report``: filled with what the load took from the cache and its phases
-        (seconds: ``weights`` in all, ``fingerprint``, ``map``, ``build`` and ``store`` with a
-        cache, then ``engine_init``).
+        (seconds: ``weights`` in all, ``fingerprint``, ``map``, ``fetch``, ``build`` with a
+        cache, then ``engine_init``; ``store_after_load`` once stored).
+        ``weights_from``: ``host:port`` of another host's weight server (a fork): what this
+        host's cache lacks is fetched from there before it is built from the checkpoint.
 
         ``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
         one, blocks evicted from the device are copied there, and ``offload_kv`` works.
@@ -272,7 +276,8 @@ class TorchEngine:
         self._weights_stored: CacheSession | None = None  # swapped in once stored
         if weight_cache is not None:
             name = model_name or Path(model_dir).name
-            self._weights_stored = weight_cache.session(name, Path(model_dir), report)
+            peer = WeightPeer(weights_from) if weights_from else None
+            self._weights_stored = weight_cache.session(name, Path(model_dir), report, peer)
         self.weights = load_weights(
             tensors,
             self.config,

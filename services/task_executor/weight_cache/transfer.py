@@ -1,0 +1,258 @@
+"""Weights over TCP: a node pool serves its host cache's entries to TEs on other hosts, so a
+model can be forked from where it already runs (DeepServe §6) instead of read from disk.
+
+The protocol is a request line of JSON, answered by a line of JSON and, for an entry, its
+file in chunks of ``CHUNK`` bytes, each followed by the xxh3-64 digest of its bytes (8 bytes,
+big-endian):
+
+- ``{"op": "fingerprints", "model": M}`` -> ``{"fingerprints": {name: fp}}`` (the checkpoint
+  tensors' fingerprints of a model loaded on that host, so the receiver can name the entries
+  it needs without reading its own copy of the checkpoint), or ``{"error": ...}``;
+- ``{"op": "size", "key": K}`` -> ``{"size": n}`` (to make room before asking for it);
+- ``{"op": "get", "key": K}`` -> ``{"size": n}`` then the entry's bytes, or ``{"error": ...}``.
+
+The receiver writes an entry into its own cache directory under a temporary name, checks
+every chunk as it arrives and renames the file into place only when all of it checked, so a
+torn or corrupted transfer never becomes an entry: the load builds that tensor from disk
+instead (``ForkError``, logged by the cache session). One connection serves many requests;
+the server answers each connection on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import socket
+import socketserver
+import threading
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from services.task_executor.weight_cache.tensor_file import SUFFIX
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20
+DIGEST = 8
+
+
+class ForkError(Exception):
+    """A transfer that failed (connection, checksum): load from disk."""
+
+
+class MissingEntry(ForkError):
+    """The server does not hold that entry (the rest may still come from it)."""
+
+
+def _digest(data: memoryview | bytes) -> bytes:
+    return xxhash.xxh3_64_digest(data)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: WeightServer
+
+    def handle(self) -> None:
+        for line in self.rfile:
+            try:
+                request = json.loads(line)
+                if request.get("op") == "fingerprints":
+                    self._reply(self.server.fingerprints(str(request["model"])))
+                elif request.get("op") == "size":
+                    self._reply(self.server.size(str(request["key"])))
+                elif request.get("op") == "get":
+                    self._send_entry(str(request["key"]))
+                else:
+                    self._reply({"error": f"unknown op {request.get('op')!r}"})
+            except (ValueError, KeyError) as e:
+                self._reply({"error": f"bad request: {e}"})
+            except OSError:  # the client went away
+                return
+
+    def _reply(self, body: dict[str, Any]) -> None:
+        self.wfile.write(json.dumps(body).encode() + b"\n")
+        self.wfile.flush()
+
+    def _send_entry(self, key: str) -> None:
+        path = self.server.entry(key)
+        if path is None:
+            self._reply({"error": "bad key"})
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._reply({"error": f"no entry {key}", "missing": True})
+            return
+        try:
+            size = os.fstat(fd).st_size
+            self._reply({"size": size})
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    for start in range(0, size, CHUNK):
+                        chunk = view[start : start + CHUNK]
+                        digest = self.server.corrupt(_digest(chunk))
+                        self.wfile.write(chunk)
+                        self.wfile.write(digest)
+                        chunk.release()
+                finally:
+                    view.release()
+            self.wfile.flush()
+        finally:
+            os.close(fd)
+
+
+class WeightServer(socketserver.ThreadingTCPServer):
+    """Serves the cache directory ``root`` (a ``HostWeightCache``'s) on ``host:port`` (0: a
+    free port; ``address`` says which)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.root = root
+        self.corrupt_chunks = 0  # tests: that many chunk digests are sent wrong
+        super().__init__((host, port), _Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        host, port = self.server_address[:2]
+        return f"{host!s}:{port}"
+
+    def start(self) -> WeightServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="weight-server")
+        self._thread.daemon = True
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+    def entry(self, key: str) -> Path | None:
+        return self.root / "tensors" / f"{key}{SUFFIX}" if key.isalnum() else None
+
+    def size(self, key: str) -> dict[str, Any]:
+        path = self.entry(key)
+        try:
+            return {"size": path.stat().st_size} if path else {"error": "bad key"}
+        except FileNotFoundError:
+            return {"error": f"no entry {key}", "missing": True}
+
+    def fingerprints(self, model: str) -> dict[str, Any]:
+        try:
+            index = json.loads((self.root / "index.json").read_text())
+            fps = index["models"][model]["fingerprints"]
+        except (OSError, ValueError, KeyError):
+            return {"error": f"model {model} was never loaded here"}
+        return {"fingerprints": fps}
+
+    def corrupt(self, digest: bytes) -> bytes:
+        if self.corrupt_chunks > 0:
+            self.corrupt_chunks -= 1
+            return bytes(b ^ 0xFF for b in digest)
+        return digest
+
+
+class WeightPeer:
+    """A client of one ``WeightServer`` (``host:port``); one connection, used by one thread."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        self.address = address
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+        self._file: Any = None
+        self.fetched_bytes = 0
+
+    def _connect(self) -> None:
+        if self._sock is None:
+            host, _, port = self.address.rpartition(":")
+            self._sock = socket.create_connection((host, int(port)), timeout=self._timeout)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._file = self._sock.makefile("rwb", buffering=1 << 20)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+                self._sock.close()
+        self._sock = self._file = None
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._connect()
+            self._file.write(json.dumps(request).encode() + b"\n")
+            self._file.flush()
+            line = self._file.readline()
+        except OSError as e:
+            self.close()
+            raise ForkError(f"weight server {self.address}: {e}") from e
+        if not line:
+            self.close()
+            raise ForkError(f"weight server {self.address} closed the connection")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            if reply.get("missing"):
+                raise MissingEntry(f"weight server {self.address}: {reply['error']}")
+            raise ForkError(f"weight server {self.address}: {reply['error']}")
+        return reply
+
+    def fingerprints(self, model: str) -> dict[str, str]:
+        fps: dict[str, str] = self._ask({"op": "fingerprints", "model": model})["fingerprints"]
+        return fps
+
+    def size(self, key: str) -> int:
+        return int(self._ask({"op": "size", "key": key})["size"])
+
+    def fetch(self, key: str, path: Path) -> int:
+        """The entry ``key`` into ``path`` (renamed into place once every chunk checked);
+        its bytes. ``ForkError`` on any failure, with nothing left at ``path``."""
+        size = int(self._ask({"op": "get", "key": key})["size"])
+        tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            with mmap.mmap(fd, size) as mm:
+                view = memoryview(mm)
+                try:
+                    self._receive(key, view, size)
+                finally:
+                    view.release()
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.fetched_bytes += size
+        return size
+
+    def _receive(self, key: str, view: memoryview, size: int) -> None:
+        digest = bytearray(DIGEST)
+        for i, start in enumerate(range(0, size, CHUNK)):
+            chunk = view[start : start + CHUNK]
+            try:
+                _read_exactly(self._file, chunk)
+                _read_exactly(self._file, memoryview(digest))
+            except (OSError, EOFError) as e:
+                self.close()
+                raise ForkError(f"weight server {self.address}: {key}: {e}") from e
+            finally:
+                chunk.release()
+            if _digest(view[start : start + CHUNK]) != bytes(digest):
+                self.close()  # the rest of the entry is still on the wire
+                raise ForkError(f"{key} from {self.address}: chunk {i} failed its checksum")
+
+
+def _read_exactly(f: Any, into: memoryview) -> None:
+    done = 0
+    while done < len(into):
+        n = f.readinto(into[done:])
+        if not n:
+            raise EOFError("connection closed mid-entry")
+        done += n
