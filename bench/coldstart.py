@@ -15,7 +15,11 @@ Rows (each repetition a fresh process; medians over the repetitions):
 - ``te-cache-store``: the same through an empty host weight cache: it reads, packs and stores
   every tensor (what the first load of a model on a host pays);
 - ``te-cache-hit``: a pre-warmed TE maps every tensor from the host cache that an earlier
-  process filled (``services/task_executor/weight_cache``).
+  process filled (``services/task_executor/weight_cache``);
+- ``te-fork``: a pre-warmed TE with an empty host cache forks the weights over TCP from a
+  weight server holding them (``weight_cache/transfer.py``; here over loopback), the goal
+  being within 2× of the weight bytes over the loopback bandwidth (measured in the same run:
+  one socket, 1 GiB) plus one prefill.
 
 A TE row's clock starts when the load is asked for and runs through ``create_engine`` (the
 TE's own call: engine choice, weights, KV cache) to the first token of a 16-token prompt;
@@ -29,35 +33,39 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.common import Col, Table, ensure_model, median, models_dir, write_result
+from services.task_executor.weight_cache.transfer import WeightServer
+from shared.settings import Settings, process_environment
 
 RESULTS = Path("bench-results")
 MODEL = "bench-qwen2-0.5b"
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777]
-TE_MODES = ("te-disk-cold", "te-disk-warm", "te-cache-store", "te-cache-hit")
+TE_MODES = ("te-disk-cold", "te-disk-warm", "te-cache-store", "te-cache-hit", "te-fork")
 ALL_MODES = ("transformers", "vllm", *TE_MODES)
-PHASES = ("import", "server", "fingerprint", "map", "build", "engine_init", "first_token")
+PHASES = ("import", "server", "fingerprint", "map", "fetch", "build", "engine_init", "first_token")
 
 
 # --- the children ---------------------------------------------------------------------------
 
 
-def _te_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+def _te_child(mode: str, model_dir: Path, cache_dir: Path, peer: str | None) -> dict[str, Any]:
     from services.task_executor.checkpoint import shard_files
     from services.task_executor.engines.base import EngineRequest, LoadReport
     from services.task_executor.engines.factory import create_engine, prewarm
     from shared.messages.api import SamplingParams
     from shared.settings import Settings
 
-    cached = mode.startswith("te-cache")
+    cached = mode.startswith("te-cache") or mode == "te-fork"
     settings = Settings.load(
         engine="torch",
         dtype="bfloat16",
@@ -73,7 +81,7 @@ def _te_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     sys.stdin.readline()
     t0 = time.perf_counter()
     report = LoadReport()
-    engine = create_engine(MODEL, model_dir, settings, report=report)
+    engine = create_engine(MODEL, model_dir, settings, report=report, weights_from=peer)
     t1 = time.perf_counter()
     engine.add_request(EngineRequest("r", PROMPT, SamplingParams(max_tokens=1, temperature=0)))
     while not any(o.new_token_ids for o in engine.step()):
@@ -90,6 +98,8 @@ def _te_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
         "misses": report.misses,
         "stored_bytes": report.stored_bytes,
         "hit_bytes": report.hit_bytes,
+        "fetched": report.fetched,
+        "fetched_bytes": report.fetched_bytes,
     }
 
 
@@ -117,10 +127,15 @@ def _transformers_child(model_dir: Path, spawned: float) -> dict[str, Any]:
 # --- the parent -----------------------------------------------------------------------------
 
 
-def _run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+def _run_child(
+    mode: str, model_dir: Path, cache_dir: Path, peer: str | None = None
+) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.coldstart", "--child", mode, "--model", str(model_dir)]
     argv += ["--cache-dir", str(cache_dir), "--spawned", repr(time.time())]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    argv += ["--peer", peer] if peer else []
+    # As a node pool starts its TEs: with the settings' environment (torch's huge pages).
+    env = process_environment(Settings.load().env())
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdin is not None and proc.stdout is not None
     if mode != "transformers":
         if proc.stdout.readline().strip() != "ready":
@@ -132,6 +147,50 @@ def _run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict[str, Any]:
         raise RuntimeError(f"{mode}: the child exited with {proc.returncode}")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
+
+
+def loopback_gb_s(total: int = 1 << 30, chunk: int = 4 << 20) -> float:
+    """One TCP connection over loopback, ``total`` bytes sent and received in this process
+    (a thread each side), GB/s."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    payload = bytes(chunk)
+
+    def send() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            for _ in range(total // chunk):
+                conn.sendall(payload)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    buf = bytearray(chunk)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t0 = time.perf_counter()
+        got = 0
+        while got < total:
+            n = s.recv_into(buf)
+            if not n:
+                break
+            got += n
+        elapsed = time.perf_counter() - t0
+    sender.join()
+    listener.close()
+    return got / elapsed / 1e9
+
+
+def fresh_memory_gb_s(total: int) -> float:
+    """How fast a fresh process fills ``total`` bytes of memory it never touched (torch's
+    allocator, as a TE receives weights): on this project's VMs the hypervisor backs each
+    new page, which can bound a fork below the loopback's rate."""
+    code = (
+        "import time, torch\n"
+        f"t = time.perf_counter(); torch.empty({total}, dtype=torch.uint8).fill_(1)\n"
+        f"print({total} / (time.perf_counter() - t) / 1e9)\n"
+    )
+    env = process_environment(Settings.load().env())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def _vllm_run(model_dir: Path) -> dict[str, Any]:
@@ -169,7 +228,7 @@ def _row(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r["phases"][phase] for r in runs if phase in r["phases"]]
         if values:
             row[phase] = median(values)
-    for key in ("hits", "misses", "stored_bytes", "hit_bytes"):
+    for key in ("hits", "misses", "stored_bytes", "hit_bytes", "fetched", "fetched_bytes"):
         if key in runs[0]:
             row[key] = runs[-1][key]
     return row
@@ -183,6 +242,7 @@ COLS = [
     *(Col(p, p, ".3f") for p in PHASES),
     Col(lambda r: r.get("misses"), "built"),
     Col(lambda r: r.get("hits"), "mapped"),
+    Col(lambda r: r.get("fetched"), "fetched"),
 ]
 
 
@@ -200,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--peer", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         if args.child == "transformers":
             result = _transformers_child(args.model, args.spawned)
         else:
-            result = _te_child(args.child, args.model, args.cache_dir)
+            result = _te_child(args.child, args.model, args.cache_dir, args.peer)
         print(json.dumps(result), flush=True)
         return 0
 
@@ -218,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         modes.remove("vllm")
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     cache_root = Path(tempfile.mkdtemp(prefix="meshserve-bench-coldstart-", dir=shm))
+    server: WeightServer | None = None
+    loopback: float | None = None
+    fresh_gb_s: float | None = None
     table = Table(COLS)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     try:
@@ -228,23 +292,38 @@ def main(argv: list[str] | None = None) -> int:
                     _vllm_run(model_dir) if mode == "vllm" else _run_child(mode, model_dir, shm)
                 )
         te = [m for m in modes if m in TE_MODES]
+        hit = cache_root / "hit"
+        if {"te-cache-hit", "te-fork"} & set(te):
+            _run_child("te-cache-store", model_dir, hit)  # fill the cache they read
+            server = WeightServer(hit).start()
         for rep in range(args.reps if te else 0):
-            store_dir = cache_root / f"store-{rep}"
+            fresh = cache_root / f"fresh-{rep}"
             for mode in te:
-                cache_dir = store_dir if mode == "te-cache-store" else cache_root / "hit"
-                if mode == "te-cache-hit" and not (cache_root / "hit").exists():
-                    _run_child("te-cache-store", model_dir, cache_root / "hit")  # fill it
-                runs[mode].append(_run_child(mode, model_dir, cache_dir))
-            shutil.rmtree(store_dir, ignore_errors=True)
+                cache_dir = fresh if mode in ("te-cache-store", "te-fork") else hit
+                peer = server.address if mode == "te-fork" else None
+                runs[mode].append(_run_child(mode, model_dir, cache_dir, peer))
+                shutil.rmtree(fresh, ignore_errors=True)
+        if server is not None:
+            server.stop()
+        if "te-fork" in te:
+            loopback = loopback_gb_s()
+            fresh_gb_s = fresh_memory_gb_s(sum(r["fetched_bytes"] for r in runs["te-fork"][:1]))
         rows = [_row(m, runs[m]) for m in modes if runs[m]]
         table.print(rows, title=f"cold start of {model_dir.name} (first token of 16 tokens)")
     finally:
         shutil.rmtree(cache_root, ignore_errors=True)
     weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    write_result(
-        args.out,
-        {"model": model_dir.name, "weight_bytes": weight_bytes, "rows": rows, "runs": runs},
-    )
+    if loopback is not None:
+        over = weight_bytes / loopback / 1e9
+        print(f"loopback {loopback:.2f} GB/s: the weights over it in {over:.3f} s", flush=True)
+        print(f"a fresh process fills new memory at {fresh_gb_s:.2f} GB/s", flush=True)
+    result = {
+        "model": model_dir.name,
+        "weight_bytes": weight_bytes,
+        "loopback_gb_s": loopback,
+        "fresh_memory_gb_s": fresh_gb_s,
+    }
+    write_result(args.out, result | {"rows": rows, "runs": runs})
     return 0
 
 

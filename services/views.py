@@ -7,8 +7,9 @@ nothing else, so the simulator never forges a heartbeat."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.cluster import CachedWeights, TEHeartbeat, TEState
 from shared.messages.scaling import InstanceCapacity
 
 
@@ -27,6 +28,9 @@ class TEView:
     error: str | None = None
     recent_models: tuple[str, ...] = ()  # loaded here before (their files are warm)
     capacity: InstanceCapacity | None = None
+    weight_server: str = ""  # host:port of its host's weight server ("": none)
+    # what its host's weight cache holds, by model
+    cached_weights: Mapping[str, CachedWeights] = dataclasses.field(default_factory=dict)
 
     @property
     def load(self) -> int:
@@ -53,4 +57,6 @@ def te_view(hb: TEHeartbeat) -> TEView:
         error=hb.error,
         recent_models=tuple(hb.recent_models),
         capacity=hb.capacity,
+        weight_server=hb.weight_server,
+        cached_weights=hb.cached_weights,
     )

@@ -358,6 +358,21 @@ class HostCacheSettings(Section):
         default=timedelta(minutes=10),
         description="How far ahead eviction weighs an entry's chance of being needed again.",
     )
+    serve_host: str = Field(
+        default="127.0.0.1",
+        description="Where the node pool's weight server listens and is found by other "
+        "hosts' TEs, which fork a model's weights from it over TCP instead of reading the "
+        "checkpoint (weight_cache/transfer.py): this host's address on the cluster network "
+        "when pools run on several hosts.",
+    )
+    serve_port: int = Field(
+        default=0, ge=0, le=65535, description="The weight server's port (0: any free one)."
+    )
+    server: str = Field(
+        default="",
+        description="host:port of this host's weight server, set by the node pool for its TEs "
+        "(they report it to the scaler); empty: none.",
+    )
 
 
 class OpenVINOSettings(Section):

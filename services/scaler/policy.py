@@ -71,6 +71,7 @@ class ScalerConfig:
     backoff_max_s: float = 60.0
     pending_timeout_s: float = 300.0  # a load not seen ready or failed by then is lost
     held_ttl_s: float = 5.0  # a JE's held count is forgotten when it stops reporting
+    load_bandwidth: float = 1.0e9  # bytes/s a load reads and packs what its host cache lacks
 
     def policy(self, model: str) -> ModelPolicy:
         return self.models.get(model, self.default)
@@ -303,6 +304,7 @@ class Load:
     te_id: str
     model: str
     reason: str = ""
+    weights_from: str | None = None  # another host's weight server to fork from
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -475,11 +477,50 @@ def target(
     )
 
 
-def placement_order(model: str, idle: Sequence[TEView], tes: Sequence[TEView]) -> list[TEView]:
+def load_time(model: str, pool_id: str, tes: Sequence[TEView], cfg: ScalerConfig) -> float:
+    """Tangram's ``t_load = (S − S_resident) / B`` of ``model`` on ``pool_id``'s host: S
+    the model's bytes as any host's cache reports them, S_resident what this pool's cache
+    holds, B ``cfg.load_bandwidth``; inf where no host has ever cached the model (unknown)."""
+    total, resident = 0, 0
+    for te in tes:
+        cached = te.cached_weights.get(model)
+        if cached is not None:
+            total = max(total, cached.total_bytes)
+            if te.pool_id == pool_id:
+                resident = max(resident, cached.resident_bytes)
+    if total == 0:
+        return math.inf
+    return max(total - resident, 0) / cfg.load_bandwidth
+
+
+def fork_source(model: str, pool_id: str, tes: Sequence[TEView]) -> str | None:
+    """Where a new instance of ``model`` on ``pool_id`` should fork its weights from: the
+    weight server of another pool whose host cache holds all of them, when this pool's
+    does not (the first such pool by name); None where this pool's cache holds it or no
+    other pool does."""
+    here = [te.cached_weights.get(model) for te in tes if te.pool_id == pool_id]
+    if any(c is not None and c.resident_bytes >= c.total_bytes for c in here):
+        return None
+    sources = sorted(
+        (te.pool_id, te.weight_server)
+        for te in tes
+        if te.pool_id != pool_id
+        and te.weight_server
+        and (c := te.cached_weights.get(model)) is not None
+        and c.resident_bytes >= c.total_bytes > 0
+    )
+    return sources[0][1] if sources else None
+
+
+def placement_order(
+    model: str, idle: Sequence[TEView], tes: Sequence[TEView], cfg: ScalerConfig | None = None
+) -> list[TEView]:
     """Idle TEs in the order a new instance of ``model`` should take them: instances of one
-    model spread across node pools (fewest there first); then a pool where the model was
-    loaded before (its files are in the page cache: it loads fastest); then the pool with
-    the most idle TEs (the least loaded)."""
+    model spread across node pools (fewest there first); then the pool that loads it
+    fastest, by ``load_time`` from its host cache's metadata; then a pool where the model
+    was loaded before (its files are in the page cache); then the pool with the most idle
+    TEs (the least loaded)."""
+    cfg = cfg or ScalerConfig()
     per_pool: dict[str, int] = {}
     warm: set[str] = set()
     idle_per_pool: dict[str, int] = {}
@@ -490,10 +531,12 @@ def placement_order(model: str, idle: Sequence[TEView], tes: Sequence[TEView]) -
             warm.add(te.pool_id)
         if te.state == TEState.IDLE:
             idle_per_pool[te.pool_id] = idle_per_pool.get(te.pool_id, 0) + 1
+    t_load = {te.pool_id: load_time(model, te.pool_id, tes, cfg) for te in idle}
     return sorted(
         idle,
         key=lambda te: (
             per_pool.get(te.pool_id, 0),
+            t_load[te.pool_id],
             te.pool_id not in warm,
             -idle_per_pool.get(te.pool_id, 0),
             model not in te.recent_models,
@@ -588,11 +631,13 @@ def decide(
                     short[model] = t.wanted - current - n
                     break
                 mine = [te for te in free if reserved.get(te.te_id) == model]
-                te = placement_order(model, mine or free, view)[0]
+                te = placement_order(model, mine or free, view, cfg)[0]
                 idle.remove(te)
                 free.remove(te)
                 reserved.pop(te.te_id, None)
-                actions.append(Load(te.te_id, model, t.reason))
+                actions.append(
+                    Load(te.te_id, model, t.reason, fork_source(model, te.pool_id, view))
+                )
                 new_pending[te.te_id] = PendingLoad(model, te.pool_id, now, t.reason)
                 # Seen by the next placement, so the model's instances spread.
                 view = [

@@ -72,6 +72,7 @@ def scaler_config(settings: Settings) -> ScalerConfig:
         stable_window_s=s.stable_window.total_seconds(),
         panic_window_s=s.panic_window.total_seconds(),
         slo_target=s.slo_target,
+        load_bandwidth=settings.host_cache.load_bandwidth,
     )
 
 
@@ -228,6 +229,7 @@ class Scaler:
                     model=action.model,
                     path=paths[action.model],
                     capacity=self._capacity(action.model, engine),
+                    weights_from=action.weights_from,
                 )
             else:
                 cmd = UnloadModel(

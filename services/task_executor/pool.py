@@ -9,6 +9,7 @@ import signal
 import sys
 import uuid
 
+from services.task_executor.weight_cache.transfer import WeightServer
 from shared.bus import Bus
 from shared.embedded import die_with_parent
 from shared.logging import get_logger
@@ -28,16 +29,35 @@ class NodePool:
         self._procs: dict[str, asyncio.subprocess.Process] = {}
 
     async def run(self) -> None:
+        server = self._start_weight_server()
         for i in range(self._settings.task_executor.pool_size):
             self._life.spawn(self._keep_alive(i), name=f"slot {i}")
         try:
             await self._life.wait()
         finally:
+            if server is not None:
+                server.stop()
             codes = await self._stop_all()
             await self._life.cancel_tasks()
             self._life.stopped()
         if bad := {te: rc for te, rc in codes.items() if rc != 0}:
             raise RuntimeError(f"task executors did not stop cleanly: {bad}")
+
+    def _start_weight_server(self) -> WeightServer | None:
+        """This host's weight cache served to other hosts' TEs (forks), its address handed
+        to this pool's TEs, which report it; None where the cache is off."""
+        hc = self._settings.host_cache
+        if hc.bytes == 0:
+            return None
+        try:
+            hc.dir.mkdir(parents=True, exist_ok=True)
+            server = WeightServer(hc.dir, hc.serve_host, hc.serve_port).start()
+        except OSError as e:
+            log.warning("weight server not started", error=str(e))
+            return None
+        self._settings = self._settings.with_values(host_cache={"server": server.address})
+        log.info("weight server listening", address=server.address, dir=str(hc.dir))
+        return server
 
     async def shutdown(self) -> None:
         self._life.request_stop()

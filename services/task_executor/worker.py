@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import importlib
 import json
+import math
 import os
 import socket
 import sys
@@ -36,6 +37,7 @@ from services.task_executor.engines.factory import (
     prewarm,
 )
 from services.task_executor.engines.process import EngineProcessDied
+from services.task_executor.weight_cache.index import residencies
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import (
@@ -49,7 +51,7 @@ from shared.errors import (
 )
 from shared.kv_index_store import KvIndexStore, apply_events
 from shared.logging import get_logger
-from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.cluster import CachedWeights, TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import (
     ControlAck,
@@ -81,6 +83,7 @@ class EngineFactory(Protocol):
 
 _T = TypeVar("_T")
 
+CACHED_WEIGHTS_S = 5.0
 # Prefix-cache events are published at most this often, as one batch.
 KV_FLUSH_S = 0.05
 KV_CHECK_S = 2.0
@@ -141,6 +144,8 @@ class TaskExecutor:
         self._failed_model: str | None = None
         self._generated_tokens = 0
         self._recent_models: list[str] = []  # loaded here before, newest first
+        self._cached: dict[str, CachedWeights] = {}
+        self._cached_at = -math.inf
         self._capacity: InstanceCapacity | None = None  # of the model loaded
         self._choice = engine_choice(settings)  # for any model; for the model loaded once one is
         self._load_steps: dict[str, float] = {}  # of the last load
@@ -172,6 +177,18 @@ class TaskExecutor:
 
     # -- observation -------------------------------------------------------------------
 
+    def _cached_weights(self) -> dict[str, CachedWeights]:
+        """What this host's weight cache holds, read again every CACHED_WEIGHTS_S (the
+        scaler's ``load_time`` and ``fork_source`` read it)."""
+        now = time.monotonic()
+        if now - self._cached_at >= CACHED_WEIGHTS_S and self._settings.host_cache.bytes != 0:
+            self._cached_at = now
+            try:
+                self._cached = residencies(self._settings.host_cache.dir)
+            except OSError:
+                self._cached = {}
+        return self._cached
+
     def _heartbeat(self) -> TEHeartbeat:
         hb = TEHeartbeat(
             te_id=self.te_id,
@@ -191,6 +208,8 @@ class TaskExecutor:
             recent_models=list(self._recent_models),
             load_steps=self._load_steps,
             ready_at=self._ready_at,
+            weight_server=self._settings.host_cache.server,
+            cached_weights=self._cached_weights(),
         )
         if self.engine is not None:
             st = self.engine.stats()

@@ -35,6 +35,13 @@ class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_default
     prefill_pacing: bool = False  # sizes each iteration's prompt tokens from its costs
 
 
+class CachedWeights(msgspec.Struct, frozen=True):
+    """How much of a model's weights a host's weight cache holds (Tangram's S_resident of S)."""
+
+    resident_bytes: int
+    total_bytes: int
+
+
 class TEHeartbeat(Message):
     te_id: str
     pool_id: str
@@ -68,6 +75,10 @@ class TEHeartbeat(Message):
     load_steps: dict[str, float] = msgspec.field(default_factory=dict)  # of the last load, seconds
     ready_at: float = 0.0  # unix seconds the loaded model turned ready
     engine_reason: str = ""  # why this engine (engines/choice.py): for the loaded model, or any
+    # host:port of this host's weight server (the node pool's), where others can fork from
+    weight_server: str = ""
+    # what this host's weight cache holds, by model (those loaded on the host before)
+    cached_weights: dict[str, CachedWeights] = msgspec.field(default_factory=dict)
 
 
 class JEHeartbeat(Message):

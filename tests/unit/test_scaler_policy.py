@@ -13,7 +13,9 @@ from services.scaler.policy import (
     ScalerState,
     Unload,
     decide,
+    fork_source,
     load_backoff,
+    load_time,
     observe_capacity,
     observe_outcomes,
     observe_traffic,
@@ -21,7 +23,7 @@ from services.scaler.policy import (
     placement_order,
 )
 from services.views import TEView
-from shared.messages.cluster import TEState
+from shared.messages.cluster import CachedWeights, TEState
 from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
 
 T0 = 1_000_000.0
@@ -234,6 +236,48 @@ def test_placement_spreads_across_pools_then_prefers_warm_and_roomy_pools() -> N
     ]
     # Pools without an instance first; of those, C (files warm), then D (two idle), B; A last.
     assert order == ["c1", "d1", "d2", "b1", "a1"]
+
+
+def cached(t: TEView, server: str = "", **weights: tuple[int, int]) -> TEView:
+    """``t`` on a host whose weight cache holds ``model=(resident, total)`` bytes."""
+    held = {m: CachedWeights(resident_bytes=r, total_bytes=n) for m, (r, n) in weights.items()}
+    return dataclasses.replace(t, weight_server=server, cached_weights=held)
+
+
+def test_placement_prefers_the_pool_whose_host_cache_loads_the_model_fastest() -> None:
+    gb = 1 << 30
+    tes = [
+        idle("a1", pool="A", recent=["m"]),  # files warm, nothing in its host cache
+        cached(idle("b1", pool="B"), m=(gb // 2, gb)),  # half of m cached
+        cached(idle("c1", pool="C"), m=(gb, gb)),  # all of m cached: maps, reads nothing
+        cached(idle("d1", pool="D"), other=(gb, gb)),
+    ]
+    order = [t.te_id for t in placement_order("m", tes, tes, CFG)]
+    assert order == ["c1", "b1", "a1", "d1"]
+    # t_load = (S - S_resident) / B
+    assert load_time("m", "B", tes, CFG) == (gb // 2) / CFG.load_bandwidth
+    assert load_time("m", "C", tes, CFG) == 0.0
+    assert load_time("unseen", "C", tes, CFG) == float("inf")
+
+
+def test_a_load_on_a_pool_without_the_weights_forks_them_from_a_pool_that_has_them() -> None:
+    gb = 1 << 30
+    tes = [
+        te("a0", pool="A"),  # an instance of m in A, whose host cache holds m
+        cached(te("a0", pool="A"), "10.0.0.1:7000", m=(gb, gb)),
+        cached(idle("b1", pool="B"), "10.0.0.2:7000"),
+        cached(idle("c1", pool="C"), "10.0.0.3:7000", m=(gb // 2, gb)),  # a part only
+    ]
+    assert fork_source("m", "B", tes) == "10.0.0.1:7000"
+    assert fork_source("m", "A", tes) is None  # its own cache holds it
+    assert fork_source("other", "B", tes) is None  # nobody holds it: the checkpoint
+    # m at zero; A's only TE serves another model: the new instance goes to B and forks.
+    busy_a = cached(te("a0", pool="A", model="x"), "10.0.0.1:7000", m=(gb, gb))
+    view = [busy_a, tes[2]]
+    d = decide(
+        with_traffic(fresh(), seconds=2, rps=1), view, models=["m", "x"], now=T0 + 2, cfg=CFG
+    )
+    assert [(a.te_id, a.weights_from) for a in loads(d)] == [("b1", "10.0.0.1:7000")]
 
 
 def test_several_loads_at_once_spread_over_pools() -> None:

@@ -223,8 +223,9 @@ def test_the_store_keeps_its_budget_and_never_evicts_a_loaded_model(
     _third, report = _load(other, cache)
     assert report.evicted_bytes > 0 and report.uncached_bytes == 0
     assert cache.used_bytes() <= cache.budget_bytes
-    residency = cache.residency("other")
-    assert residency is not None and residency.resident_bytes == residency.total_bytes
+    residency = cache.residencies()
+    assert residency["other"].resident_bytes == residency["other"].total_bytes > 0
+    assert residency["base"].resident_bytes < residency["base"].total_bytes  # evicted
     index = json.loads((tmp_path / "cache" / "index.json").read_text())
     assert {"base", "other"} <= index["models"].keys()
 

@@ -23,12 +23,12 @@ import functools
 import json
 import mmap
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SUFFIX = ".t"  # of a tensor file's name: KEY.t
 HEADER_BYTES = 4096
 MAGIC = b"meshserve-tensor-1\n"
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -77,7 +77,10 @@ def write(path: Path, t: torch.Tensor) -> int:
 
 
 def read_meta(fd: int) -> dict[str, Any]:
-    head = os.pread(fd, HEADER_BYTES, 0)
+    return _parse_meta(os.pread(fd, HEADER_BYTES, 0))
+
+
+def _parse_meta(head: bytes) -> dict[str, Any]:
     if not head.startswith(MAGIC):
         raise TensorFileError("not a meshserve tensor file")
     meta: dict[str, Any] = json.loads(head[len(MAGIC) :].rstrip(b"\0"))
@@ -101,6 +104,29 @@ def map_tensor(fd: int) -> tuple[torch.Tensor, mmap.mmap]:
         addr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + HEADER_BYTES
         return _mkldnn_from_blob(addr, shape, dtype, bytes.fromhex(meta["md"])), mm
     raise TensorFileError(f"unknown layout {meta['layout']!r}")
+
+
+def from_image(image: torch.Tensor) -> torch.Tensor:
+    """The tensor in ``image``, a uint8 CPU tensor holding a whole tensor file (one received
+    over the network), without a copy; ``image`` lives as long as the tensor does."""
+    meta = _parse_meta(image[:HEADER_BYTES].numpy().tobytes())
+    dtype = _DTYPES[meta["dtype"]]
+    shape = [int(s) for s in meta["shape"]]
+    n = int(meta["nbytes"])
+    if image.numel() < HEADER_BYTES + n:
+        raise TensorFileError("tensor image is truncated")
+    if meta["layout"] == "strided":
+        return image[HEADER_BYTES : HEADER_BYTES + n].view(dtype).view(shape)
+    if meta["layout"] == "mkldnn":
+        addr = image.data_ptr() + HEADER_BYTES
+        t = _mkldnn_from_blob(addr, shape, dtype, bytes.fromhex(meta["md"]))
+        weakref.finalize(t, _keep, image)
+        return t
+    raise TensorFileError(f"unknown layout {meta['layout']!r}")
+
+
+def _keep(*_: object) -> None:
+    """A finalizer's no-op: its arguments live until the object it watches dies."""
 
 
 @functools.cache

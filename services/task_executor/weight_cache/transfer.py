@@ -23,17 +23,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
 import os
 import socket
 import socketserver
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from services.task_executor.weight_cache.tensor_file import SUFFIX
+from services.task_executor.weight_cache.index import SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ def _digest(data: memoryview | bytes) -> bytes:
 
 class _Handler(socketserver.StreamRequestHandler):
     server: WeightServer
+    # A chunk's small digest must not wait for the chunk's ACK (Nagle's algorithm against
+    # the receiver's delayed ACK: 40 ms a chunk).
+    disable_nagle_algorithm = True
 
     def handle(self) -> None:
         for line in self.rfile:
@@ -90,17 +93,15 @@ class _Handler(socketserver.StreamRequestHandler):
         try:
             size = os.fstat(fd).st_size
             self._reply({"size": size})
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for start in range(0, size, CHUNK):
-                        chunk = view[start : start + CHUNK]
-                        digest = self.server.corrupt(_digest(chunk))
-                        self.wfile.write(chunk)
-                        self.wfile.write(digest)
-                        chunk.release()
-                finally:
-                    view.release()
+            # Through one reused buffer (pread, then send): mapping the file instead costs a
+            # page fault per 4 KiB page, which on this project's VMs halves the rate.
+            buf = bytearray(min(CHUNK, size) or 1)
+            view = memoryview(buf)
+            for start in range(0, size, CHUNK):
+                n = os.preadv(fd, [view[: min(CHUNK, size - start)]], start)
+                chunk = view[:n]
+                self.wfile.write(chunk)
+                self.wfile.write(self.server.corrupt(_digest(chunk)))
             self.wfile.flush()
         finally:
             os.close(fd)
@@ -209,20 +210,34 @@ class WeightPeer:
     def size(self, key: str) -> int:
         return int(self._ask({"op": "size", "key": key})["size"])
 
+    def fetch_into(self, key: str, alloc: Callable[[int], memoryview]) -> memoryview:
+        """The entry ``key`` into the buffer ``alloc(size)`` returns (a whole tensor file's
+        image), checked chunk by chunk; ``ForkError`` on any failure."""
+        size = int(self._ask({"op": "get", "key": key})["size"])
+        into = alloc(size)
+        digest = bytearray(DIGEST)
+        for i, start in enumerate(range(0, size, CHUNK)):
+            chunk = into[start : start + CHUNK]
+            try:
+                _read_exactly(self._file, chunk)
+                _read_exactly(self._file, memoryview(digest))
+            except (OSError, EOFError) as e:
+                self.close()
+                raise ForkError(f"weight server {self.address}: {key}: {e}") from e
+            if _digest(chunk) != bytes(digest):
+                self.close()  # the rest of the entry is still on the wire
+                raise ForkError(f"{key} from {self.address}: chunk {i} failed its checksum")
+        self.fetched_bytes += size
+        return into
+
     def fetch(self, key: str, path: Path) -> int:
         """The entry ``key`` into ``path`` (renamed into place once every chunk checked);
         its bytes. ``ForkError`` on any failure, with nothing left at ``path``."""
         size = int(self._ask({"op": "get", "key": key})["size"])
         tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)
-            with mmap.mmap(fd, size) as mm:
-                view = memoryview(mm)
-                try:
-                    self._receive(key, view, size)
-                finally:
-                    view.release()
+            self._receive(key, fd, size)
             tmp.replace(path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -232,21 +247,27 @@ class WeightPeer:
         self.fetched_bytes += size
         return size
 
-    def _receive(self, key: str, view: memoryview, size: int) -> None:
+    def _receive(self, key: str, fd: int, size: int) -> None:
+        """Chunk by chunk into one reused buffer, checked, then written to ``fd`` (writes
+        let tmpfs allocate its pages itself, several times faster here than faulting them
+        in through a mapping)."""
+        buf = bytearray(min(CHUNK, size) or 1)
+        view = memoryview(buf)
         digest = bytearray(DIGEST)
         for i, start in enumerate(range(0, size, CHUNK)):
-            chunk = view[start : start + CHUNK]
+            chunk = view[: min(CHUNK, size - start)]
             try:
                 _read_exactly(self._file, chunk)
                 _read_exactly(self._file, memoryview(digest))
             except (OSError, EOFError) as e:
                 self.close()
                 raise ForkError(f"weight server {self.address}: {key}: {e}") from e
-            finally:
-                chunk.release()
-            if _digest(view[start : start + CHUNK]) != bytes(digest):
+            if _digest(chunk) != bytes(digest):
                 self.close()  # the rest of the entry is still on the wire
                 raise ForkError(f"{key} from {self.address}: chunk {i} failed its checksum")
+            done = 0
+            while done < len(chunk):
+                done += os.write(fd, chunk[done:])
 
 
 def _read_exactly(f: Any, into: memoryview) -> None:
