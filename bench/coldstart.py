@@ -19,7 +19,11 @@ Rows (each repetition a fresh process; medians over the repetitions):
 - ``te-fork``: a pre-warmed TE with an empty host cache forks the weights over TCP from a
   weight server holding them (``weight_cache/transfer.py``; here over loopback), the goal
   being within 2× of the weight bytes over the loopback bandwidth (measured in the same run:
-  one socket, 1 GiB) plus one prefill.
+  one socket, 1 GiB) plus one prefill;
+- ``openvino-compile`` and ``openvino-cache``: a pre-warmed TE loads the model's int8 IR with
+  the OpenVINO engine (in its child process, as a TE runs it), compiling it, or importing
+  what an earlier load compiled from OpenVINO's model cache (``MESHSERVE_OPENVINO_MODEL_CACHE``).
+  The IR is converted before the runs (not timed).
 
 A TE row's clock starts when the load is asked for and runs through ``create_engine`` (the
 TE's own call: engine choice, weights, KV cache) to the first token of a 16-token prompt;
@@ -51,7 +55,8 @@ RESULTS = Path("bench-results")
 MODEL = "bench-qwen2-0.5b"
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777]
 TE_MODES = ("te-disk-cold", "te-disk-warm", "te-cache-store", "te-cache-hit", "te-fork")
-ALL_MODES = ("transformers", "vllm", *TE_MODES)
+OV_MODES = ("openvino-compile", "openvino-cache")
+ALL_MODES = ("transformers", "vllm", *TE_MODES, *OV_MODES)
 PHASES = ("import", "server", "fingerprint", "map", "fetch", "build", "engine_init", "first_token")
 
 
@@ -67,9 +72,10 @@ def _te_child(mode: str, model_dir: Path, cache_dir: Path, peer: str | None) -> 
 
     cached = mode.startswith("te-cache") or mode == "te-fork"
     settings = Settings.load(
-        engine="torch",
+        engine="openvino" if mode in OV_MODES else "torch",
         dtype="bfloat16",
         host_cache={"dir": str(cache_dir), "bytes": (8 << 30) if cached else 0},
+        openvino={"model_cache": str(cache_dir) if mode == "openvino-cache" else ""},
     )
     prewarm(settings)
     if mode == "te-disk-cold":
@@ -88,8 +94,10 @@ def _te_child(mode: str, model_dir: Path, cache_dir: Path, peer: str | None) -> 
         pass
     t2 = time.perf_counter()
     phases = dict(report.phases)
-    if not cached:  # the weights were read and packed from the checkpoint: all of it "build"
+    if not cached and "weights" in phases:  # read and packed from the checkpoint: "build"
         phases["build"] = phases["weights"]
+    if mode in OV_MODES:  # its child process: engine start, IR read, compile or import
+        phases["build"] = t1 - t0
     return {
         "total_s": t2 - t0,
         "load_s": t1 - t0,
@@ -291,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
                 runs[mode].append(
                     _vllm_run(model_dir) if mode == "vllm" else _run_child(mode, model_dir, shm)
                 )
-        te = [m for m in modes if m in TE_MODES]
+        te = [m for m in modes if m in TE_MODES or m in OV_MODES]
+        if set(te) & set(OV_MODES):
+            from services.task_executor.engines.openvino_engine.convert import ensure_ir
+
+            print("converting to OpenVINO IR (int8; not timed) ...", flush=True)
+            ensure_ir(model_dir, "int8")
+            _run_child("openvino-cache", model_dir, cache_root / "ov")  # compiles, stores
         hit = cache_root / "hit"
         if {"te-cache-hit", "te-fork"} & set(te):
             _run_child("te-cache-store", model_dir, hit)  # fill the cache they read
@@ -300,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             fresh = cache_root / f"fresh-{rep}"
             for mode in te:
                 cache_dir = fresh if mode in ("te-cache-store", "te-fork") else hit
+                cache_dir = cache_root / "ov" if mode == "openvino-cache" else cache_dir
                 peer = server.address if mode == "te-fork" else None
                 runs[mode].append(_run_child(mode, model_dir, cache_dir, peer))
                 shutil.rmtree(fresh, ignore_errors=True)

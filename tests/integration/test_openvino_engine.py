@@ -300,6 +300,18 @@ def test_kv_cache_takes_the_budget_it_is_given(
 # --- conversion ----------------------------------------------------------------------------
 
 
+def test_the_compiled_model_cache_is_written_and_changes_no_output(
+    ov_ir: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "compiled"
+    expected = _run_alone(ov_ir, [5, 17, 42, 8], greedy(6))
+    first = _run_alone(ov_ir, [5, 17, 42, 8], greedy(6), model_cache=cache)
+    assert list(cache.glob("*.blob")), "the load stored its compiled model"
+    again = _run_alone(ov_ir, [5, 17, 42, 8], greedy(6), model_cache=cache)
+    tokens = [[t for o in outs for t in o.new_token_ids] for outs in (expected, first, again)]
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
 def test_conversion_happens_once_and_leaves_a_complete_ir(
     ov_ir: Path, demo_model_dir: Path
 ) -> None:

@@ -170,6 +170,7 @@ def openvino_engine_args(settings: Settings) -> dict[str, Any]:
         "num_threads": settings.task_executor.torch_threads or None,
         "export_python": settings.openvino.export_python or None,
         "export_venv": settings.openvino.export_venv or None,
+        "model_cache": settings.openvino.model_cache,
     }
 
 

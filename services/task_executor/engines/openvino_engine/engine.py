@@ -139,13 +139,16 @@ class OpenVINOEngine:
         properties: Mapping[str, Any] | None = None,
         export_python: str | None = None,
         export_venv: str | None = None,
+        model_cache: Path | str | None = None,
     ) -> None:
         """``model_dir`` is the Hugging Face checkpoint; its IR in ``weight_format`` is made on
         first use unless ``ir_dir`` names one. ``inference_precision`` ("f32", "bf16") defaults
         to the plugin's choice (bf16 where the CPU has bf16 units); ``kv_cache_precision``
         ("f32", "bf16", "f16", "u8") defaults to the inference precision. f32/f32 gives the
         same greedy tokens as transformers in float32. ``export_python`` / ``export_venv``:
-        the interpreter that converts the checkpoint (``convert.ensure_ir``)."""
+        the interpreter that converts the checkpoint (``convert.ensure_ir``).
+        ``model_cache``: OpenVINO's compiled-model cache directory (``CACHE_DIR``): the first
+        load compiles and stores the compiled model there, later ones import it."""
         path = (
             Path(ir_dir)
             if ir_dir is not None
@@ -209,6 +212,9 @@ class OpenVINOEngine:
         }
         if num_threads:
             props["INFERENCE_NUM_THREADS"] = num_threads
+        if model_cache:
+            Path(model_cache).mkdir(parents=True, exist_ok=True)
+            props["CACHE_DIR"] = str(model_cache)
         props.update(properties or {})
         self._pipe = ov_genai.ContinuousBatchingPipeline(str(path), sched, "CPU", props)
         self._requests: dict[str, _Request] = {}
