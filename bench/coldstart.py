@@ -53,7 +53,7 @@ from shared.settings import Settings, process_environment
 
 RESULTS = Path("bench-results")
 MODEL = "bench-qwen2-0.5b"
-PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777]
+PROMPT = list(range(1, 17))  # 16 tokens any vocabulary has
 TE_MODES = ("te-disk-cold", "te-disk-warm", "te-cache-store", "te-cache-hit", "te-fork")
 OV_MODES = ("openvino-compile", "openvino-cache")
 ALL_MODES = ("transformers", "vllm", *TE_MODES, *OV_MODES)

@@ -15,6 +15,13 @@ request until the fleet is back at its floor. Settings are shortened for a run o
 
     scripts/bench-scaling [--duration 120] [--models 4] [--rate 0.4] [--cv 4]
 
+``--host-cache-ab`` runs the autoscaler's cluster twice instead, on models made distinct
+(each the demo's tensors scaled by its own factor, so no two share a tensor): with the host
+weight cache on (a fresh directory) and off, and compares the scale-ups' ``te_load`` (mean,
+from the frontend's ``meshserve_scale_step_seconds``), the waits of the requests held while
+their model came up from zero (``meshserve_held_wait_seconds``), TTFT, and the cache's hit
+rate (its ``index.json``: loads that mapped a tensor over all tensor lookups).
+
 Needs NATS and Redis (``MESHSERVE_NATS_URL`` / ``MESHSERVE_REDIS_URL``; the wrapper uses
 local ones where they answer). Writes bench-results/scaling.json.
 """
@@ -25,6 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import LocalCluster, instances
+from bench.cluster import LocalCluster, counter, instances
 from bench.common import (
     RESULTS,
     ROOT,
@@ -143,11 +151,120 @@ def _run_cluster(
         fleet.stop()
         summary = json.loads((run_dir / "summary.json").read_text())
         return {
+            "metrics": cluster.metrics(),
             "summary": summary,
             "instance_s": fleet.instance_s,
             "peak": fleet.peak,
             "peak_total": fleet.peak_total,
         }
+
+
+def _distinct_copy(src: Path, dst: Path, factor: float) -> None:
+    """``src``'s checkpoint with every floating-point tensor scaled by ``factor``: a model of
+    the same size that shares no tensor with another (the host cache stores each once)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            (dst / f.name).symlink_to(f)
+    tensors = load_file(str(src / "model.safetensors"))
+    scaled = {
+        k: (v * factor).to(v.dtype) if v.is_floating_point() else v for k, v in tensors.items()
+    }
+    save_file(scaled, str(dst / "model.safetensors"))
+
+
+def _histogram(
+    metrics: str, name: str, **labels: str
+) -> tuple[list[tuple[float, float]], float, float]:
+    """A Prometheus histogram summed over series matching ``labels``: cumulative buckets
+    (le, count), sum, count."""
+    buckets: dict[float, float] = {}
+    for line in metrics.splitlines():
+        if not line.startswith(f"{name}_bucket"):
+            continue
+        head, _, value = line.rpartition(" ")
+        have = dict(
+            p.split("=", 1) for p in head.partition("{")[2].rstrip("}").split(",") if "=" in p
+        )
+        have = {k: v.strip('"') for k, v in have.items()}
+        if all(have.get(k) == v for k, v in labels.items()):
+            le = float(have["le"])
+            buckets[le] = buckets.get(le, 0.0) + float(value)
+    total = counter(metrics, f"{name}_sum", **labels)
+    count = counter(metrics, f"{name}_count", **labels)
+    return sorted(buckets.items()), total, count
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` (None: no sample)."""
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    for le, n in buckets:
+        if n >= q * buckets[-1][1]:
+            return le
+    return None
+
+
+def _host_cache_ab(
+    args: argparse.Namespace, models: Path, trace: Path, demo: Path, work: Path
+) -> None:
+    rows = []
+    cache_dir = _shm_dir(work, "weights")
+    for config, extra in (
+        ("cache on", {"HOST_CACHE_DIR": str(cache_dir)}),
+        ("cache off", {"HOST_CACHE_BYTES": "0"}),
+    ):
+        run = _run_cluster(
+            config.replace(" ", "-"), models, trace, demo, work, args.pool_size, extra, 0
+        )
+        text = run["metrics"]
+        _, load_sum, loads = _histogram(
+            text, "meshserve_scale_step_seconds", kind="up", step="te_load"
+        )
+        held, _, n_held = _histogram(text, "meshserve_held_wait_seconds")
+        hits = lookups = 0
+        if "HOST_CACHE_DIR" in extra:
+            index = json.loads((Path(extra["HOST_CACHE_DIR"]) / "index.json").read_text())
+            hits = sum(e["hits"] for e in index["entries"].values())
+            lookups = hits + sum(e["misses"] for e in index["entries"].values())
+        rows.append(
+            _row(config, run["summary"], run["instance_s"], run["peak_total"])
+            | {
+                "scale_ups": loads,
+                "te_load_ms": 1000 * load_sum / loads if loads else None,
+                "held": n_held,
+                "held_p50": _quantile(held, 0.5),
+                "held_p90": _quantile(held, 0.9),
+                "hit_rate": 100 * hits / lookups if lookups else None,
+            }
+        )
+    table = Table(
+        [
+            Col("config", "config", width=10, left=True),
+            Col("requests", "reqs"),
+            Col("prompt_tokens", "prompt tok"),
+            Col("output_tokens", "output tok"),
+            Col("scale_ups", "loads", ".0f"),
+            Col("te_load_ms", "te_load mean ms", ".1f"),
+            Col("held", "held", ".0f"),
+            Col("held_p50", "held wait p50 s (<=)", ".2f"),
+            Col("held_p90", "held wait p90 s (<=)", ".2f"),
+            Col("ttft_p90", "TTFT p90 ms", ".0f"),
+            Col("slo", "SLO %", ".1f"),
+            Col("hit_rate", "cache hits %", ".1f"),
+        ]
+    )
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    table.print(rows, title=f"host weight cache on and off, {args.models} distinct models")
+    write_result(args.out, {"args": vars(args) | {"out": str(args.out)}, "settings": SCALING,
+                            "rows": rows, "work_dir": str(work)})  # fmt: skip
+
+
+def _shm_dir(work: Path, name: str) -> Path:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
+    return Path(tempfile.mkdtemp(prefix=f"meshserve-bench-{name}-", dir=base))
 
 
 def _row(config: str, summary: dict[str, Any], instance_s: float, peak: int) -> dict[str, Any]:
@@ -174,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--autoscaler-only", action="store_true", help="run the autoscaler's cluster alone"
     )
+    p.add_argument(
+        "--host-cache-ab",
+        action="store_true",
+        help="the autoscaler with the host weight cache on and off, on distinct models",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
     args = p.parse_args(argv)
     LOG_LEVEL[0] = args.log_level
@@ -183,8 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     models = work / "models"
     models.mkdir()
     names = [f"m{i}" for i in range(args.models)]
-    for n in names:
-        (models / n).symlink_to(demo)
+    for i, n in enumerate(names):
+        if args.host_cache_ab:
+            _distinct_copy(demo, models / n, 1.0 + (i + 1) / 1024)
+        else:
+            (models / n).symlink_to(demo)
     trace = work / "trace.jsonl"
     spec = ",".join(f"{n}:{args.rate}:{args.cv}" for n in names)
     subprocess.run(
@@ -198,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"trace: {n_req} requests over {args.duration:g} s, {args.models} models, "
           f"CV {args.cv:g}; settings {SCALING}", flush=True)  # fmt: skip
 
+    if args.host_cache_ab:
+        _host_cache_ab(args, models, trace, demo, work)
+        return
     auto = _run_cluster("autoscaler", models, trace, demo, work, args.pool_size, {}, 0)
     if args.autoscaler_only:
         row = _row("autoscaler", auto["summary"], auto["instance_s"], auto["peak_total"])

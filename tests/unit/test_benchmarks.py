@@ -30,7 +30,8 @@ def _bench(*args: str, timeout: float = 120) -> str:
 
 
 @pytest.mark.parametrize(
-    "name", ["engine", "gpu", "kernels", "scheduling", "vs_vllm", "scaling", "routing"]
+    "name",
+    ["engine", "gpu", "kernels", "scheduling", "vs_vllm", "scaling", "routing", "coldstart"],
 )
 def test_every_bench_starts(name: str) -> None:
     assert "usage:" in _bench(f"bench.{name}", "--help")
@@ -88,3 +89,43 @@ def test_bench_routing_times_the_prompt_index(tmp_path: Path) -> None:
         assert 0 < index[key]["p50"] <= index[key]["p99"]
     assert index["churn_batches_per_s"] > 0
     assert "prompt index: " in printed
+
+
+def test_bench_multicast_times_both_schedules_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "multicast.json"
+    printed = _bench(
+        "bench.multicast", "--receivers", "1,3", "--bytes", "2MiB", "--block-bytes", "256KiB",
+        "--reps", "2", "--quiet-wait", "0", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["blocks"] == 8 and result["loopback_gb_s"] > 0
+    rows = {(r["receivers"], r["schedule"]): r for r in result["rows"]}
+    assert set(rows) == {(n, s) for n in (1, 3) for s in ("pipeline", "fan-out")}
+    assert rows[3, "pipeline"]["steps"] == 8 - 1 + 2 and rows[3, "fan-out"]["steps"] == 3 * 8
+    for (n, s), row in rows.items():
+        assert row["seconds"] > 0 and row["vs_one"] > 0
+        assert len(result["runs"][f"{s}/{n}"]) == 2
+    # The pipeline's source sends about one copy, the fan-out's one per receiver.
+    assert all(r["source_bytes_sent"] == 3 * (2 << 20) for r in result["runs"]["fan-out/3"])
+    assert all(r["source_bytes_sent"] < 2 * (2 << 20) for r in result["runs"]["pipeline/3"])
+    assert "fan-out ÷ pipeline" in printed
+
+
+def test_bench_coldstart_times_each_way_back_from_zero(tmp_path: Path) -> None:
+    model = _write_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "coldstart.json"
+    modes = "te-disk-cold,te-disk-warm,te-cache-store,te-cache-hit,te-fork"
+    printed = _bench(
+        "bench.coldstart", "--model", str(model), "--modes", modes, "--reps", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == set(modes.split(","))
+    assert all(r["total_s"] > 0 and r["first_token"] > 0 for r in rows.values())
+    stored = rows["te-cache-store"]["misses"]
+    assert stored > 0 and rows["te-cache-hit"]["misses"] == 0
+    assert rows["te-cache-hit"]["hits"] == rows["te-cache-store"]["hits"] + stored
+    assert rows["te-fork"]["fetched"] == stored and rows["te-fork"]["misses"] == 0
+    assert result["loopback_gb_s"] > 0
+    assert "te-cache-hit" in printed
