@@ -116,7 +116,7 @@ def _transformers_child(model_dir: Path, spawned: float) -> dict[str, Any]:
     import transformers
 
     t_import = time.time()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     t_load = time.time()
     with torch.inference_mode():
         model.generate(torch.tensor([PROMPT]), max_new_tokens=1, do_sample=False)

@@ -181,7 +181,7 @@ class HostWeightCache:
                     first_seen=stats.get("first_seen", now),
                     last_use=stats.get("last_use", now),
                     uses=stats.get("uses", 1),
-                    in_use=_in_use(path),
+                    in_use=not _free(path),
                     alpha=stats.get("alpha", 1.0),
                 )
             )
@@ -201,7 +201,7 @@ class HostWeightCache:
             return False
         sizes = {e.key: e.size for e in entries}
         for key in victims:
-            if _unlink_unless_used(self.path(key)):
+            if _free(self.path(key), unlink=True):
                 index["entries"].pop(key, None)
                 report.evicted_bytes += sizes[key]
                 log.info("host cache evicted %s (%d bytes)", key, sizes[key])
@@ -434,30 +434,20 @@ def _release(fd: int, mm: Any) -> None:
     os.close(fd)  # drops the lock
 
 
-def _in_use(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _unlink_unless_used(path: Path) -> bool:
+def _free(path: Path, *, unlink: bool = False) -> bool:
+    """Whether no TE maps ``path`` (its exclusive lock is free; a file already gone is);
+    with ``unlink``, removed while that lock is held, so no TE maps it in between."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        path.unlink(missing_ok=True)
-        return True
     except BlockingIOError:
         return False
+    else:
+        if unlink:
+            path.unlink(missing_ok=True)
+        return True
     finally:
         os.close(fd)

@@ -8,14 +8,13 @@ big-endian):
 - ``{"op": "fingerprints", "model": M}`` -> ``{"fingerprints": {name: fp}}`` (the checkpoint
   tensors' fingerprints of a model loaded on that host, so the receiver can name the entries
   it needs without reading its own copy of the checkpoint), or ``{"error": ...}``;
-- ``{"op": "size", "key": K}`` -> ``{"size": n}`` (to make room before asking for it);
 - ``{"op": "get", "key": K}`` -> ``{"size": n}`` then the entry's bytes, or ``{"error": ...}``.
 
-The receiver writes an entry into its own cache directory under a temporary name, checks
-every chunk as it arrives and renames the file into place only when all of it checked, so a
-torn or corrupted transfer never becomes an entry: the load builds that tensor from disk
-instead (``ForkError``, logged by the cache session). One connection serves many requests;
-the server answers each connection on a thread of its own.
+The receiver reads an entry into its own memory, checking every chunk as it arrives; a
+torn or corrupted transfer never becomes a tensor: the load builds it from the checkpoint
+instead (``ForkError``, logged by the cache session), and only a whole, checked entry is
+stored into the receiver's cache (after the load, like what a load builds). One connection
+serves many requests; the server answers each connection on a thread of its own.
 """
 
 from __future__ import annotations
@@ -65,8 +64,6 @@ class _Handler(socketserver.StreamRequestHandler):
                 request = json.loads(line)
                 if request.get("op") == "fingerprints":
                     self._reply(self.server.fingerprints(str(request["model"])))
-                elif request.get("op") == "size":
-                    self._reply(self.server.size(str(request["key"])))
                 elif request.get("op") == "get":
                     self._send_entry(str(request["key"]))
                 else:
@@ -138,13 +135,6 @@ class WeightServer(socketserver.ThreadingTCPServer):
     def entry(self, key: str) -> Path | None:
         return self.root / "tensors" / f"{key}{SUFFIX}" if key.isalnum() else None
 
-    def size(self, key: str) -> dict[str, Any]:
-        path = self.entry(key)
-        try:
-            return {"size": path.stat().st_size} if path else {"error": "bad key"}
-        except FileNotFoundError:
-            return {"error": f"no entry {key}", "missing": True}
-
     def fingerprints(self, model: str) -> dict[str, Any]:
         try:
             index = json.loads((self.root / "index.json").read_text())
@@ -207,9 +197,6 @@ class WeightPeer:
         fps: dict[str, str] = self._ask({"op": "fingerprints", "model": model})["fingerprints"]
         return fps
 
-    def size(self, key: str) -> int:
-        return int(self._ask({"op": "size", "key": key})["size"])
-
     def fetch_into(self, key: str, alloc: Callable[[int], memoryview]) -> memoryview:
         """The entry ``key`` into the buffer ``alloc(size)`` returns (a whole tensor file's
         image), checked chunk by chunk; ``ForkError`` on any failure."""
@@ -229,45 +216,6 @@ class WeightPeer:
                 raise ForkError(f"{key} from {self.address}: chunk {i} failed its checksum")
         self.fetched_bytes += size
         return into
-
-    def fetch(self, key: str, path: Path) -> int:
-        """The entry ``key`` into ``path`` (renamed into place once every chunk checked);
-        its bytes. ``ForkError`` on any failure, with nothing left at ``path``."""
-        size = int(self._ask({"op": "get", "key": key})["size"])
-        tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            self._receive(key, fd, size)
-            tmp.replace(path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
-        self.fetched_bytes += size
-        return size
-
-    def _receive(self, key: str, fd: int, size: int) -> None:
-        """Chunk by chunk into one reused buffer, checked, then written to ``fd`` (writes
-        let tmpfs allocate its pages itself, several times faster here than faulting them
-        in through a mapping)."""
-        buf = bytearray(min(CHUNK, size) or 1)
-        view = memoryview(buf)
-        digest = bytearray(DIGEST)
-        for i, start in enumerate(range(0, size, CHUNK)):
-            chunk = view[: min(CHUNK, size - start)]
-            try:
-                _read_exactly(self._file, chunk)
-                _read_exactly(self._file, memoryview(digest))
-            except (OSError, EOFError) as e:
-                self.close()
-                raise ForkError(f"weight server {self.address}: {key}: {e}") from e
-            if _digest(chunk) != bytes(digest):
-                self.close()  # the rest of the entry is still on the wire
-                raise ForkError(f"{key} from {self.address}: chunk {i} failed its checksum")
-            done = 0
-            while done < len(chunk):
-                done += os.write(fd, chunk[done:])
 
 
 def _read_exactly(f: Any, into: memoryview) -> None:
