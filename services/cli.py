@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--models-dir", help="checkpoints directory (MESHSERVE_MODELS_DIR)")
     up.add_argument("--pool-size", type=int, help="pre-warmed TEs (MESHSERVE_POOL_SIZE)")
     up.add_argument("--cluster", help="cluster name (MESHSERVE_CLUSTER)")
+    prof = sub.add_parser(
+        "profile",
+        help="measure a model's capacity on this host and engine now, offline, and store it "
+        "with the model, so that no load measures it on its critical path",
+    )
+    prof.add_argument("model_dir", help="the checkpoint's directory")
     for name in SERVICE_NAMES:
         svc = sub.add_parser(name, help=f"run the {name} service")
         if name == "task-executor":
@@ -45,6 +51,15 @@ def main(argv: list[str] | None = None) -> None:
         }
         settings = Settings.load(**{k: v for k, v in flags.items() if v is not None})
         sys.exit(Launcher(settings).run())
+    if args.command == "profile":
+        from pathlib import Path
+
+        from services.task_executor.capacity import profile_model
+        from shared.settings import Settings
+
+        capacity, where = profile_model(Path(args.model_dir), Settings.load())
+        print(f"{args.model_dir}: capacity {where}: {capacity}")
+        return
     if args.command == "task-executor" and args.pool_id:
         from services.task_executor.pool import create
         from shared.runner import run_service

@@ -1,11 +1,15 @@
 """How much one instance of a model sustains on this engine and device, measured on the
 engine itself: the scaler sizes each model's fleet from it (``services/scaler/policy.py``).
 
-Measured once per model architecture, engine and host, when a model first loads where none
-is stored: the TE keeps it on disk (``CapacityStore``, so no later load on this host measures
-it again, in any cluster) and the scaler hands it to every later load (Redis). Prompts are random token ids (timing does
-not depend on content). ``meshserve-loadgen profile`` measures a fuller cost model with the
-same two probes (``prefill_s`` and ``decode_step_s``)."""
+Measured once per model architecture, engine and kind of host, offline where it can be:
+``meshserve profile MODEL_DIR`` (``scripts/up`` runs it for the demo model) measures it and
+stores it with the model (``MODEL_STORE`` in the checkpoint's directory) and on the host
+(``CapacityStore`` under ``MESHSERVE_CAPACITY_CACHE``). A load finds it there (or the scaler
+hands it over from Redis) and measures nothing; only a load that finds none measures it,
+before it turns ready (0.3 s for the demo model alone, up to 2 s under load), and stores it
+in both places. Prompts are random token ids (timing does not depend on content).
+``meshserve-loadgen profile`` measures a fuller cost model with the same two probes
+(``prefill_s`` and ``decode_step_s``)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from services.task_executor.engines.base import Engine, EngineRequest
 from services.task_executor.engines.capabilities import bind_features
 from shared.messages.api import SamplingParams
 from shared.messages.scaling import InstanceCapacity
+from shared.settings import Settings
 
 CAPACITY_PROMPT_TOKENS = 512  # the prefill probe (clipped to half the context)
 CAPACITY_DECODE_CONTEXT = 128  # tokens each decode of the probe attends over
@@ -161,6 +166,53 @@ def measure_capacity(engine: Engine, *, vocab: int, max_num_seqs: int) -> Instan
         device=engine.device,
         measured_at=time.time(),
     )
+
+
+MODEL_STORE = Path(".meshserve") / "capacity"  # under a checkpoint's directory
+
+
+def find_or_measure(
+    engine: Engine, model_path: Path, settings: Settings, *, measure: bool = True
+) -> tuple[InstanceCapacity | None, str]:
+    """The capacity of ``engine`` serving the model at ``model_path`` as ``settings`` set
+    it up, and where it came from: stored with the model (``"model"``), on this host
+    (``"host"``), or ``"measured"`` now (then stored in both, best effort); (None, "none")
+    when none is stored and ``measure`` is false."""
+    te = settings.task_executor
+    stores = [CapacityStore(model_path / MODEL_STORE), CapacityStore(te.capacity_cache)]
+    key = stores[0].key(
+        model_path,
+        engine=engine.name,
+        device=engine.device,
+        dtype=te.dtype,
+        max_num_seqs=te.max_num_seqs,
+        threads=te.torch_threads,
+    )
+    for i, (where, store) in enumerate(zip(("model", "host"), stores, strict=True)):
+        if (capacity := store.get(key)) is not None:
+            stores[1 - i].put(key, capacity)  # each keeps a copy (best effort)
+            return capacity, where
+    if not measure:
+        return None, "none"
+    vocab = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
+    capacity = measure_capacity(engine, vocab=vocab, max_num_seqs=te.max_num_seqs)
+    for store in stores:
+        store.put(key, capacity)
+    return capacity, "measured"
+
+
+def profile_model(model_dir: Path, settings: Settings) -> tuple[InstanceCapacity | None, str]:
+    """``meshserve profile``: the model loaded as a TE with these settings loads it, its
+    capacity found or measured and stored (``find_or_measure``), the engine closed."""
+    from services.task_executor.engines.base import LoadReport
+    from services.task_executor.engines.factory import create_engine, prewarm
+
+    prewarm(settings)
+    engine = create_engine(model_dir.name, model_dir, settings, report=LoadReport())
+    try:
+        return find_or_measure(engine, model_dir, settings)
+    finally:
+        engine.close()
 
 
 def _cpu_name() -> str:

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import gc
 import importlib
-import json
 import math
 import os
 import socket
@@ -27,7 +26,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from services.task_executor.capacity import CapacityStore, measure_capacity
+from services.task_executor.capacity import find_or_measure
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest, LoadReport
 from services.task_executor.engines.capabilities import EngineFeatures, bind_features
 from services.task_executor.engines.factory import (
@@ -368,28 +367,19 @@ class TaskExecutor:
         return engine, features, capacity
 
     def _measure_capacity(self, engine: Engine, path: Path) -> InstanceCapacity | None:
-        """The capacity stored on this host for the model's architecture and this engine, or
-        measured now (and stored)."""
-        te = self._settings.task_executor
-        store = CapacityStore(te.capacity_cache)
+        """The capacity stored with the model or on this host for its architecture and this
+        engine, or measured now (and stored): ``capacity.find_or_measure``."""
         try:
-            key = store.key(
-                path,
-                engine=engine.name,
-                device=engine.device,
-                dtype=te.dtype,
-                max_num_seqs=te.max_num_seqs,
-                threads=te.torch_threads,
-            )
-            if (capacity := store.get(key)) is not None:
-                return capacity
-            vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
-            capacity = measure_capacity(engine, vocab=vocab, max_num_seqs=te.max_num_seqs)
+            capacity, where = find_or_measure(engine, path, self._settings)
         except Exception:  # the scaler sizes the model by its queue alone until one is stored
             log.exception("measuring the instance's capacity failed")
             return None
-        store.put(key, capacity)
-        log.info("capacity measured", **msgspec.structs.asdict(capacity))
+        if where == "measured" and capacity is not None:
+            log.info(
+                "capacity measured on the load's critical path (`meshserve profile` stores it "
+                "with the model beforehand)",
+                **msgspec.structs.asdict(capacity),
+            )
         return capacity
 
     async def _on_unload(self, cmd: UnloadModel) -> ControlAck:

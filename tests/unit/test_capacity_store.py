@@ -58,3 +58,24 @@ def test_the_probe_times_a_full_batch_whose_prompts_join_over_many_iterations(tm
         assert cap.prefill_s > 0 and not engine.has_work()
     finally:
         engine.close()
+
+
+def test_a_profile_made_offline_is_stored_with_the_model_and_found_by_a_load(tmp_path):
+    from services.task_executor.capacity import MODEL_STORE, find_or_measure, profile_model
+    from services.task_executor.engines.torch_engine import TorchEngine
+    from shared.settings import Settings
+    from tests.unit.test_torch_engine import _write_tiny_llama
+
+    model = _write_tiny_llama(tmp_path / "tiny")
+    settings = Settings.load(
+        engine="torch", device="cpu", capacity_cache=str(tmp_path / "host"), host_cache={"bytes": 0}
+    )
+    capacity, where = profile_model(model, settings)
+    assert where == "measured" and capacity is not None and capacity.prefill_s > 0
+    assert list((model / MODEL_STORE).glob("*.json"))
+    # Another host's TE (an empty host store) finds it with the model and measures nothing.
+    other = settings.with_values(capacity_cache=str(tmp_path / "other-host"))
+    engine = TorchEngine(model, device="cpu")
+    assert find_or_measure(engine, model, other, measure=False) == (capacity, "model")
+    assert list((tmp_path / "other-host").glob("*.json"))  # and keeps a copy on its host
+    assert profile_model(model, settings)[1] == "model"
