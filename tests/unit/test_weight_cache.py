@@ -234,3 +234,40 @@ def test_the_cache_is_off_at_zero_bytes_and_sized_from_the_host_by_default(tmp_p
     assert HostWeightCache.from_settings(Settings(host_cache={"bytes": 0})) is None
     cache = HostWeightCache.from_settings(Settings(host_cache={"dir": tmp_path / "c"}))
     assert cache is not None and 0 < cache.budget_bytes
+
+
+def test_two_loads_of_one_model_at_once_store_each_entry_once(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    import threading
+
+    expected = _outputs(_load(model_dir, None)[0])
+    cache = HostWeightCache(tmp_path / "cache", 1 << 30)
+    engines: list[TorchEngine] = []
+
+    def load() -> None:
+        engines.append(_load(model_dir, cache)[0])
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(engines) == 2
+    assert [_outputs(e) for e in engines] == [expected, expected]
+    files = list(cache.tensors_dir.iterdir())
+    assert files and not [f for f in files if f.name.endswith(".tmp")]
+    third, report = _load(model_dir, cache)
+    assert report.misses == 0 and report.hits == _tensor_count()
+    assert _outputs(third) == expected
+
+
+def test_files_half_written_by_a_dead_process_are_removed(tmp_path: Path) -> None:
+    tensors = tmp_path / "cache" / "tensors"
+    tensors.mkdir(parents=True)
+    dead = tensors / ".abc.999999999.tmp"  # no such pid
+    alive = tensors / f".def.{os.getpid()}.tmp"
+    dead.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    HostWeightCache(tmp_path / "cache", 1 << 20)
+    assert not dead.exists() and alive.exists()

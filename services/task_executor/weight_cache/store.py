@@ -147,21 +147,20 @@ class HostWeightCache:
     # -- the directory's state ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def locked(self) -> Iterator[dict[str, Any]]:
-        """The directory's exclusive lock, with its index (written back on exit)."""
+    def locked(self) -> Iterator[_Index]:
+        """The directory's exclusive lock, with its index (read when first asked for,
+        written back on exit where changed)."""
         fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            index = self._read_index()
+            index = _Index(self.root)
             yield index
-            tmp = self._index_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(index))
-            tmp.replace(self._index_path)
+            if index.dirty:
+                tmp = self._index_path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(index.data))
+                tmp.replace(self._index_path)
         finally:
             os.close(fd)
-
-    def _read_index(self) -> dict[str, Any]:
-        return read_index(self.root)
 
     def entries(self, index: Mapping[str, Any]) -> list[EntryView]:
         """Every file in the cache as the eviction policy sees it (in use: some TE's lock)."""
@@ -193,21 +192,39 @@ class HostWeightCache:
     def residencies(self) -> dict[str, CachedWeights]:
         return residencies(self.root)
 
-    def _make_room(self, index: dict[str, Any], need: int, report: LoadReport) -> bool:
+    def _make_room(self, index: _Index, need: int, report: LoadReport) -> bool:
         """Under the lock: evict until ``need`` bytes fit; False when they cannot."""
-        entries = self.entries(index)
+        if self.used_bytes() + need <= self.budget_bytes:
+            return True  # the common case: no eviction, no index to read
+        entries = self.entries(index.data)
         victims = choose_victims(entries, need, self.budget_bytes, self._clock(), self.eviction)
         if victims is None:
             return False
         sizes = {e.key: e.size for e in entries}
         for key in victims:
             if _free(self.path(key), unlink=True):
-                index["entries"].pop(key, None)
+                index.data["entries"].pop(key, None)
+                index.dirty = True
                 report.evicted_bytes += sizes[key]
                 log.info("host cache evicted %s (%d bytes)", key, sizes[key])
             else:  # mapped since the view was taken: start over with the new view
                 return self._make_room(index, need, report)
         return True
+
+
+class _Index:
+    """The index as a locked section sees it: read on first use, written where ``dirty``."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._data: dict[str, Any] | None = None
+        self.dirty = False
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._data is None:
+            self._data = read_index(self._root)
+        return self._data
 
 
 class CacheSession:
@@ -362,7 +379,8 @@ class CacheSession:
         now = self.cache._clock()
         keys = list(self._used)
         with self.cache.locked() as index:
-            entries = index["entries"]
+            index.dirty = True
+            entries = index.data["entries"]
             for key, hit in self._used.items():
                 e = entries.setdefault(key, {"first_seen": now, "uses": 0, "hits": 0, "misses": 0})
                 e["uses"] += 1
@@ -370,7 +388,7 @@ class CacheSession:
                 e["last_use"] = now
                 e["alpha"] = max(e.get("alpha", 1.0), alpha)
             total = sum(_size(self.cache.path(k)) for k in keys)
-            index["models"][self.model] = {
+            index.data["models"][self.model] = {
                 "keys": keys,
                 "bytes": total,
                 "fingerprints": dict(self.fingerprints),  # served to forks (transfer.py)
