@@ -31,6 +31,7 @@ class TEView:
     weight_server: str = ""  # host:port of its host's weight server ("": none)
     # what its host's weight cache holds, by model
     cached_weights: Mapping[str, CachedWeights] = dataclasses.field(default_factory=dict)
+    cache_free_bytes: int = 0  # room left in its host's weight cache
 
     @property
     def load(self) -> int:
@@ -59,4 +60,5 @@ def te_view(hb: TEHeartbeat) -> TEView:
         capacity=hb.capacity,
         weight_server=hb.weight_server,
         cached_weights=hb.cached_weights,
+        cache_free_bytes=hb.cache_free_bytes,
     )

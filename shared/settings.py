@@ -165,6 +165,12 @@ class ScalerSettings(Section):
         description="A model with no request for this long drops to its min_replicas; its "
         "instances unload once idle as long (scale to zero).",
     )
+    preload_window: Duration = Field(
+        default=timedelta(minutes=10),
+        description="A model with a request this recent is predicted to load again: the "
+        "scaler pre-loads its weights into the host cache of the pool its next instance would "
+        "go to, where that cache lacks them and has room (services/scaler/preload.py); 0: off.",
+    )
     min_replicas: int = Field(
         default=0, ge=0, description="Instances every model keeps (0: it may scale to zero)."
     )

@@ -22,6 +22,7 @@ from shared.messages.scaling import (
     Drain,
     LoadModel,
     OutcomeReport,
+    PreloadModel,
     ScaleEvent,
     TrafficReport,
     UnloadModel,
@@ -62,11 +63,11 @@ CATALOGUE: dict[str, SubjectSpec] = {
     "te_control": SubjectSpec(
         "{cluster}.te.{te_id}.control",
         "request/reply",
-        (LoadModel, UnloadModel, Drain),
+        (LoadModel, PreloadModel, UnloadModel, Drain),
         (ControlAck,),
         "scaler",
         "one TE",
-        "Load or unload a model, or drain the TE.",
+        "Load or unload a model, pre-load one into the host's weight cache, or drain the TE.",
     ),
     "token_stream": SubjectSpec(
         "{cluster}.inbox.{owner}.{attempt_key}",

@@ -72,6 +72,7 @@ class ScalerConfig:
     pending_timeout_s: float = 300.0  # a load not seen ready or failed by then is lost
     held_ttl_s: float = 5.0  # a JE's held count is forgotten when it stops reporting
     load_bandwidth: float = 1.0e9  # bytes/s a load reads and packs what its host cache lacks
+    preload_window_s: float = 600.0  # demand this recent predicts a load (preload.py; 0: off)
 
     def policy(self, model: str) -> ModelPolicy:
         return self.models.get(model, self.default)

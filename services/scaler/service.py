@@ -23,6 +23,7 @@ from services.scaler.policy import (
     observe_traffic,
     observe_view,
 )
+from services.scaler.preload import preloads
 from services.views import TEView, te_view
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient, ViewWatcher
@@ -33,6 +34,7 @@ from shared.messages.scaling import (
     InstanceCapacity,
     LoadModel,
     OutcomeReport,
+    PreloadModel,
     ScaleEvent,
     TrafficReport,
     UnloadModel,
@@ -73,6 +75,7 @@ def scaler_config(settings: Settings) -> ScalerConfig:
         panic_window_s=s.panic_window.total_seconds(),
         slo_target=s.slo_target,
         load_bandwidth=settings.host_cache.load_bandwidth,
+        preload_window_s=s.preload_window.total_seconds(),
     )
 
 
@@ -214,6 +217,17 @@ class Scaler:
             )
         paths = {m.id: m.path for m in view.models}
         await asyncio.gather(*(self._actuate(a, paths, tes, now) for a in decision.actions))
+        taken = {a.te_id for a in decision.actions}
+        for p in preloads(self._state, [te for te in tes if te.te_id not in taken],
+                          models=list(paths), now=now, cfg=self._cfg):  # fmt: skip
+            log.info("preload decision", model=p.model, te=p.te_id, fork=p.weights_from)
+            cmd = PreloadModel(model=p.model, path=paths[p.model], weights_from=p.weights_from)
+            try:
+                ack = await self._tes.control(p.te_id, cmd)
+                if not ack.ok:
+                    log.warning("preload refused", te=p.te_id, error=ack.error)
+            except MeshserveError as e:
+                log.warning("preload failed", te=p.te_id, error=str(e))
 
     async def _actuate(
         self, action: Load | Unload, paths: dict[str, str], tes: list[TEView], now: float

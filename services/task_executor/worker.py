@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib
 import math
@@ -33,10 +34,11 @@ from services.task_executor.engines.factory import (
     choose_engine,
     create_engine,
     engine_choice,
+    preload,
     prewarm,
 )
 from services.task_executor.engines.process import EngineProcessDied
-from services.task_executor.weight_cache.index import residencies
+from services.task_executor.weight_cache.index import budget_bytes, residencies, used_bytes
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import (
@@ -57,6 +59,7 @@ from shared.messages.scaling import (
     Drain,
     InstanceCapacity,
     LoadModel,
+    PreloadModel,
     UnloadModel,
 )
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
@@ -144,6 +147,7 @@ class TaskExecutor:
         self._generated_tokens = 0
         self._recent_models: list[str] = []  # loaded here before, newest first
         self._cached: dict[str, CachedWeights] = {}
+        self._cache_free = 0
         self._cached_at = -math.inf
         self._capacity: InstanceCapacity | None = None  # of the model loaded
         self._choice = engine_choice(settings)  # for any model; for the model loaded once one is
@@ -182,10 +186,12 @@ class TaskExecutor:
         now = time.monotonic()
         if now - self._cached_at >= CACHED_WEIGHTS_S and self._settings.host_cache.bytes != 0:
             self._cached_at = now
+            root = self._settings.host_cache.dir
             try:
-                self._cached = residencies(self._settings.host_cache.dir)
+                self._cached = residencies(root)
+                self._cache_free = max(budget_bytes(self._settings) - used_bytes(root), 0)
             except OSError:
-                self._cached = {}
+                self._cached, self._cache_free = {}, 0
         return self._cached
 
     def _heartbeat(self) -> TEHeartbeat:
@@ -209,6 +215,7 @@ class TaskExecutor:
             ready_at=self._ready_at,
             weight_server=self._settings.host_cache.server,
             cached_weights=self._cached_weights(),
+            cache_free_bytes=self._cache_free,
         )
         if self.engine is not None:
             st = self.engine.stats()
@@ -235,7 +242,12 @@ class TaskExecutor:
         )
         await self._bus.subscribe(
             self._subjects.te_control(self.te_id),
-            {LoadModel: self._on_load, UnloadModel: self._on_unload, Drain: self._on_drain},
+            {
+                LoadModel: self._on_load,
+                PreloadModel: self._on_preload,
+                UnloadModel: self._on_unload,
+                Drain: self._on_drain,
+            },
         )
         if self._engine_factory is create_engine:  # a load queued meanwhile waits its turn
             self._engine_thread.submit(self._prewarm)
@@ -304,6 +316,41 @@ class TaskExecutor:
         self._hb.beat_now()
         self._control_task = self._life.spawn(self._load(cmd), name="load", one_shot=True)
         return ControlAck(te_id=self.te_id, ok=True)
+
+    async def _on_preload(self, cmd: PreloadModel) -> ControlAck:
+        if self.state != TEState.IDLE:
+            return ControlAck(te_id=self.te_id, ok=False, error=f"TE is {self.state}, not idle")
+        self.state = TEState.PRELOADING
+        self._hb.beat_now()
+        self._control_task = self._life.spawn(self._preload(cmd), name="preload", one_shot=True)
+        return ControlAck(te_id=self.te_id, ok=True)
+
+    async def _preload(self, cmd: PreloadModel) -> None:
+        t0 = time.monotonic()
+        try:
+            report = await self._on_engine_thread(
+                functools.partial(
+                    preload,
+                    cmd.model,
+                    Path(cmd.path),
+                    self._settings,
+                    weights_from=cmd.weights_from,
+                )
+            )
+        except Exception:
+            log.exception("preload failed", model=cmd.model)
+        else:
+            log.info(
+                "model preloaded into the host cache",
+                model=cmd.model,
+                seconds=round(time.monotonic() - t0, 2),
+                built=report.misses,
+                already_there=report.hits,
+                fetched=report.fetched,
+            )
+        self.state = TEState.IDLE
+        self._cached_at = -math.inf  # report what the cache holds now
+        self._hb.beat_now()
 
     async def _load(self, cmd: LoadModel) -> None:
         t0 = time.monotonic()

@@ -16,6 +16,7 @@ class TEState(enum.StrEnum):
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"  # finishing its requests, takes no new ones
+    PRELOADING = "preloading"  # no model: putting one's weights into its host's cache
 
 
 class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -79,6 +80,7 @@ class TEHeartbeat(Message):
     weight_server: str = ""
     # what this host's weight cache holds, by model (those loaded on the host before)
     cached_weights: dict[str, CachedWeights] = msgspec.field(default_factory=dict)
+    cache_free_bytes: int = 0  # room left in its host's weight cache (0: none, or no cache)
 
 
 class JEHeartbeat(Message):

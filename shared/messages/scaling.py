@@ -80,6 +80,16 @@ class LoadModel(Message):
     weights_from: str | None = None
 
 
+class PreloadModel(Message):
+    """Put the model's weights into this TE's host weight cache, in the engine's form, and
+    serve nothing: a later load on the host maps them (the scaler's pre-loading). The TE
+    is ``preloading`` meanwhile, then idle again."""
+
+    model: str
+    path: str
+    weights_from: str | None = None  # as LoadModel's
+
+
 class UnloadModel(Message):
     """Take no new work, finish the running requests (those still running after
     ``drain_s`` are handed back to be resubmitted elsewhere), then unload."""

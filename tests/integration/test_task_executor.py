@@ -400,3 +400,38 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
     finally:
         await worker.shutdown()
         await run
+
+
+async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
+    bus: Bus, cluster: str, demo_model_dir: Path, tmp_path: Path
+):
+    from shared.messages.scaling import PreloadModel
+
+    settings = Settings(
+        cluster=cluster,
+        heartbeat_interval=timedelta(seconds=0.2),
+        shutdown_grace=timedelta(seconds=0.5),
+        host_cache={"dir": str(tmp_path / "weights"), "bytes": 1 << 30},
+    )
+    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-p", pool_id="p")
+    task = asyncio.create_task(worker.run())
+    await asyncio.wait_for(worker.ready.wait(), 5)
+    client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
+    try:
+        ack = await client.control("te-p", PreloadModel(model="demo", path=str(demo_model_dir)))
+        assert ack.ok and worker.state == TEState.PRELOADING
+        deadline = time.monotonic() + 30
+        while worker.state != TEState.IDLE:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        held = worker._heartbeat().cached_weights["demo"]
+        assert held.resident_bytes == held.total_bytes > 0 and worker.model is None
+        assert (await client.control("te-p", LoadModel(model="demo", path=str(demo_model_dir)))).ok
+        while worker.state != TEState.READY:
+            assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
+            await asyncio.sleep(0.05)
+        steps = worker._heartbeat().load_steps
+        assert "te_load_map" in steps and "te_load_build" not in steps
+    finally:
+        await worker.shutdown()
+        await task

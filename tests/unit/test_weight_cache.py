@@ -271,3 +271,16 @@ def test_files_half_written_by_a_dead_process_are_removed(tmp_path: Path) -> Non
     alive.write_bytes(b"x")
     HostWeightCache(tmp_path / "cache", 1 << 20)
     assert not dead.exists() and alive.exists()
+
+
+def test_a_preload_stores_the_weights_a_later_load_maps(model_dir: Path, tmp_path: Path) -> None:
+    from services.task_executor.engines.torch_engine.engine import preload_weights
+
+    cache = HostWeightCache(tmp_path / "cache", 1 << 30)
+    report = preload_weights(model_dir, cache, model_name="tiny", device="cpu", dtype="bfloat16")
+    assert report.misses > 0 and cache.used_bytes() == report.stored_bytes
+    assert cache.residencies()["tiny"].resident_bytes == cache.used_bytes()
+    gc.collect()
+    engine, again = _load(model_dir, cache)
+    assert again.misses == 0 and again.hits == _tensor_count()
+    assert _outputs(engine) == _outputs(_load(model_dir, None)[0])

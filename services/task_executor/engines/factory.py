@@ -158,6 +158,30 @@ def create_engine(
     raise ValueError(f"unknown engine {kind!r}")
 
 
+def preload(
+    model: str, model_path: Path, settings: Settings, *, weights_from: str | None = None
+) -> LoadReport:
+    """The model's weights into this host's weight cache, as this TE's engine would load
+    them (``PreloadModel``); only the torch engine loads through the cache."""
+    kind = choose_engine(settings, model, model_path)
+    if kind != "torch":
+        raise CapabilityError(f"the {kind} engine does not load through the host weight cache")
+    from services.task_executor.engines.torch_engine.engine import preload_weights
+    from services.task_executor.weight_cache.store import HostWeightCache
+
+    cache = HostWeightCache.from_settings(settings)
+    if cache is None:
+        raise CapabilityError("the host weight cache is off (MESHSERVE_HOST_CACHE_BYTES=0)")
+    return preload_weights(
+        model_path,
+        cache,
+        model_name=model,
+        device=settings.task_executor.device,
+        dtype=settings.task_executor.dtype,
+        weights_from=weights_from,
+    )
+
+
 def openvino_engine_args(settings: Settings) -> dict[str, Any]:
     """The OpenVINOEngine arguments a TE's settings give: the IR's weights are those
     MESHSERVE_WEIGHT_FORMAT asks for, else the OpenVINO engine's own format."""

@@ -8,10 +8,12 @@ directory's lock (by rename: readers never see half of it)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from shared.messages.cluster import CachedWeights
+from shared.settings import Settings
 
 SUFFIX = ".t"  # of a tensor file's name: KEY.t
 
@@ -45,3 +47,20 @@ def residencies(root: Path) -> dict[str, CachedWeights]:
         resident = sum(entry_size(entry_path(root, k)) for k in manifest["keys"])
         out[model] = CachedWeights(resident_bytes=resident, total_bytes=manifest["bytes"])
     return out
+
+
+def used_bytes(root: Path) -> int:
+    return sum(entry_size(p) for p in (root / "tensors").glob(f"*{SUFFIX}"))
+
+
+def budget_bytes(settings: Settings) -> int:
+    """The cache's budget: ``MESHSERVE_HOST_CACHE_BYTES``, else a quarter of the host's
+    memory, at most half of what the cache directory's filesystem has free (a tmpfs's size
+    is its own limit: half the host's memory by default). The directory must exist."""
+    hc = settings.host_cache
+    if hc.bytes is not None:
+        return hc.bytes
+    st = os.statvfs(hc.dir)
+    free = st.f_bavail * st.f_frsize
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(memory // 4, free // 2)

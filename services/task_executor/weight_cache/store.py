@@ -51,7 +51,13 @@ from services.task_executor.weight_cache.fingerprint import (
     memoised,
     remember,
 )
-from services.task_executor.weight_cache.index import SUFFIX, read_index, residencies
+from services.task_executor.weight_cache.index import (
+    SUFFIX,
+    budget_bytes,
+    read_index,
+    residencies,
+    used_bytes,
+)
 from services.task_executor.weight_cache.index import entry_size as _size
 from services.task_executor.weight_cache.transfer import ForkError, MissingEntry, WeightPeer
 from shared.messages.cluster import CachedWeights
@@ -90,7 +96,7 @@ class HostWeightCache:
             return None
         try:
             hc.dir.mkdir(parents=True, exist_ok=True)
-            budget = hc.bytes if hc.bytes is not None else default_budget(hc.dir)
+            budget = budget_bytes(settings)
             eviction = EvictionConfig(hc.load_bandwidth, hc.horizon.total_seconds())
             return cls(hc.dir, budget, eviction=eviction)
         except OSError as e:
@@ -187,7 +193,7 @@ class HostWeightCache:
         return out
 
     def used_bytes(self) -> int:
-        return sum(_size(p) for p in self.tensors_dir.glob(f"*{SUFFIX}"))
+        return used_bytes(self.root)
 
     def residencies(self) -> dict[str, CachedWeights]:
         return residencies(self.root)
@@ -400,15 +406,6 @@ class CacheSession:
 def _tensor_buffer(size: int) -> memoryview:
     """``size`` bytes of torch-allocated memory (huge pages where torch uses them)."""
     return torch.empty(size, dtype=torch.uint8).numpy().data.cast("B")
-
-
-def default_budget(directory: Path) -> int:
-    """A quarter of the host's memory, at most half of what ``directory``'s filesystem has
-    free (a tmpfs's size is its own limit: half the host's memory by default)."""
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(memory // 4, free // 2)
 
 
 def _remove_orphans(directory: Path) -> None:

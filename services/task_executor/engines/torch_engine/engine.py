@@ -181,6 +181,39 @@ def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torc
     return DTYPES.get(config.torch_dtype or "", torch.bfloat16)
 
 
+def preload_weights(
+    model_dir: Path | str,
+    weight_cache: HostWeightCache,
+    *,
+    model_name: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    weights_from: str | None = None,
+    report: LoadReport | None = None,
+) -> LoadReport:
+    """The model's weights made as a TorchEngine with these arguments makes them, into
+    ``weight_cache`` (from ``weights_from``'s cache where given, else the checkpoint), and
+    nothing else: no engine, no KV cache. A later load on the host maps them. Returns once
+    they are stored. (On CUDA they are made on the device as a load makes them, then
+    dropped: only the host copies stay.)"""
+    torch_device = resolve_device(device)
+    config = load_model_config(model_dir)
+    report = report if report is not None else LoadReport()
+    peer = WeightPeer(weights_from) if weights_from else None
+    name = model_name or Path(model_dir).name
+    session = weight_cache.session(name, Path(model_dir), report, peer)
+    load_weights(
+        CheckpointTensors(Path(model_dir)),
+        config,
+        dtype=resolve_dtype(dtype, config, torch_device),
+        device=torch_device,
+        derived=session,
+    )
+    session.finish()
+    session.wait()
+    return report
+
+
 class TorchEngine:
     name = "torch"
 

@@ -1,0 +1,80 @@
+"""Pre-loading: which models the scaler puts into a node pool's host weight cache ahead of
+demand, a pure function over the policy's view (``services/scaler/policy.py`` types).
+
+A model is predicted to load again while it has had a request within ``preload_window_s``
+(it scaled to zero after its keep-alive, or has fewer instances than pools, and its traffic
+is recent). Its next instance goes where ``placement_order`` puts it: the idle TEs' pool
+that loads it fastest. Where that pool's host cache does not hold all of the model, one idle
+TE of the pool pre-loads it (``PreloadModel``: the weights made and stored, no engine), so
+that the next load maps them, forked from a pool that holds them where one does
+(``fork_source``). Within the budget: only where the pool's cache has room for the model's
+bytes (S, as any host reports them) without evicting anything, and only on a pool with
+another TE idle, so a load never waits for a pre-load. At most one pre-load a tick, none
+while another runs (a TE ``preloading``), and none for a model no host has ever cached (its
+size is unknown until a first load stores it).
+
+The simulator does not model host caches, so it does not run this decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from services.scaler.policy import (
+    ScalerConfig,
+    ScalerState,
+    fork_source,
+    placement_order,
+)
+from services.views import TEView
+from shared.messages.cluster import TEState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Preload:
+    te_id: str
+    model: str
+    reason: str
+    weights_from: str | None = None
+
+
+def preloads(
+    state: ScalerState,
+    tes: Sequence[TEView],
+    *,
+    models: Sequence[str],
+    now: float,
+    cfg: ScalerConfig,
+) -> list[Preload]:
+    """At most one pre-load: the first predicted model (most recent demand first) whose
+    next instance's pool lacks it and has room and a spare idle TE."""
+    if cfg.preload_window_s <= 0 or any(te.state == TEState.PRELOADING for te in tes):
+        return []
+    idle = [te for te in tes if te.state == TEState.IDLE and te.te_id not in state.pending]
+    if len(idle) < 2:
+        return []
+    predicted = sorted(
+        (m for m in models if 0 < now - state.memory(m).last_demand <= cfg.preload_window_s),
+        key=lambda m: (-state.memory(m).last_demand, m),
+    )
+    for model in predicted:
+        size = max((c.total_bytes for te in tes if (c := te.cached_weights.get(model))), default=0)
+        if size == 0:
+            continue
+        pool = placement_order(model, idle, tes, cfg)[0].pool_id
+        held = max(
+            (
+                c.resident_bytes
+                for te in tes
+                if te.pool_id == pool and (c := te.cached_weights.get(model))
+            ),
+            default=0,
+        )
+        pool_idle = [te for te in idle if te.pool_id == pool]
+        room = max((te.cache_free_bytes for te in pool_idle), default=0)
+        if held >= size or len(pool_idle) < 2 or room < size - held:
+            continue
+        te = placement_order(model, pool_idle, tes, cfg)[-1]  # keep the best one for a load
+        return [Preload(te.te_id, model, "predicted", fork_source(model, pool, tes))]
+    return []
