@@ -227,6 +227,13 @@ class Keys:
         """Hash: ``model|engine`` -> msgpack ``InstanceCapacity``, measured once each."""
         return f"{self.cluster}:capacity"
 
+    def host_cache(self, pool_id: str, part: str) -> str:
+        """Hashes of one node pool's host weight cache, as its TEs last read it: ``tensors``
+        (entry key -> JSON size, first_seen, last_use, uses, hits, misses), ``models``
+        (model -> JSON resident_bytes, total_bytes) and ``pool`` (``server``: its weight
+        server; ``free_bytes``; ``updated_at``)."""
+        return f"{self.cluster}:hostcache:{pool_id}:{part}"
+
     def kv_index_tes(self, model: str) -> str:
         """Hash: TE id -> ``"<seq> <block size>"``, the last KV event batch in the model's
         prompt index from that TE."""

@@ -38,7 +38,12 @@ from services.task_executor.engines.factory import (
     prewarm,
 )
 from services.task_executor.engines.process import EngineProcessDied
-from services.task_executor.weight_cache.index import budget_bytes, residencies, used_bytes
+from services.task_executor.weight_cache.index import (
+    budget_bytes,
+    metadata,
+    residencies,
+    used_bytes,
+)
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import (
@@ -66,7 +71,7 @@ from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.store import Store
-from shared.subjects import Subjects
+from shared.subjects import Keys, Subjects
 
 log = get_logger(__name__)
 
@@ -86,6 +91,7 @@ class EngineFactory(Protocol):
 _T = TypeVar("_T")
 
 CACHED_WEIGHTS_S = 5.0
+HOST_CACHE_REPUBLISH_S = 60.0
 # Prefix-cache events are published at most this often, as one batch.
 KV_FLUSH_S = 0.05
 KV_CHECK_S = 2.0
@@ -254,6 +260,8 @@ class TaskExecutor:
         self._hb.start(self._life)
         loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
         self._life.spawn(self._kv_publisher(), name="kv event publisher")
+        if self._store is not None and self._settings.host_cache.bytes != 0:
+            self._life.spawn(self._host_cache_publisher(), name="host cache publisher")
         self.ready.set()
         try:
             await self._life.wait()
@@ -588,6 +596,42 @@ class TaskExecutor:
     def _collect_kv_events(self) -> None:
         if (source := self._features.kv_events) is not None:
             self._kv_pending.extend(source.drain_kv_events())
+
+    async def _host_cache_publisher(self) -> None:
+        """The host cache's reuse-store metadata into Redis (``Keys.host_cache``) whenever its
+        index changes, and every HOST_CACHE_REPUBLISH_S whatever (Redis may have restarted);
+        every TE of a pool writes the same figures."""
+        assert self._store is not None
+        keys, root = Keys(self._settings.cluster), self._settings.host_cache.dir
+        seen, published = 0, -math.inf
+        while True:
+            await asyncio.sleep(CACHED_WEIGHTS_S)
+            try:
+                changed = (root / "index.json").stat().st_mtime_ns
+            except OSError:
+                continue
+            if changed == seen and time.monotonic() - published < HOST_CACHE_REPUBLISH_S:
+                continue
+            try:
+                tensors, models = await asyncio.to_thread(metadata, root)
+                enc = msgspec.json.encode
+                await self._store.replace_hash(
+                    keys.host_cache(self.pool_id, "tensors"),
+                    {k: enc(v) for k, v in tensors.items()},
+                )
+                await self._store.replace_hash(
+                    keys.host_cache(self.pool_id, "models"), {m: enc(c) for m, c in models.items()}
+                )
+                free = max(budget_bytes(self._settings) - used_bytes(root), 0)
+                pool = {"server": self._settings.host_cache.server, "free_bytes": free}
+                await self._store.replace_hash(
+                    keys.host_cache(self.pool_id, "pool"),
+                    {k: str(v).encode() for k, v in (pool | {"updated_at": time.time()}).items()},
+                )
+            except Exception as e:  # Redis away: the next round writes it all again
+                log.warning("publishing the host cache's metadata failed", error=str(e))
+                continue
+            seen, published = changed, time.monotonic()
 
     async def _kv_publisher(self) -> None:
         """Prefix-cache events leave in batches, at most one message per flush period; every

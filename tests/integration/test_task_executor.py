@@ -1,6 +1,7 @@
 """One task executor with the real torch engine, driven over real NATS."""
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -22,7 +23,8 @@ from shared.messages.kv import KvBlocksStored, KvEventBatch
 from shared.messages.scaling import LoadModel, UnloadModel
 from shared.messages.tasks import ChatTask, TaskMode, TokenChunk
 from shared.settings import Settings
-from shared.subjects import Subjects
+from shared.store import Store
+from shared.subjects import Keys, Subjects
 
 pytestmark = pytest.mark.nats
 
@@ -403,7 +405,7 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
 
 
 async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
-    bus: Bus, cluster: str, demo_model_dir: Path, tmp_path: Path
+    bus: Bus, cluster: str, demo_model_dir: Path, tmp_path: Path, redis_url: str, store: Store
 ):
     from shared.messages.scaling import PreloadModel
 
@@ -413,7 +415,8 @@ async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
         shutdown_grace=timedelta(seconds=0.5),
         host_cache={"dir": str(tmp_path / "weights"), "bytes": 1 << 30},
     )
-    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-p", pool_id="p")
+    te_store = await Store.connect(redis_url)
+    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-p", pool_id="p", store=te_store)
     task = asyncio.create_task(worker.run())
     await asyncio.wait_for(worker.ready.wait(), 5)
     client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
@@ -432,6 +435,17 @@ async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
             await asyncio.sleep(0.05)
         steps = worker._heartbeat().load_steps
         assert "te_load_map" in steps and "te_load_build" not in steps
+        # The reuse-store metadata reaches Redis: which tensors the pool holds, their sizes
+        # and uses, and what it holds of each model.
+        reader, keys = store, Keys(cluster)  # the fixture removes the cluster's keys after
+        deadline = time.monotonic() + 15
+        while not (models := await reader.hash_items(keys.host_cache("p", "models"))):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        tensors = await reader.hash_items(keys.host_cache("p", "tensors"))
+        stats = [json.loads(v) for v in tensors.values()]
+        assert json.loads(models["demo"])["resident_bytes"] == sum(t["size"] for t in stats)
+        assert all(t["uses"] >= 1 for t in stats)
     finally:
         await worker.shutdown()
         await task

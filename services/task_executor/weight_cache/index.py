@@ -64,3 +64,14 @@ def budget_bytes(settings: Settings) -> int:
     free = st.f_bavail * st.f_frsize
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(memory // 4, free // 2)
+
+
+def metadata(root: Path) -> tuple[dict[str, dict[str, Any]], dict[str, CachedWeights]]:
+    """The cache's reuse-store metadata: every entry present with its size and statistics,
+    and every model's residency (what ``Keys.host_cache`` publishes)."""
+    index = read_index(root)
+    tensors = {}
+    for path in (root / "tensors").glob(f"*{SUFFIX}"):
+        key = path.name.removesuffix(SUFFIX)
+        tensors[key] = {"size": entry_size(path), **index["entries"].get(key, {})}
+    return tensors, residencies(root)
