@@ -47,7 +47,7 @@ def _variant(base: Path, out: Path) -> Path:
     return out
 
 
-def _load(model_dir: Path, cache: HostWeightCache | None, dtype: str = "bfloat16"):
+def _load(model_dir: Path, cache: HostWeightCache | None, dtype: str = "bfloat16", **kw: object):
     report = LoadReport()
     engine = TorchEngine(
         model_dir,
@@ -57,6 +57,7 @@ def _load(model_dir: Path, cache: HostWeightCache | None, dtype: str = "bfloat16
         num_kv_blocks=64,
         weight_cache=cache,
         load_report=report,
+        **kw,  # type: ignore[arg-type]
     )
     if cache is not None:
         assert cache.wait_stored(60)
@@ -284,3 +285,15 @@ def test_a_preload_stores_the_weights_a_later_load_maps(model_dir: Path, tmp_pat
     engine, again = _load(model_dir, cache)
     assert again.misses == 0 and again.hits == _tensor_count()
     assert _outputs(engine) == _outputs(_load(model_dir, None)[0])
+
+
+def test_an_engine_that_cannot_swap_keeps_its_own_weights_and_still_stores(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    cache = HostWeightCache(tmp_path / "cache", 1 << 30)
+    # Forwards on a worker thread (as on CUDA): no swap between steps.
+    engine, report = _load(model_dir, cache, overlap_on_cpu=True)
+    assert engine._weights_stored is None and report.stored_bytes == cache.used_bytes() > 0
+    own = engine.weights.layers[0].down
+    assert _outputs(engine) == _outputs(_load(model_dir, None)[0])
+    assert engine.weights.layers[0].down is own

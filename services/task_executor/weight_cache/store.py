@@ -313,15 +313,18 @@ class CacheSession:
         self.report.fetched_bytes += image.numel()
         return tensor_file.from_image(image)
 
-    def finish(self, alpha: float = 1.0) -> LoadReport:
+    def finish(self, alpha: float = 1.0, *, swap: bool = True) -> LoadReport:
         """The load is done: what it built is stored on a thread of its own, off the load's
         critical path (on this project's VMs, tmpfs takes about 0.4 GB/s of new pages), and
-        the load's uses go into the index. ``replacements`` then says which of the load's own
-        tensors the cache now holds."""
+        the load's uses go into the index. With ``swap``, ``replacements`` then says which of
+        the load's own tensors the cache now holds; without (an engine that will not swap:
+        its weights are copies on a GPU), the session lets go of what it built once stored."""
         with self.cache._lock:
             self.cache._storing = [s for s in self.cache._storing if not s._stored.is_set()]
             self.cache._storing.append(self)
-        threading.Thread(target=self._store_all, args=(alpha,), name="host-cache-store").start()
+        threading.Thread(
+            target=self._store_all, args=(alpha, swap), name="host-cache-store"
+        ).start()
         return self.report
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -339,7 +342,7 @@ class CacheSession:
         self._built.clear()
         return out
 
-    def _store_all(self, alpha: float) -> None:
+    def _store_all(self, alpha: float, swap: bool) -> None:
         t0 = time.monotonic()
         # Behind the engine's own threads: the first requests run while this writes.
         with contextlib.suppress(OSError):
@@ -347,8 +350,11 @@ class CacheSession:
         try:
             for key, built in self._pending:
                 mapped = self._store(key, built)
-                if mapped is not None:
+                if mapped is not None and swap:
                     self._replacements[id(built)] = mapped
+            if not swap:
+                self._pending.clear()
+                self._built.clear()
             self._record(alpha)
         except Exception:
             log.exception("host cache: storing %s's tensors failed", self.model)

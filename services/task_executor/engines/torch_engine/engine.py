@@ -318,8 +318,6 @@ class TorchEngine:
             device=torch_device,
             derived=self._weights_stored,
         )
-        if self._weights_stored is not None:
-            self._weights_stored.finish()
         t_init = time.monotonic()
         report.add_phase("weights", t_init - t_weights)
 
@@ -416,6 +414,13 @@ class TorchEngine:
         )
         self._ahead: _Ahead | None = None
         self.overlap = OverlapStats()
+        if self._weights_stored is not None:
+            # Swapped in between steps where the engine's weights are the host's own: on CPU,
+            # with forwards on the calling thread (``step``).
+            swap = torch_device.type == "cpu" and self._launcher is None
+            self._weights_stored.finish(swap=swap)
+            if not swap:
+                self._weights_stored = None
         report.add_phase("engine_init", time.monotonic() - t_init)
 
     # --- Engine protocol ---------------------------------------------------------------
