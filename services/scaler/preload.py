@@ -10,8 +10,9 @@ that the next load maps them, forked from a pool that holds them where one does
 (``fork_source``). Within the budget: only where the pool's cache has room for the model's
 bytes (S, as any host reports them) without evicting anything, and only on a pool with
 another TE idle, so a load never waits for a pre-load. At most one pre-load a tick, none
-while another runs (a TE ``preloading``), and none for a model no host has ever cached (its
-size is unknown until a first load stores it).
+while another runs (a TE ``preloading``), none for a model no host has ever cached (its
+size is unknown until a first load stores it), and one try per model and pool a window
+(``tried``: a pre-load that failed is not retried every tick).
 
 The simulator does not model host caches, so it does not run this decision.
 """
@@ -19,7 +20,8 @@ The simulator does not model host caches, so it does not run this decision.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from services.scaler.policy import (
     ScalerConfig,
@@ -35,6 +37,7 @@ from shared.messages.cluster import TEState
 class Preload:
     te_id: str
     model: str
+    pool_id: str
     reason: str
     weights_from: str | None = None
 
@@ -46,9 +49,11 @@ def preloads(
     models: Sequence[str],
     now: float,
     cfg: ScalerConfig,
+    tried: Mapping[tuple[str, str], float] | None = None,
 ) -> list[Preload]:
     """At most one pre-load: the first predicted model (most recent demand first) whose
-    next instance's pool lacks it and has room and a spare idle TE."""
+    next instance's pool lacks it, has room and a spare idle TE, and was not tried there
+    within the window (``tried``: (model, pool) -> unix seconds of the last pre-load sent)."""
     if cfg.preload_window_s <= 0 or any(te.state == TEState.PRELOADING for te in tes):
         return []
     idle = [te for te in tes if te.state == TEState.IDLE and te.te_id not in state.pending]
@@ -75,6 +80,8 @@ def preloads(
         room = max((te.cache_free_bytes for te in pool_idle), default=0)
         if held >= size or len(pool_idle) < 2 or room < size - held:
             continue
+        if now - (tried or {}).get((model, pool), -math.inf) < cfg.preload_window_s:
+            continue
         te = placement_order(model, pool_idle, tes, cfg)[-1]  # keep the best one for a load
-        return [Preload(te.te_id, model, "predicted", fork_source(model, pool, tes))]
+        return [Preload(te.te_id, model, pool, "predicted", fork_source(model, pool, tes))]
     return []

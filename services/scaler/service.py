@@ -103,6 +103,7 @@ class Scaler:
         self._state = ScalerState()
         self._stored: dict[str, InstanceCapacity] = {}  # model|engine -> capacity in Redis
         self._sent: dict[str, _Sent] = {}  # by TE
+        self._preloaded: dict[tuple[str, str], float] = {}  # (model, pool) -> sent at
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -219,8 +220,10 @@ class Scaler:
         await asyncio.gather(*(self._actuate(a, paths, tes, now) for a in decision.actions))
         taken = {a.te_id for a in decision.actions}
         for p in preloads(self._state, [te for te in tes if te.te_id not in taken],
-                          models=list(paths), now=now, cfg=self._cfg):  # fmt: skip
+                          models=list(paths), now=now, cfg=self._cfg,
+                          tried=self._preloaded):  # fmt: skip
             log.info("preload decision", model=p.model, te=p.te_id, fork=p.weights_from)
+            self._preloaded[p.model, p.pool_id] = now
             cmd = PreloadModel(model=p.model, path=paths[p.model], weights_from=p.weights_from)
             try:
                 ack = await self._tes.control(p.te_id, cmd)

@@ -30,7 +30,13 @@ def test_a_recently_used_model_goes_to_the_pool_its_next_instance_would_take() -
     ]
     out = preloads(_recent(), tes, models=["m", "x"], now=T0, cfg=CFG)
     # B takes m's next instance; its second idle TE pre-loads, forking from A.
-    assert out == [Preload("b2", "m", "predicted", "10.0.0.1:7")]
+    assert out == [Preload("b2", "m", "B", "predicted", "10.0.0.1:7")]
+    # Sent once: not again within the window (a failed one is not retried every tick).
+    state = _recent()
+    recently = {("m", "B"): T0 - 5}
+    assert preloads(state, tes, models=["m", "x"], now=T0, cfg=CFG, tried=recently) == []
+    long_ago = {("m", "B"): T0 - CFG.preload_window_s - 1}
+    assert preloads(state, tes, models=["m", "x"], now=T0, cfg=CFG, tried=long_ago) == out
 
 
 def test_nothing_where_the_cache_holds_it_or_lacks_room_or_one_te_is_idle() -> None:
