@@ -32,6 +32,8 @@ class TEView:
     # what its host's weight cache holds, by model
     cached_weights: Mapping[str, CachedWeights] = dataclasses.field(default_factory=dict)
     cache_free_bytes: int = 0  # room left in its host's weight cache
+    weight_relay: str = ""  # its host's weight server's multicast address
+    relay_address: str = ""  # where it receives a multicast
 
     @property
     def load(self) -> int:
@@ -61,4 +63,6 @@ def te_view(hb: TEHeartbeat) -> TEView:
         weight_server=hb.weight_server,
         cached_weights=hb.cached_weights,
         cache_free_bytes=hb.cache_free_bytes,
+        weight_relay=hb.weight_relay,
+        relay_address=hb.relay_address,
     )

@@ -379,6 +379,11 @@ class HostCacheSettings(Section):
         description="host:port of this host's weight server, set by the node pool for its TEs "
         "(they report it to the scaler); empty: none.",
     )
+    relay: str = Field(
+        default="",
+        description="host:port the weight server multicasts from, set by the node pool for its "
+        "TEs like server.",
+    )
 
 
 class OpenVINOSettings(Section):

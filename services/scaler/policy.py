@@ -306,6 +306,17 @@ class Load:
     model: str
     reason: str = ""
     weights_from: str | None = None  # another host's weight server to fork from
+    multicast: MulticastPlan | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MulticastPlan:
+    """A load's part in a multicast (``plan_multicasts``): node ``node`` of ``nodes``."""
+
+    node: int
+    nodes: tuple[str, ...]  # relay addresses, node 0 the source's
+    source: str  # the source's weight server
+    block_bytes: int = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -682,7 +693,34 @@ def decide(
     state = dataclasses.replace(
         state, models=memories, pending=new_pending, draining=new_draining, reserved=reserved
     )
-    return Decision(actions=actions, state=state, targets=targets)
+    return Decision(actions=plan_multicasts(actions, view), state=state, targets=targets)
+
+
+def plan_multicasts(actions: Sequence[Action], tes: Sequence[TEView]) -> list[Action]:
+    """Loads of one model that would each fork it from the same weight server (two or
+    more in one decision) get it by multicast instead: lambda-Scale's binomial pipeline
+    from that server's relay (node 0) through the loading TEs' relays (nodes 1..N), so the
+    source sends about one copy instead of N. Only where every address is known (TEs report
+    them); a load whose multicast fails forks from ``weights_from`` as before."""
+    out = list(actions)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, a in enumerate(out):
+        if isinstance(a, Load) and a.weights_from:
+            groups.setdefault((a.model, a.weights_from), []).append(i)
+    by_id = {te.te_id: te for te in tes}
+    for (_, source), idx in groups.items():
+        relay0 = next((te.weight_relay for te in tes if te.weight_server == source), "")
+        receivers = [
+            by_id[out[i].te_id].relay_address if out[i].te_id in by_id else "" for i in idx
+        ]
+        if len(idx) < 2 or not relay0 or not all(receivers):
+            continue
+        nodes = (relay0, *receivers)
+        for k, i in enumerate(idx, start=1):
+            load = out[i]
+            assert isinstance(load, Load)
+            out[i] = dataclasses.replace(load, multicast=MulticastPlan(k, nodes, source))
+    return out
 
 
 def reclaim(

@@ -33,6 +33,7 @@ from shared.messages.cluster import ClusterView, TEHeartbeat
 from shared.messages.scaling import (
     InstanceCapacity,
     LoadModel,
+    Multicast,
     OutcomeReport,
     PreloadModel,
     ScaleEvent,
@@ -247,6 +248,16 @@ class Scaler:
                     path=paths[action.model],
                     capacity=self._capacity(action.model, engine),
                     weights_from=action.weights_from,
+                    multicast=(
+                        Multicast(
+                            node=m.node,
+                            nodes=list(m.nodes),
+                            source=m.source,
+                            block_bytes=m.block_bytes,
+                        )
+                        if (m := action.multicast)
+                        else None
+                    ),
                 )
             else:
                 cmd = UnloadModel(

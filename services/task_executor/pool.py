@@ -55,7 +55,9 @@ class NodePool:
         except OSError as e:
             log.warning("weight server not started", error=str(e))
             return None
-        self._settings = self._settings.with_values(host_cache={"server": server.address})
+        self._settings = self._settings.with_values(
+            host_cache={"server": server.address, "relay": server.relay_address}
+        )
         log.info("weight server listening", address=server.address, dir=str(hc.dir))
         return server
 

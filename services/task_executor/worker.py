@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
@@ -38,6 +38,7 @@ from services.task_executor.engines.factory import (
     prewarm,
 )
 from services.task_executor.engines.process import EngineProcessDied
+from services.task_executor.weight_cache import relay
 from services.task_executor.weight_cache.index import (
     budget_bytes,
     metadata,
@@ -73,6 +74,9 @@ from shared.settings import Settings
 from shared.store import Store
 from shared.subjects import Keys, Subjects
 
+if TYPE_CHECKING:
+    from services.task_executor.weight_cache.store import Received
+
 log = get_logger(__name__)
 
 
@@ -85,6 +89,7 @@ class EngineFactory(Protocol):
         *,
         report: LoadReport,
         weights_from: str | None = None,
+        received: Received | None = None,
     ) -> Engine: ...
 
 
@@ -154,6 +159,11 @@ class TaskExecutor:
         self._recent_models: list[str] = []  # loaded here before, newest first
         self._cached: dict[str, CachedWeights] = {}
         self._cache_free = 0
+        # Where this TE receives multicasts of a model's weights (with the host cache on).
+        self._relay: socket.socket | None = None
+        if settings.host_cache.bytes != 0:
+            with contextlib.suppress(OSError):
+                self._relay = relay.listen(f"{settings.host_cache.serve_host}:0")
         self._cached_at = -math.inf
         self._capacity: InstanceCapacity | None = None  # of the model loaded
         self._choice = engine_choice(settings)  # for any model; for the model loaded once one is
@@ -222,6 +232,8 @@ class TaskExecutor:
             weight_server=self._settings.host_cache.server,
             cached_weights=self._cached_weights(),
             cache_free_bytes=self._cache_free,
+            weight_relay=self._settings.host_cache.relay,
+            relay_address=relay.address_of(self._relay) if self._relay is not None else "",
         )
         if self.engine is not None:
             st = self.engine.stats()
@@ -287,6 +299,8 @@ class TaskExecutor:
                 await self._forget_kv(self.model)
             if self._store is not None:
                 await self._store.close()
+            if self._relay is not None:
+                self._relay.close()
             self._engine_thread.shutdown(wait=False)
             self._life.stopped()
 
@@ -399,12 +413,14 @@ class TaskExecutor:
         steps["te_pre_load"] = t1 - t0  # the command's wait for the engine thread
         self._choice = engine_choice(self._settings, cmd.model, Path(cmd.path))
         report = LoadReport()
+        received = self._receive_multicast(cmd, steps)
         engine = self._engine_factory(
             cmd.model,
             Path(cmd.path),
             self._settings,
             report=report,
             weights_from=cmd.weights_from,
+            received=received,
         )
         t2 = time.monotonic()
         steps["te_load"] = t2 - t1
@@ -420,6 +436,22 @@ class TaskExecutor:
             raise
         steps["te_post_load"] = time.monotonic() - t2
         return engine, features, capacity
+
+    def _receive_multicast(self, cmd: LoadModel, steps: dict[str, float]) -> Received | None:
+        """This load's part of a multicast of its model's weights (``cmd.multicast``); None
+        where there is none, or it failed (logged: the load forks or reads instead)."""
+        if cmd.multicast is None or self._relay is None:
+            return None
+        from services.task_executor.weight_cache.store import receive_multicast
+
+        t = time.monotonic()
+        try:
+            received = receive_multicast(cmd.model, cmd.multicast, self._relay)
+        except Exception as e:
+            log.warning("multicast failed; forking instead", model=cmd.model, error=str(e))
+            return None
+        steps["te_load_multicast"] = time.monotonic() - t
+        return received
 
     def _measure_capacity(self, engine: Engine, path: Path) -> InstanceCapacity | None:
         """The capacity stored with the model or on this host for its architecture and this

@@ -81,6 +81,8 @@ class TEHeartbeat(Message):
     # what this host's weight cache holds, by model (those loaded on the host before)
     cached_weights: dict[str, CachedWeights] = msgspec.field(default_factory=dict)
     cache_free_bytes: int = 0  # room left in its host's weight cache (0: none, or no cache)
+    weight_relay: str = ""  # host:port where its host's weight server sends multicasts from
+    relay_address: str = ""  # host:port where this TE receives a multicast
 
 
 class JEHeartbeat(Message):

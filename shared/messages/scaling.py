@@ -70,6 +70,17 @@ class InstanceCapacity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
         return self.decode_step_s or self.decode_s * self.max_num_seqs
 
 
+class Multicast(msgspec.Struct, frozen=True):
+    """This load's part in a multicast of the model's weights (lambda-Scale's binomial
+    pipeline): node ``node`` of ``nodes`` (relay addresses; node 0 the weight server of a
+    pool holding the model, ``source`` its request address), blocks of ``block_bytes``."""
+
+    node: int
+    nodes: list[str]
+    source: str
+    block_bytes: int
+
+
 class LoadModel(Message):
     model: str
     path: str
@@ -78,6 +89,9 @@ class LoadModel(Message):
     # host:port of another pool's weight server holding the model (a fork over TCP), for a
     # pool whose host cache lacks it; None: this host's cache, else the checkpoint.
     weights_from: str | None = None
+    # several loads of the model at once: the weights arrive by multicast (then, on failure,
+    # by a fork from weights_from)
+    multicast: Multicast | None = None
 
 
 class PreloadModel(Message):

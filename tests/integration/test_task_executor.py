@@ -366,7 +366,13 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
     from services.task_executor.engines.torch_engine import TorchEngine
 
     def in_a_child(
-        model: str, path: Path, settings: Settings, *, report: object, weights_from: object
+        model: str,
+        path: Path,
+        settings: Settings,
+        *,
+        report: object,
+        weights_from: object,
+        received: object,
     ) -> ProcessEngine:
         return ProcessEngine(functools.partial(TorchEngine, path, device="cpu"), label=model)
 

@@ -388,3 +388,26 @@ def test_a_starved_model_takes_one_instance_from_the_richest_when_none_is_surplu
     lone = [te("r1", running=8, waiting=8), te("y1", model="y", running=1)]
     d = decide(s, lone, models=["m", "x", "y"], now=T0, cfg=CFG)
     assert unloads(d) == []
+
+
+def test_loads_of_one_model_forking_from_one_source_get_it_by_multicast() -> None:
+    from services.scaler.policy import MulticastPlan, plan_multicasts
+
+    gb = 1 << 30
+    src = cached(te("a0", pool="A", model="x"), "10.0.0.1:7000", m=(gb, gb))
+    src = dataclasses.replace(src, weight_relay="10.0.0.1:7001")
+    tes = [src] + [
+        dataclasses.replace(idle(f"{p}1", pool=p), relay_address=f"10.0.1.{i}:9")
+        for i, p in enumerate("BCD")
+    ]
+    loads = [Load(f"{p}1", "m", "load", "10.0.0.1:7000") for p in "BCD"]
+    planned = plan_multicasts([*loads, Load("x1", "x", "load")], tes)
+    nodes = ("10.0.0.1:7001", "10.0.1.0:9", "10.0.1.1:9", "10.0.1.2:9")
+    assert [a.multicast for a in planned[:3]] == [
+        MulticastPlan(k, nodes, "10.0.0.1:7000") for k in (1, 2, 3)
+    ]
+    assert planned[3].multicast is None  # not a fork: unchanged
+    # One load alone forks as before; an unknown relay address leaves the forks as they are.
+    assert plan_multicasts(loads[:1], tes)[0].multicast is None
+    blind = [dataclasses.replace(t, relay_address="") for t in tes]
+    assert all(a.multicast is None for a in plan_multicasts(loads, blind))

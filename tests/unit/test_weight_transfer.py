@@ -107,3 +107,43 @@ def test_a_peer_that_is_not_there_is_a_fork_error(tmp_path: Path) -> None:
     peer = WeightPeer(address, timeout=2)
     with pytest.raises(Exception, match="weight server"):
         peer.fingerprints("m")
+
+
+def test_a_multicast_delivers_the_model_to_several_tes_at_once(
+    model_dir: Path, tmp_path: Path, source: tuple[WeightServer, TorchEngine]
+) -> None:
+    import threading
+
+    from services.task_executor.weight_cache import relay
+    from services.task_executor.weight_cache.store import receive_multicast
+    from shared.messages.scaling import Multicast
+
+    server, _ = source
+    expected = _outputs(_engine(model_dir, None))
+    listeners = [relay.listen() for _ in range(3)]
+    nodes = [server.relay_address, *(relay.address_of(li) for li in listeners)]
+    results: dict[int, object] = {}
+
+    def receive(node: int) -> None:
+        plan = Multicast(node=node, nodes=nodes, source=server.address, block_bytes=64 << 10)
+        try:
+            results[node] = receive_multicast("tiny", plan, listeners[node - 1], timeout=20)
+        except Exception as e:  # reported below
+            results[node] = e
+
+    threads = [threading.Thread(target=receive, args=(n,)) for n in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for li in listeners:
+        li.close()
+    entries = len(list((server.root / "tensors").iterdir()))
+    for node in (1, 2, 3):
+        received = results[node]
+        assert not isinstance(received, Exception), received
+        cache = HostWeightCache(tmp_path / f"te{node}", 1 << 30)
+        report = LoadReport()
+        engine = _engine(model_dir, cache, load_report=report, received=received)
+        assert (report.fetched, report.misses) == (entries, 0)
+        assert _outputs(engine) == expected

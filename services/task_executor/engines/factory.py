@@ -7,12 +7,15 @@ import functools
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from services.task_executor.engines.base import Engine, LoadReport
 from services.task_executor.engines.capabilities import CapabilityError, TensorSource
 from services.task_executor.engines.choice import EngineChoice, HostView, Wanted, choose
 from shared import block_hash
+
+if TYPE_CHECKING:
+    from services.task_executor.weight_cache.store import Received
 from shared.native import Toolchain
 from shared.settings import Settings
 
@@ -97,13 +100,15 @@ def create_engine(
     tensors: TensorSource | None = None,
     report: LoadReport | None = None,
     weights_from: str | None = None,
+    received: Received | None = None,
 ) -> Engine:
     """``tensors``: the weights, handed over instead of read from the checkpoint; only an
     engine that declares ``weight_source`` takes them. Otherwise the torch engine loads
     through the host weight cache where the settings turn it on (``host_cache``).
     ``report``: filled with the load's phases and what it took from the cache.
     ``weights_from``: another host's weight server to fork the weights from (the torch
-    engine with the host cache on; others read the checkpoint)."""
+    engine with the host cache on; others read the checkpoint); ``received``: the weights
+    as a multicast delivered them."""
     kind = choose_engine(settings, model, model_path)
     if tensors is not None and kind != "torch":
         raise CapabilityError(
@@ -131,6 +136,7 @@ def create_engine(
             model_name=model,
             load_report=report,
             weights_from=weights_from,
+            received=received,
         )
     if kind == "openvino":
         from services.task_executor.engines.process import ProcessEngine

@@ -29,10 +29,12 @@ under the lock at the end of each load.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -44,7 +46,7 @@ import torch
 import xxhash
 
 from services.task_executor.engines.base import LoadReport
-from services.task_executor.weight_cache import tensor_file
+from services.task_executor.weight_cache import relay, tensor_file
 from services.task_executor.weight_cache.eviction import EntryView, EvictionConfig, choose_victims
 from services.task_executor.weight_cache.fingerprint import (
     checkpoint_fingerprints,
@@ -59,8 +61,10 @@ from services.task_executor.weight_cache.index import (
     used_bytes,
 )
 from services.task_executor.weight_cache.index import entry_size as _size
+from services.task_executor.weight_cache.multicast import binomial_pipeline
 from services.task_executor.weight_cache.transfer import ForkError, MissingEntry, WeightPeer
 from shared.messages.cluster import CachedWeights
+from shared.messages.scaling import Multicast
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -109,15 +113,23 @@ class HostWeightCache:
         model_dir: Path,
         report: LoadReport | None = None,
         peer: WeightPeer | None = None,
+        received: Received | None = None,
     ) -> CacheSession:
         """A load of ``model`` from the checkpoint in ``model_dir``: its tensors' fingerprints
         (memoised here, else the ``peer``'s, else hashed from the checkpoint), then
         ``tensor`` per engine tensor, then ``finish``; what it does goes into ``report``.
         ``peer``: a weight server (another host's pool) that tensors missing here are
-        fetched from before they are built from the checkpoint."""
+        fetched from before they are built from the checkpoint. ``received``: entries that
+        arrived by multicast (``receive_multicast``), used before anything else."""
         t0 = time.monotonic()
         memo = self.root / "fingerprints"
         fps = memoised(model_dir, memo)
+        if (
+            fps is None
+            and received is not None
+            and remember(model_dir, memo, received.fingerprints)
+        ):
+            fps = dict(received.fingerprints)
         if fps is None and peer is not None:
             try:
                 fps = peer.fingerprints(model)
@@ -134,6 +146,7 @@ class HostWeightCache:
         if fps is None:
             fps = checkpoint_fingerprints(model_dir, memo)
         session = CacheSession(self, model, fps, report or LoadReport(), peer)
+        session.received = dict(received.images) if received is not None else {}
         session.report.add_phase("fingerprint", time.monotonic() - t0)
         return session
 
@@ -249,6 +262,7 @@ class CacheSession:
         self.fingerprints = fingerprints
         self.report = report
         self.peer = peer
+        self.received: dict[str, torch.Tensor] = {}  # key -> a tensor file's image
         self._used: dict[str, bool] = {}  # key -> hit
         self._pending: list[tuple[str, torch.Tensor]] = []  # built here, to store
         self._built: dict[str, torch.Tensor] = {}
@@ -273,7 +287,15 @@ class CacheSession:
             self.report.hit_bytes += _size(path)
             self._used[key] = True
             return mapped
-        if self.peer is not None and (fetched := self._fetch(key)) is not None:
+        image = self.received.pop(key, None)
+        fetched: torch.Tensor | None = None
+        if image is not None:  # arrived by multicast
+            fetched = tensor_file.from_image(image)
+            self.report.fetched += 1
+            self.report.fetched_bytes += image.numel()
+        elif self.peer is not None:
+            fetched = self._fetch(key)
+        if fetched is not None:
             self.report.add_phase("fetch", time.monotonic() - t0)
             self._used.setdefault(key, False)
             self._pending.append((key, fetched))
@@ -407,6 +429,41 @@ class CacheSession:
             }
         if self.peer is not None:
             self.peer.close()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Received:
+    """A model's entries received by multicast: key -> a tensor file's image (views into one
+    buffer), and the checkpoint's fingerprints they were made from."""
+
+    fingerprints: Mapping[str, str]
+    images: Mapping[str, torch.Tensor]
+
+
+def receive_multicast(
+    model: str, plan: Multicast, listener: socket.socket, timeout: float = 60.0
+) -> Received:
+    """This TE's part of a multicast of ``model`` (``plan``): the manifest from the source's
+    weight server (node 1 also starts the source sending), then every block through
+    ``relay.run_node``, forwarded on as the schedule says; ``RelayError`` or ``ForkError``
+    on failure (the caller forks instead)."""
+    peer = WeightPeer(plan.source, timeout=timeout)
+    try:
+        manifest = peer.manifest(model)
+        if plan.node == 1:
+            peer.start_multicast(model, list(plan.nodes), plan.block_bytes)
+    finally:
+        peer.close()
+    sizes = [int(n) for n in manifest["sizes"]]
+    image = torch.empty(sum(sizes), dtype=torch.uint8)
+    store = relay.BlockStore(image.numpy().data, plan.block_bytes)
+    schedule = binomial_pipeline(len(plan.nodes) - 1, store.blocks)
+    relay.run_node(plan.node, schedule, plan.nodes, store, listener=listener, timeout=timeout)
+    images, offset = {}, 0
+    for key, size in zip(manifest["keys"], sizes, strict=True):
+        images[str(key)] = image[offset : offset + size]
+        offset += size
+    return Received(dict(manifest["fingerprints"]), images)
 
 
 def _tensor_buffer(size: int) -> memoryview:

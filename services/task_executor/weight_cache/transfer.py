@@ -8,7 +8,13 @@ big-endian):
 - ``{"op": "fingerprints", "model": M}`` -> ``{"fingerprints": {name: fp}}`` (the checkpoint
   tensors' fingerprints of a model loaded on that host, so the receiver can name the entries
   it needs without reading its own copy of the checkpoint), or ``{"error": ...}``;
-- ``{"op": "get", "key": K}`` -> ``{"size": n}`` then the entry's bytes, or ``{"error": ...}``.
+- ``{"op": "get", "key": K}`` -> ``{"size": n}`` then the entry's bytes, or ``{"error": ...}``;
+- ``{"op": "manifest", "model": M}`` -> ``{"keys": [...], "sizes": [...], "fingerprints":
+  {...}}``: the entries of a model the cache holds whole, in the order of its image (their
+  files one after another), for a multicast;
+- ``{"op": "multicast", "model": M, "nodes": [...], "block_bytes": B}`` -> ``{"started":
+  true}``: the server sends the model's image as node 0 of lambda-Scale's binomial pipeline
+  to ``nodes[1:]`` (``relay.py``; ``nodes[0]`` is its own relay listener, ``relay_address``).
 
 The receiver reads an entry into its own memory, checking every chunk as it arrives; a
 torn or corrupted transfer never becomes a tensor: the load builds it from the checkpoint
@@ -32,7 +38,9 @@ from typing import Any
 
 import xxhash
 
-from services.task_executor.weight_cache.index import SUFFIX
+from services.task_executor.weight_cache import relay
+from services.task_executor.weight_cache.index import SUFFIX, entry_path, entry_size, read_index
+from services.task_executor.weight_cache.multicast import binomial_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +74,10 @@ class _Handler(socketserver.StreamRequestHandler):
                     self._reply(self.server.fingerprints(str(request["model"])))
                 elif request.get("op") == "get":
                     self._send_entry(str(request["key"]))
+                elif request.get("op") == "manifest":
+                    self._reply(self.server.manifest(str(request["model"])))
+                elif request.get("op") == "multicast":
+                    self._reply(self.server.multicast(request))
                 else:
                     self._reply({"error": f"unknown op {request.get('op')!r}"})
             except (ValueError, KeyError) as e:
@@ -116,6 +128,12 @@ class WeightServer(socketserver.ThreadingTCPServer):
         self.corrupt_chunks = 0  # tests: that many chunk digests are sent wrong
         super().__init__((host, port), _Handler)
         self._thread: threading.Thread | None = None
+        self._relay = relay.listen(f"{host}:0")  # node 0 of its multicasts
+        self._relay_lock = threading.Lock()  # one multicast at a time
+
+    @property
+    def relay_address(self) -> str:
+        return relay.address_of(self._relay)
 
     @property
     def address(self) -> str:
@@ -131,6 +149,42 @@ class WeightServer(socketserver.ThreadingTCPServer):
     def stop(self) -> None:
         self.shutdown()
         self.server_close()
+        self._relay.close()
+
+    def manifest(self, model: str) -> dict[str, Any]:
+        index = read_index(self.root)
+        entry = index["models"].get(model)
+        if entry is None:
+            return {"error": f"model {model} was never loaded here", "missing": True}
+        keys = list(dict.fromkeys(entry["keys"]))
+        sizes = [entry_size(entry_path(self.root, k)) for k in keys]
+        if not all(sizes):
+            return {"error": f"the cache here no longer holds all of {model}", "missing": True}
+        return {"keys": keys, "sizes": sizes, "fingerprints": entry["fingerprints"]}
+
+    def multicast(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Start sending ``request["model"]``'s image as node 0 of the pipeline, on a thread;
+        the receivers' failures are theirs (they fall back), this side only logs."""
+        manifest = self.manifest(str(request["model"]))
+        if "error" in manifest:
+            return manifest
+        nodes = [str(n) for n in request["nodes"]]
+        block_bytes = int(request["block_bytes"])
+        image = bytearray()
+        for key in manifest["keys"]:
+            image += entry_path(self.root, key).read_bytes()
+        store = relay.BlockStore(image, block_bytes, full=True)
+        schedule = binomial_pipeline(len(nodes) - 1, store.blocks)
+
+        def send() -> None:
+            with self._relay_lock:
+                try:
+                    relay.run_node(0, schedule, nodes, store, listener=self._relay)
+                except relay.RelayError as e:
+                    log.warning("multicast of %s failed: %s", request["model"], e)
+
+        threading.Thread(target=send, name="weight-multicast", daemon=True).start()
+        return {"started": True, "bytes": len(image)}
 
     def entry(self, key: str) -> Path | None:
         return self.root / "tensors" / f"{key}{SUFFIX}" if key.isalnum() else None
@@ -196,6 +250,12 @@ class WeightPeer:
     def fingerprints(self, model: str) -> dict[str, str]:
         fps: dict[str, str] = self._ask({"op": "fingerprints", "model": model})["fingerprints"]
         return fps
+
+    def manifest(self, model: str) -> dict[str, Any]:
+        return self._ask({"op": "manifest", "model": model})
+
+    def start_multicast(self, model: str, nodes: list[str], block_bytes: int) -> None:
+        self._ask({"op": "multicast", "model": model, "nodes": nodes, "block_bytes": block_bytes})
 
     def fetch_into(self, key: str, alloc: Callable[[int], memoryview]) -> memoryview:
         """The entry ``key`` into the buffer ``alloc(size)`` returns (a whole tensor file's

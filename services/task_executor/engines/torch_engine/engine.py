@@ -61,7 +61,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     tpot_slack,
 )
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
-from services.task_executor.weight_cache.store import CacheSession, HostWeightCache
+from services.task_executor.weight_cache.store import CacheSession, HostWeightCache, Received
 from services.task_executor.weight_cache.transfer import WeightPeer
 from shared.block_hash import chain_hashes, extend_chain
 from shared.messages.api import SamplingParams
@@ -242,6 +242,7 @@ class TorchEngine:
         model_name: str | None = None,
         load_report: LoadReport | None = None,
         weights_from: str | None = None,
+        received: Received | None = None,
     ) -> None:
         """``tensors``: where the weights come from (default: the checkpoint's safetensors
         files in ``model_dir``). ``model_dir`` still gives the config.
@@ -254,6 +255,7 @@ class TorchEngine:
         cache, then ``engine_init``; ``store_after_load`` once stored).
         ``weights_from``: ``host:port`` of another host's weight server (a fork): what this
         host's cache lacks is fetched from there before it is built from the checkpoint.
+        ``received``: the model's entries as a multicast delivered them (used first).
 
         ``num_host_kv_blocks``: size of the prefix cache's host-memory tier (0: none). With
         one, blocks evicted from the device are copied there, and ``offload_kv`` works.
@@ -310,7 +312,9 @@ class TorchEngine:
         if weight_cache is not None:
             name = model_name or Path(model_dir).name
             peer = WeightPeer(weights_from) if weights_from else None
-            self._weights_stored = weight_cache.session(name, Path(model_dir), report, peer)
+            self._weights_stored = weight_cache.session(
+                name, Path(model_dir), report, peer, received
+            )
         self.weights = load_weights(
             tensors,
             self.config,
