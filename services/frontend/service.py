@@ -268,6 +268,8 @@ class Frontend:
                     "waiting": te.waiting,
                     "generated_tokens": te.generated_tokens,
                     "capabilities": msgspec.to_builtins(te.engine_capabilities),
+                    "weight_server": te.weight_server,
+                    "cached_weights": msgspec.to_builtins(te.cached_weights),
                 }
                 for te in view.tes
             ],
