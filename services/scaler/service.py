@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -48,6 +49,7 @@ from shared.subjects import Keys, Subjects
 log = get_logger(__name__)
 
 TICK_S = 0.5
+FIRST_TOKEN_WAIT_S = 10.0  # a scale-up's event waits this long for the first token
 
 
 def scaler_config(settings: Settings) -> ScalerConfig:
@@ -105,6 +107,9 @@ class Scaler:
         self._stored: dict[str, InstanceCapacity] = {}  # model|engine -> capacity in Redis
         self._sent: dict[str, _Sent] = {}  # by TE
         self._preloaded: dict[tuple[str, str], float] = {}  # (model, pool) -> sent at
+        # scale-ups done, their events waiting for the instance's first token: TE -> (event,
+        # when it turned ready)
+        self._awaiting_first: dict[str, tuple[ScaleEvent, float]] = {}
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -198,6 +203,7 @@ class Scaler:
         by_id = {hb.te_id: hb for hb in view.tes}
         for s in settled:
             await self._scale_event(s, by_id.get(s.te_id), now)
+        await self._first_tokens(view.tes, now)
         decision = decide(
             self._state, tes, models=[m.id for m in view.models], now=now, cfg=self._cfg
         )
@@ -294,6 +300,9 @@ class Scaler:
                 steps={k: round(v, 4) for k, v in steps.items()},
                 total_s=round(now - s.sent_at, 4),
             )
+            if s.ok:  # published with the new instance's first token (``_first_tokens``)
+                self._awaiting_first[s.te_id] = (event, now)
+                return
         else:
             event = ScaleEvent(
                 kind="down",
@@ -303,6 +312,26 @@ class Scaler:
                 steps={"drain_and_unload": round(now - sent.at, 4)} if sent else {},
                 total_s=round(now - sent.at, 4) if sent else 0.0,
             )
+        await self._publish(event, s.error if isinstance(s, LoadSettled) else None)
+
+    async def _first_tokens(self, tes: Sequence[TEHeartbeat], now: float) -> None:
+        """A scale-up's event goes out once its instance served a first token (the step
+        ``te_first_token``: that request's time in the TE, from accepted to its first
+        token, on the freshly loaded engine), or FIRST_TOKEN_WAIT_S after it turned ready
+        without one."""
+        by_id = {hb.te_id: hb for hb in tes}
+        for te_id, (event, since) in list(self._awaiting_first.items()):
+            hb = by_id.get(te_id)
+            first = hb.load_steps.get("te_first_token") if hb is not None else None
+            if first is None and hb is not None and now - since < FIRST_TOKEN_WAIT_S:
+                continue
+            del self._awaiting_first[te_id]
+            if first is not None:
+                steps = {**event.steps, "te_first_token": round(first, 4)}
+                event = msgspec.structs.replace(event, steps=steps)
+            await self._publish(event, None)
+
+    async def _publish(self, event: ScaleEvent, error: str | None) -> None:
         log.info(
             "scale event",
             kind=event.kind,
@@ -311,7 +340,7 @@ class Scaler:
             ok=event.ok,
             total_s=event.total_s,
             steps=event.steps,
-            error=s.error if isinstance(s, LoadSettled) else None,
+            error=error,
         )
         try:
             await self._bus.publish(self._subjects.scale_events(), event)

@@ -121,6 +121,7 @@ class _Stream:
     prefill_tokens: int  # of those, the ones not expected in the prefix cache (queued work)
     seq: int = 0
     generated: int = 0
+    accepted_at: float = 0.0  # time.monotonic()
 
 
 class TaskExecutor:
@@ -545,6 +546,7 @@ class TaskExecutor:
             reply_to=task.reply_to,
             prompt_tokens=n,
             prefill_tokens=n - min(max(task.matched_tokens, 0), n - 1),
+            accepted_at=time.monotonic(),
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
         self._adds[stream.key] = EngineRequest(
@@ -758,6 +760,10 @@ class TaskExecutor:
             stream = self._engine_streams.get(out.request_id)
             if stream is None:
                 continue  # cancelled (the task may run again as another copy: not this one)
+            if not stream.generated and out.new_token_ids and self._ready_at:
+                # The first task's first token after a load: the end of the scale-up.
+                first = time.monotonic() - stream.accepted_at
+                self._load_steps.setdefault("te_first_token", first)
             stream.generated += len(out.new_token_ids)
             self._generated_tokens += len(out.new_token_ids)
             chunk = TokenChunk(

@@ -88,17 +88,21 @@ def test_a_pool_without_the_weights_forks_them_from_one_that_has_them(
                 for t in _tes(cluster.url)
             ),
         )
-        # It forked: its load fetched every tensor over TCP and read no checkpoint.
-        metrics = _get(cluster.url, "/metrics")
-        fetched = [
-            line
-            for line in metrics.splitlines()
-            if line.startswith("meshserve_scale_step_seconds_count") and "te_load_fetch" in line
-        ]
-        assert fetched and float(fetched[0].rsplit(" ", 1)[1]) >= 1, metrics[-2000:]
-        assert list((cache_b / "tensors").glob("*.t"))  # and keeps them for its host
         for _ in range(6):  # both instances serve the same greedy output
             assert ask() == reference
+
+        def step_count(step: str) -> float:
+            for line in _get(cluster.url, "/metrics").splitlines():
+                if line.startswith("meshserve_scale_step_seconds_count") and f'"{step}"' in line:
+                    return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        # It forked: its load fetched every tensor over TCP and read no checkpoint; the
+        # scale-up's event (out once the instance served a first token, or 10 s after it
+        # turned ready) says so, with that first token.
+        _wait("pool b's scale event", lambda: step_count("te_load_fetch") >= 1, timeout=30)
+        assert step_count("te_first_token") >= 1
+        assert list((cache_b / "tensors").glob("*.t"))  # and keeps them for its host
     finally:
         if pool_b is not None:
             pool_b.terminate()
