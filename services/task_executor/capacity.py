@@ -190,7 +190,9 @@ def find_or_measure(
     )
     for i, (where, store) in enumerate(zip(("model", "host"), stores, strict=True)):
         if (capacity := store.get(key)) is not None:
-            stores[1 - i].put(key, capacity)  # each keeps a copy (best effort)
+            other = stores[1 - i]
+            if other.get(key) is None:  # each keeps a copy (best effort), written once
+                other.put(key, capacity)
             return capacity, where
     if not measure:
         return None, "none"
