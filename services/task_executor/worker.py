@@ -39,12 +39,7 @@ from services.task_executor.engines.factory import (
 )
 from services.task_executor.engines.process import EngineProcessDied
 from services.task_executor.weight_cache import relay
-from services.task_executor.weight_cache.index import (
-    budget_bytes,
-    metadata,
-    residencies,
-    used_bytes,
-)
+from services.task_executor.weight_cache.index import CacheState, budget_bytes, read_state
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import (
@@ -58,7 +53,7 @@ from shared.errors import (
 )
 from shared.kv_index_store import KvIndexStore, apply_events
 from shared.logging import get_logger
-from shared.messages.cluster import CachedWeights, TEHeartbeat, TEState
+from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import (
     ControlAck,
@@ -95,8 +90,8 @@ class EngineFactory(Protocol):
 
 _T = TypeVar("_T")
 
-CACHED_WEIGHTS_S = 5.0
-HOST_CACHE_REPUBLISH_S = 60.0
+CACHED_WEIGHTS_S = 5.0  # how often a TE looks whether its host cache changed
+HOST_CACHE_REREAD_S = 60.0
 # Prefix-cache events are published at most this often, as one batch.
 KV_FLUSH_S = 0.05
 KV_CHECK_S = 2.0
@@ -158,14 +153,14 @@ class TaskExecutor:
         self._failed_model: str | None = None
         self._generated_tokens = 0
         self._recent_models: list[str] = []  # loaded here before, newest first
-        self._cached: dict[str, CachedWeights] = {}
-        self._cache_free = 0
+        # What this host's weight cache holds, as last read (``_host_cache_watch``).
+        self._cache = CacheState({}, {}, 0)
+        self._cache_read_at = -math.inf
         # Where this TE receives multicasts of a model's weights (with the host cache on).
         self._relay: socket.socket | None = None
         if settings.host_cache.bytes != 0:
             with contextlib.suppress(OSError):
                 self._relay = relay.listen(f"{settings.host_cache.serve_host}:0")
-        self._cached_at = -math.inf
         self._capacity: InstanceCapacity | None = None  # of the model loaded
         self._choice = engine_choice(settings)  # for any model; for the model loaded once one is
         self._load_steps: dict[str, float] = {}  # of the last load
@@ -197,20 +192,6 @@ class TaskExecutor:
 
     # -- observation -------------------------------------------------------------------
 
-    def _cached_weights(self) -> dict[str, CachedWeights]:
-        """What this host's weight cache holds, read again every CACHED_WEIGHTS_S (the
-        scaler's ``load_time`` and ``fork_source`` read it)."""
-        now = time.monotonic()
-        if now - self._cached_at >= CACHED_WEIGHTS_S and self._settings.host_cache.bytes != 0:
-            self._cached_at = now
-            root = self._settings.host_cache.dir
-            try:
-                self._cached = residencies(root)
-                self._cache_free = max(budget_bytes(self._settings) - used_bytes(root), 0)
-            except OSError:
-                self._cached, self._cache_free = {}, 0
-        return self._cached
-
     def _heartbeat(self) -> TEHeartbeat:
         hb = TEHeartbeat(
             te_id=self.te_id,
@@ -231,8 +212,8 @@ class TaskExecutor:
             load_steps=self._load_steps,
             ready_at=self._ready_at,
             weight_server=self._settings.host_cache.server,
-            cached_weights=self._cached_weights(),
-            cache_free_bytes=self._cache_free,
+            cached_weights=self._cache.models,
+            cache_free_bytes=self._cache.free_bytes,
             weight_relay=self._settings.host_cache.relay,
             relay_address=relay.address_of(self._relay) if self._relay is not None else "",
         )
@@ -273,8 +254,8 @@ class TaskExecutor:
         self._hb.start(self._life)
         loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
         self._life.spawn(self._kv_publisher(), name="kv event publisher")
-        if self._store is not None and self._settings.host_cache.bytes != 0:
-            self._life.spawn(self._host_cache_publisher(), name="host cache publisher")
+        if self._settings.host_cache.bytes != 0:
+            self._life.spawn(self._host_cache_watch(), name="host cache watch")
         self.ready.set()
         try:
             await self._life.wait()
@@ -372,7 +353,7 @@ class TaskExecutor:
                 fetched=report.fetched,
             )
         self.state = TEState.IDLE
-        self._cached_at = -math.inf  # report what the cache holds now
+        await self._read_host_cache()  # report what the cache holds now
         self._hb.beat_now()
 
     async def _load(self, cmd: LoadModel) -> None:
@@ -631,41 +612,56 @@ class TaskExecutor:
         if (source := self._features.kv_events) is not None:
             self._kv_pending.extend(source.drain_kv_events())
 
-    async def _host_cache_publisher(self) -> None:
-        """The host cache's reuse-store metadata into Redis (``Keys.host_cache``) whenever its
-        index changes, and every HOST_CACHE_REPUBLISH_S whatever (Redis may have restarted);
-        every TE of a pool writes the same figures."""
-        assert self._store is not None
-        keys, root = Keys(self._settings.cluster), self._settings.host_cache.dir
-        seen, published = 0, -math.inf
+    async def _host_cache_watch(self) -> None:
+        """This host's weight cache read again whenever its index changes (and every
+        HOST_CACHE_REREAD_S whatever: Redis may have restarted): for the heartbeats (what it
+        holds of each model, its room: the scaler's ``load_time``, ``fork_source`` and
+        pre-loads) and, with a store, into Redis (``Keys.host_cache``; every TE of a pool
+        writes the same figures)."""
+        seen = 0
         while True:
             await asyncio.sleep(CACHED_WEIGHTS_S)
             try:
-                changed = (root / "index.json").stat().st_mtime_ns
+                changed = (self._settings.host_cache.dir / "index.json").stat().st_mtime_ns
             except OSError:
                 continue
-            if changed == seen and time.monotonic() - published < HOST_CACHE_REPUBLISH_S:
-                continue
-            try:
-                tensors, models = await asyncio.to_thread(metadata, root)
-                enc = msgspec.json.encode
-                await self._store.replace_hash(
-                    keys.host_cache(self.pool_id, "tensors"),
-                    {k: enc(v) for k, v in tensors.items()},
-                )
-                await self._store.replace_hash(
-                    keys.host_cache(self.pool_id, "models"), {m: enc(c) for m, c in models.items()}
-                )
-                free = max(budget_bytes(self._settings) - used_bytes(root), 0)
-                pool = {"server": self._settings.host_cache.server, "free_bytes": free}
-                await self._store.replace_hash(
-                    keys.host_cache(self.pool_id, "pool"),
-                    {k: str(v).encode() for k, v in (pool | {"updated_at": time.time()}).items()},
-                )
-            except Exception as e:  # Redis away: the next round writes it all again
-                log.warning("publishing the host cache's metadata failed", error=str(e))
-                continue
-            seen, published = changed, time.monotonic()
+            if changed != seen or time.monotonic() - self._cache_read_at >= HOST_CACHE_REREAD_S:
+                if await self._read_host_cache():
+                    seen = changed
+
+    async def _read_host_cache(self) -> bool:
+        """Read the cache's state (and publish it); False when that failed (logged)."""
+        root = self._settings.host_cache.dir
+        try:
+            state = await asyncio.to_thread(read_state, root, budget_bytes(self._settings))
+        except OSError as e:
+            log.warning("reading the host cache failed", error=str(e))
+            return False
+        self._cache, self._cache_read_at = state, time.monotonic()
+        if self._store is None:
+            return True
+        keys, enc = Keys(self._settings.cluster), msgspec.json.encode
+        pool = {
+            "server": self._settings.host_cache.server,
+            "free_bytes": state.free_bytes,
+            "updated_at": time.time(),
+        }
+        try:
+            await self._store.replace_hash(
+                keys.host_cache(self.pool_id, "tensors"),
+                {k: enc(v) for k, v in state.tensors.items()},
+            )
+            await self._store.replace_hash(
+                keys.host_cache(self.pool_id, "models"),
+                {m: enc(c) for m, c in state.models.items()},
+            )
+            await self._store.replace_hash(
+                keys.host_cache(self.pool_id, "pool"), {k: str(v).encode() for k, v in pool.items()}
+            )
+        except Exception as e:  # Redis away: the next round writes it all again
+            log.warning("publishing the host cache's metadata failed", error=str(e))
+            return False
+        return True
 
     async def _kv_publisher(self) -> None:
         """Prefix-cache events leave in batches, at most one message per flush period; every

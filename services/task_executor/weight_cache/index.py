@@ -7,6 +7,7 @@ directory's lock (by rename: readers never see half of it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -42,11 +43,7 @@ def entry_size(path: Path) -> int:
 def residencies(root: Path) -> dict[str, CachedWeights]:
     """What the cache at ``root`` holds of every model loaded through it: Tangram's
     S_resident of S, by model."""
-    out = {}
-    for model, manifest in read_index(root)["models"].items():
-        resident = sum(entry_size(entry_path(root, k)) for k in manifest["keys"])
-        out[model] = CachedWeights(resident_bytes=resident, total_bytes=manifest["bytes"])
-    return out
+    return read_state(root, 0).models
 
 
 def used_bytes(root: Path) -> int:
@@ -66,12 +63,29 @@ def budget_bytes(settings: Settings) -> int:
     return min(memory // 4, free // 2)
 
 
-def metadata(root: Path) -> tuple[dict[str, dict[str, Any]], dict[str, CachedWeights]]:
-    """The cache's reuse-store metadata: every entry present with its size and statistics,
-    and every model's residency (what ``Keys.host_cache`` publishes)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheState:
+    """The cache as its TEs report it: every entry present with its size and statistics,
+    every model's residency, the room left (what ``Keys.host_cache`` publishes and the
+    heartbeats carry)."""
+
+    tensors: dict[str, dict[str, Any]]
+    models: dict[str, CachedWeights]
+    free_bytes: int
+
+
+def read_state(root: Path, budget: int) -> CacheState:
+    """One read of the index and one stat of each entry."""
     index = read_index(root)
-    tensors = {}
-    for path in (root / "tensors").glob(f"*{SUFFIX}"):
-        key = path.name.removesuffix(SUFFIX)
-        tensors[key] = {"size": entry_size(path), **index["entries"].get(key, {})}
-    return tensors, residencies(root)
+    sizes = {
+        p.name.removesuffix(SUFFIX): entry_size(p) for p in (root / "tensors").glob(f"*{SUFFIX}")
+    }
+    tensors = {k: {"size": n, **index["entries"].get(k, {})} for k, n in sizes.items()}
+    models = {
+        model: CachedWeights(
+            resident_bytes=sum(sizes.get(k, 0) for k in manifest["keys"]),
+            total_bytes=manifest["bytes"],
+        )
+        for model, manifest in index["models"].items()
+    }
+    return CacheState(tensors, models, max(budget - sum(sizes.values()), 0))
