@@ -145,8 +145,8 @@ class HostWeightCache:
                 fps, peer = None, None
         if fps is None:
             fps = checkpoint_fingerprints(model_dir, memo)
-        session = CacheSession(self, model, fps, report or LoadReport(), peer)
-        session.received = dict(received.images) if received is not None else {}
+        images = received.images if received is not None else None
+        session = CacheSession(self, model, fps, report or LoadReport(), peer, images)
         session.report.add_phase("fingerprint", time.monotonic() - t0)
         return session
 
@@ -256,16 +256,16 @@ class CacheSession:
         fingerprints: Mapping[str, str],
         report: LoadReport,
         peer: WeightPeer | None = None,
+        received: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.cache = cache
         self.model = model
         self.fingerprints = fingerprints
         self.report = report
         self.peer = peer
-        self.received: dict[str, torch.Tensor] = {}  # key -> a tensor file's image
+        self.received = dict(received or {})  # key -> a tensor file's image (multicast)
         self._used: dict[str, bool] = {}  # key -> hit
-        self._pending: list[tuple[str, torch.Tensor]] = []  # built here, to store
-        self._built: dict[str, torch.Tensor] = {}
+        self._built: dict[str, torch.Tensor] = {}  # made or fetched here, to store
         self._replacements: dict[int, torch.Tensor] = {}
         self._stored = threading.Event()
 
@@ -297,17 +297,13 @@ class CacheSession:
             fetched = self._fetch(key)
         if fetched is not None:
             self.report.add_phase("fetch", time.monotonic() - t0)
-            self._used.setdefault(key, False)
-            self._pending.append((key, fetched))
-            self._built[key] = fetched
-            return fetched
-        built = build()
-        self.report.add_phase("build", time.monotonic() - t0)
-        self.report.misses += 1
+        else:
+            fetched = build()
+            self.report.add_phase("build", time.monotonic() - t0)
+            self.report.misses += 1
         self._used.setdefault(key, False)
-        self._pending.append((key, built))
-        self._built[key] = built
-        return built
+        self._built[key] = fetched  # stored after the load (``finish``)
+        return fetched
 
     def _fetch(self, key: str) -> torch.Tensor | None:
         """The entry from the peer, received into this process's memory (on transparent huge
@@ -360,7 +356,6 @@ class CacheSession:
         if not self._stored.is_set():
             return None
         out, self._replacements = self._replacements, {}
-        self._pending.clear()
         self._built.clear()
         return out
 
@@ -370,12 +365,11 @@ class CacheSession:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            for key, built in self._pending:
+            for key, built in self._built.items():
                 mapped = self._store(key, built)
                 if mapped is not None and swap:
                     self._replacements[id(built)] = mapped
             if not swap:
-                self._pending.clear()
                 self._built.clear()
             self._record(alpha)
         except Exception:
