@@ -90,25 +90,17 @@ def _parse_meta(head: bytes) -> dict[str, Any]:
 def map_tensor(fd: int) -> tuple[torch.Tensor, mmap.mmap]:
     """The tensor stored in the open file ``fd``, over a private mapping of its pages; the
     mapping must outlive the tensor (the caller keeps it)."""
-    meta = read_meta(fd)
-    dtype = _DTYPES[meta["dtype"]]
-    shape = [int(s) for s in meta["shape"]]
-    n = int(meta["nbytes"])
+    n = int(read_meta(fd)["nbytes"])
     if os.fstat(fd).st_size < HEADER_BYTES + n:
         raise TensorFileError("tensor file is truncated")
     mm = mmap.mmap(fd, HEADER_BYTES + n, access=mmap.ACCESS_COPY)
-    if meta["layout"] == "strided":
-        t = torch.frombuffer(mm, dtype=dtype, count=n // dtype.itemsize, offset=HEADER_BYTES)
-        return t.view(shape), mm
-    if meta["layout"] == "mkldnn":
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) + HEADER_BYTES
-        return _mkldnn_from_blob(addr, shape, dtype, bytes.fromhex(meta["md"])), mm
-    raise TensorFileError(f"unknown layout {meta['layout']!r}")
+    return from_image(torch.frombuffer(mm, dtype=torch.uint8)), mm
 
 
 def from_image(image: torch.Tensor) -> torch.Tensor:
-    """The tensor in ``image``, a uint8 CPU tensor holding a whole tensor file (one received
-    over the network), without a copy; ``image`` lives as long as the tensor does."""
+    """The tensor in ``image``, a uint8 CPU tensor holding a whole tensor file (a file's
+    mapping, or one received over the network), without a copy; ``image`` lives as long as
+    the tensor does."""
     meta = _parse_meta(image[:HEADER_BYTES].numpy().tobytes())
     dtype = _DTYPES[meta["dtype"]]
     shape = [int(s) for s in meta["shape"]]
