@@ -112,16 +112,18 @@ class HostWeightCache:
         model: str,
         model_dir: Path,
         report: LoadReport | None = None,
-        peer: WeightPeer | None = None,
+        weights_from: str | None = None,
         received: Received | None = None,
     ) -> CacheSession:
         """A load of ``model`` from the checkpoint in ``model_dir``: its tensors' fingerprints
-        (memoised here, else the ``peer``'s, else hashed from the checkpoint), then
-        ``tensor`` per engine tensor, then ``finish``; what it does goes into ``report``.
-        ``peer``: a weight server (another host's pool) that tensors missing here are
-        fetched from before they are built from the checkpoint. ``received``: entries that
-        arrived by multicast (``receive_multicast``), used before anything else."""
+        (memoised here, else the peer's, else hashed from the checkpoint), then ``tensor``
+        per engine tensor, then ``finish``; what it does goes into ``report``.
+        ``weights_from``: ``host:port`` of a weight server (another host's pool) that
+        tensors missing here are fetched from before they are built from the checkpoint.
+        ``received``: entries that arrived by multicast (``receive_multicast``), used before
+        anything else."""
         t0 = time.monotonic()
+        peer = WeightPeer(weights_from) if weights_from else None
         memo = self.root / "fingerprints"
         fps = memoised(model_dir, memo)
         if (

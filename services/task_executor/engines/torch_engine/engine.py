@@ -62,7 +62,6 @@ from services.task_executor.engines.torch_engine.scheduler import (
 )
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from services.task_executor.weight_cache.store import CacheSession, HostWeightCache, Received
-from services.task_executor.weight_cache.transfer import WeightPeer
 from shared.block_hash import chain_hashes, extend_chain
 from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
@@ -199,9 +198,8 @@ def preload_weights(
     torch_device = resolve_device(device)
     config = load_model_config(model_dir)
     report = report if report is not None else LoadReport()
-    peer = WeightPeer(weights_from) if weights_from else None
     name = model_name or Path(model_dir).name
-    session = weight_cache.session(name, Path(model_dir), report, peer)
+    session = weight_cache.session(name, Path(model_dir), report, weights_from)
     load_weights(
         CheckpointTensors(Path(model_dir)),
         config,
@@ -311,9 +309,8 @@ class TorchEngine:
         self._weights_stored: CacheSession | None = None  # swapped in once stored
         if weight_cache is not None:
             name = model_name or Path(model_dir).name
-            peer = WeightPeer(weights_from) if weights_from else None
             self._weights_stored = weight_cache.session(
-                name, Path(model_dir), report, peer, received
+                name, Path(model_dir), report, weights_from, received
             )
         self.weights = load_weights(
             tensors,
