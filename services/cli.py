@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         "with the model, so that no load measures it on its critical path",
     )
     prof.add_argument("model_dir", help="the checkpoint's directory")
+    from services import admin_cli
+
+    admin_cli.add_commands(sub)
     for name in SERVICE_NAMES:
         svc = sub.add_parser(name, help=f"run the {name} service")
         if name == "task-executor":
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         capacity, where = profile_model(Path(args.model_dir), Settings.load())
         print(f"{args.model_dir}: capacity {where}: {capacity}")
         return
+    if args.command in admin_cli.COMMANDS:
+        sys.exit(admin_cli.run(args))
     if args.command == "task-executor" and args.pool_id:
         from services.task_executor.pool import create
         from shared.runner import run_service

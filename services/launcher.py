@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from shared.embedded import EmbeddedServer, die_with_parent, free_port
 from shared.settings import Settings, process_environment
+from shared.tenancy import admin_key, default_admin_key_file, write_admin_key
 
 # Start order; stop order is the reverse, so the frontend stops taking requests first and
 # the cluster manager, which everybody reports to, goes last.
@@ -65,6 +66,12 @@ class Launcher:
                 say(f"started embedded {kind} at {server.url}")
         if self.settings.frontend.http_port == 0:
             updates["http_port"] = free_port()
+        if self.settings.auth.mode == "on" and admin_key(self.settings) is None:
+            # The key stays in a file only this user reads; never on the terminal or in logs.
+            path = self.settings.auth.admin_key_file or default_admin_key_file(self.settings)
+            write_admin_key(path)
+            updates["admin_key_file"] = str(path)
+            say(f"auth is on; a new admin key is in {path}")
         return self.settings.with_values(**updates)
 
     def _spawn(self, name: str, env: dict[str, str], crashes: list[float] | None = None) -> None:

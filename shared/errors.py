@@ -41,6 +41,7 @@ class MeshserveError(Exception):
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self.headers: dict[str, str] = {}  # HTTP headers the answer carries (x-ratelimit-*)
         if code is not None:
             self.code = code
 
@@ -77,6 +78,12 @@ class Unauthorized(MeshserveError):
     status = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(MeshserveError):
+    status = 403
+    error_type = "permission_error"
+    code = "forbidden"
 
 
 class NotFound(MeshserveError):
@@ -152,6 +159,7 @@ class Internal(MeshserveError):
 _ALL: tuple[type[MeshserveError], ...] = (
     BadRequest,
     Unauthorized,
+    Forbidden,
     NotFound,
     MethodNotAllowed,
     Conflict,

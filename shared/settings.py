@@ -26,7 +26,15 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from shared.slo import SLO
@@ -109,6 +117,62 @@ class FrontendSettings(Section):
     )
     max_body_bytes: int = Field(
         default=32 * 1024**2, ge=1024, description="Largest request body accepted (413 above it)."
+    )
+
+
+class AuthSettings(Section):
+    mode: Literal["off", "on"] = Field(
+        default="off",
+        json_schema_extra=_env("MESHSERVE_AUTH"),
+        description="`on`: every API request needs `Authorization: Bearer <key>` (keys made "
+        "with `meshserve keys create`, stored hashed in Redis, each bound to a tenant). "
+        "`off`: the open local default, anyone who reaches the port is the tenant "
+        "`default` and may use the admin API.",
+    )
+    admin_key: SecretStr | None = Field(
+        default=None,
+        description="The admin key (manages keys and tenants, sees every tenant's objects). "
+        "Unset with auth on: read from `admin_key_file`; `meshserve up` generates one there.",
+    )
+    admin_key_file: Path | None = Field(
+        default=None,
+        description="File holding the admin key. Unset: `~/.cache/meshserve/<cluster>.admin-key`.",
+    )
+    key_cache: Duration = Field(
+        default=timedelta(seconds=10),
+        description="How long a frontend trusts a key it has checked; a revocation reaches "
+        "every frontend at once over NATS, this bounds it if that message is missed.",
+    )
+
+
+class LimitSettings(Section):
+    """Every tenant's limits unless its own record sets them (`meshserve tenants set`);
+    0 means no limit."""
+
+    env_prefix = "LIMIT_"
+
+    requests_per_minute: int = Field(
+        default=0, ge=0, description="Requests a tenant may start per minute."
+    )
+    tokens_per_minute: int = Field(
+        default=0,
+        ge=0,
+        description="Prompt and generated tokens a tenant may use per minute, charged as they "
+        "stream: a stream that runs the budget out ends with finish_reason `length`.",
+    )
+    concurrent_requests: int = Field(
+        default=0, ge=0, description="Requests of one tenant in flight at once."
+    )
+    max_prompt_tokens: int = Field(default=0, ge=0, description="Largest prompt, in tokens.")
+    max_output_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Largest `max_tokens`; also the default when a request sets none.",
+    )
+    lease: Duration = Field(
+        default=timedelta(seconds=30),
+        description="A request holds its concurrency slot by a lease its frontend renews; a "
+        "frontend that dies frees its slots after this long.",
     )
 
 
@@ -440,8 +504,7 @@ class LoadgenSettings(Section):
 
 
 class Settings(BaseModel):
-    """The whole tree. Sections still to come (auth, limits) are further fields of this
-    class, each a Section."""
+    """The whole tree: top-level fields, then a Section per service and engine."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -466,6 +529,8 @@ class Settings(BaseModel):
     log: LogSettings = LogSettings()
     membership: MembershipSettings = MembershipSettings()
     frontend: FrontendSettings = FrontendSettings()
+    auth: AuthSettings = AuthSettings()
+    limits: LimitSettings = LimitSettings()
     job_executor: JobExecutorSettings = JobExecutorSettings()
     scaler: ScalerSettings = ScalerSettings()
     task_executor: TaskExecutorSettings = TaskExecutorSettings()
@@ -517,6 +582,8 @@ class Settings(BaseModel):
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()
+            elif isinstance(value, SecretStr):
+                value = value.get_secret_value()
             elif isinstance(value, bool):
                 value = int(value)  # 1/0, which foreign readers (torch) take too
             elif isinstance(value, dict | list):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from shared.messages.api import ErrorReply
+from shared.messages.auth import KeyRevoked
 from shared.messages.base import Message
 from shared.messages.cluster import (
     ClusterView,
@@ -155,6 +156,15 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "frontends (metrics), operators",
         "Every scale-up and scale-down once done, with the time of each step.",
     ),
+    "key_revoked": SubjectSpec(
+        "{cluster}.auth.revoked",
+        "publish",
+        (KeyRevoked,),
+        (),
+        "the frontend that revoked the key",
+        "frontends",
+        "An API key was revoked; frontends drop it from their key caches at once.",
+    ),
 }
 
 
@@ -210,6 +220,9 @@ class Subjects:
     def scale_events(self) -> str:
         return self._fill("scale_events")
 
+    def key_revoked(self) -> str:
+        return self._fill("key_revoked")
+
 
 class Keys:
     """Redis keys of one cluster; every key starts with the cluster name."""
@@ -242,3 +255,23 @@ class Keys:
     def kv_index_blocks(self, model: str, te_id: str, tier: str) -> str:
         """Set: the block hashes (8 bytes, little-endian) ``te_id`` holds in ``tier``."""
         return f"{self.cluster}:kvidx:{model}:{te_id}:{tier}"
+
+    def tenants(self) -> str:
+        """Hash: tenant name -> JSON ``shared.tenancy.Tenant`` (its models and limits)."""
+        return f"{self.cluster}:tenants"
+
+    def api_keys(self) -> str:
+        """Hash: SHA-256 hex of an API key -> JSON ``shared.tenancy.ApiKey``."""
+        return f"{self.cluster}:auth:keys"
+
+    def api_key_ids(self) -> str:
+        """Hash: key id -> the key's SHA-256 hex (to revoke by id)."""
+        return f"{self.cluster}:auth:key_ids"
+
+    def rate(self, tenant: str) -> str:
+        """Hash: one tenant's token buckets (``req``, ``tok`` levels, ``at`` in ms)."""
+        return f"{self.cluster}:rate:{tenant}"
+
+    def in_flight(self, tenant: str) -> str:
+        """Sorted set: request id -> lease expiry (ms) of one tenant's requests in flight."""
+        return f"{self.cluster}:inflight:{tenant}"

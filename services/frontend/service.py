@@ -17,11 +17,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from services.frontend import responses as R
+from services.frontend.admin import AdminAPI
+from services.frontend.auth import PRINCIPAL, Authenticator, Principal, principal_of
 from services.frontend.catalog import ModelCatalog
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 from services.frontend.outcomes import Outcomes
+from services.frontend.rate_limits import Lease, Limiter, check_sizes
 from services.frontend.stop import StopMatcher
 from services.frontend.validation import (
     parse_chat_request,
@@ -40,11 +43,14 @@ from shared.errors import (
 )
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
+from shared.messages.auth import KeyRevoked
 from shared.messages.cluster import MemberDown
 from shared.messages.scaling import OutcomeReport, ScaleEvent
 from shared.runner import Lifecycle
 from shared.settings import Settings
+from shared.store import Store
 from shared.subjects import Subjects
+from shared.tenancy import TenantStore
 
 log = get_logger(__name__)
 
@@ -96,9 +102,14 @@ ROUTED_TOKENS = Counter(
 OUTCOME_REPORT_S = 1.0
 
 
-def _finish_reason(reason: str | None) -> str:
-    # The OpenAI schema knows only these two for a completed generation.
-    return "length" if reason == "length" else "stop"
+def _reason(gen: Generation, stops: StopMatcher, lease: Lease) -> str:
+    """The finish reason the client sees. The OpenAI schema knows only these two for a
+    completed generation; a tenant's token budget running out is a length limit."""
+    if stops.stopped:
+        return "stop"
+    if lease.exhausted or gen.finish_reason == "length":
+        return "length"
+    return "stop"
 
 
 # No tokenizer packs more characters than this into one token; a text longer than the
@@ -118,7 +129,7 @@ def _check_text_size(chars: int, max_context: int, param: str) -> None:
 
 
 def _error_response(err: MeshserveError) -> web.Response:
-    headers = {}
+    headers = dict(err.headers)
     if err.status in (429, 503) and err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
     return web.Response(
@@ -157,11 +168,20 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     return resp
 
 
+# Paths anyone may call: probes, metrics, the API's description.
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+
+
 class Frontend:
-    def __init__(self, *, settings: Settings, bus: Bus) -> None:
+    def __init__(self, *, settings: Settings, bus: Bus, store: Store | None = None) -> None:
         self._settings = settings
         self._bus = bus
+        self._store = store
         self._subjects = Subjects(settings.cluster)
+        tenants = TenantStore(store, settings.cluster) if store is not None else None
+        self._auth = Authenticator(settings, tenants)
+        self._limiter = Limiter(store, settings.cluster, settings.limits.lease.total_seconds())
+        self._admin = AdminAPI(tenants, self._auth, bus, self._subjects)
         self.frontend_id = f"fe-{uuid.uuid4().hex[:8]}"
         self._life = Lifecycle("frontend")
         self._view = ViewWatcher(bus, self._subjects)
@@ -181,8 +201,11 @@ class Frontend:
 
     def app(self) -> web.Application:
         limit = self._settings.frontend.max_body_bytes
-        app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
+        app = web.Application(
+            middlewares=[errors_middleware, self._auth_middleware], client_max_size=limit
+        )
         app[MAX_BODY] = limit
+        self._admin.routes(app)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -191,8 +214,24 @@ class Frontend:
         app.router.add_get("/metrics", self.metrics)
         return app
 
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            principal = await self._auth.principal(request)
+            request[PRINCIPAL] = principal
+            if (size := request.content_length) and size > principal.limits.max_body_bytes:
+                raise PayloadTooLarge(
+                    f"The request body exceeds {principal.limits.max_body_bytes} bytes."
+                )
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
     async def run(self) -> None:
         await self._view.start(self._life)
+        await self._bus.subscribe(
+            self._subjects.key_revoked(), {KeyRevoked: self._auth.on_key_revoked}
+        )
+        self._life.spawn(self._limiter.renew_forever(), name="lease renewer")
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
         await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: self._on_scale_event})
         self._life.spawn(self._report_outcomes(), name="outcome reporter")
@@ -221,6 +260,8 @@ class Frontend:
             await runner.cleanup()
             self._liveness.close()
             await self._life.cancel_tasks()
+            if self._store is not None:
+                await self._store.close()
             self._life.stopped()
 
     async def shutdown(self) -> None:
@@ -292,15 +333,25 @@ class Frontend:
         }
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [self._model_obj(m) for m in self._catalog.models()]
-        return web.json_response({"object": "list", "data": data})
+        principal = principal_of(request)
+        models = [m for m in self._catalog.models() if principal.may_use(m.id)]
+        return web.json_response({"object": "list", "data": [self._model_obj(m) for m in models]})
+
+    def _model(self, request: web.Request, model: str) -> Any:
+        """The model's info, if it exists and the caller may use it; the same 404 if not."""
+        info = self._catalog.get(model)
+        if not principal_of(request).may_use(model):
+            raise NotFound(
+                f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+        return info
 
     async def get_model(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model_obj(self._catalog.get(request.match_info["model"])))
+        return web.json_response(self._model_obj(self._model(request, request.match_info["model"])))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat_request(await request.read())
-        info = self._catalog.get(req.model)
+        info = self._model(request, req.model)
         tok = await self._catalog.tokenizer(info)
         messages = req.template_messages()
         _check_text_size(
@@ -319,7 +370,7 @@ class Frontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion_request(await request.read())
-        info = self._catalog.get(req.model)
+        info = self._model(request, req.model)
         tok = await self._catalog.tokenizer(info)
         p = req.prompt_input()
         if isinstance(p, str):
@@ -346,11 +397,18 @@ class Frontend:
         *,
         chat: bool,
     ) -> web.StreamResponse:
-        sampling = sampling_params(
+        principal = principal_of(request)
+        sampling = check_sizes(
+            principal.limits,
             req,
+            sampling_params(
+                req,
+                prompt_tokens=len(prompt),
+                max_context=info.max_context,
+                eos_token_ids=tok.eos_token_ids,
+            ),
             prompt_tokens=len(prompt),
-            max_context=info.max_context,
-            eos_token_ids=tok.eos_token_ids,
+            param="messages" if chat else "prompt",
         )
         rid = R.chat_id() if chat else R.completion_id()
         # Every log line about this request, in every service, carries its id (the one the
@@ -363,7 +421,16 @@ class Frontend:
                 max_tokens=sampling.max_tokens,
                 stream=req.is_stream,
             )
-            return await self._run(request, req, tok, prompt, sampling, rid, chat=chat)
+            lease = await self._admit(principal, rid, len(prompt))
+            try:
+                return await self._run(request, req, tok, prompt, sampling, rid, lease, chat=chat)
+            finally:
+                await asyncio.shield(lease.release())
+
+    async def _admit(self, principal: Principal, rid: str, prompt_tokens: int) -> Lease:
+        if not principal.limited:
+            return Lease(None, principal.tenant, rid, principal.limits)
+        return await self._limiter.admit(principal.tenant, principal.limits, rid, prompt_tokens)
 
     async def _run(
         self,
@@ -373,6 +440,7 @@ class Frontend:
         prompt: list[int],
         sampling: SamplingParams,
         rid: str,
+        lease: Lease,
         *,
         chat: bool,
     ) -> web.StreamResponse:
@@ -390,10 +458,12 @@ class Frontend:
         t0 = time.monotonic()
         detok = tok.detokenizer(prompt)
         stops = StopMatcher(req.stop_strings)
-        pieces = self._texts(gen, detok, stops)
+        pieces = self._texts(gen, detok, stops, lease)
         try:
             if req.is_stream:
-                return await self._stream(request, req, gen, pieces, stops, rid, created, chat=chat)
+                return await self._stream(
+                    request, req, gen, pieces, stops, lease, rid, created, chat=chat
+                )
             text = "".join([p async for p in pieces])
         finally:
             await pieces.aclose()
@@ -406,11 +476,13 @@ class Frontend:
                 seconds=round(time.monotonic() - t0, 3),
             )
         usage = R.usage(len(prompt), len(gen.generated), gen.cached_tokens)
-        reason = "stop" if stops.stopped else _finish_reason(gen.finish_reason)
         build = R.chat_completion if chat else R.completion
         return web.Response(
-            body=R.json_body(build(rid, req.model, created, text, reason, usage)),
+            body=R.json_body(
+                build(rid, req.model, created, text, _reason(gen, stops, lease), usage)
+            ),
             content_type="application/json",
+            headers=lease.headers,
         )
 
     def _account(self, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
@@ -443,13 +515,17 @@ class Frontend:
         SLO_MET.labels(model, str(met).lower()).inc()
 
     @staticmethod
-    async def _texts(gen: Generation, detok: Any, stops: StopMatcher) -> AsyncGenerator[str, None]:
-        """Text deltas of the generation, up to (not including) the first stop string."""
+    async def _texts(
+        gen: Generation, detok: Any, stops: StopMatcher, lease: Lease
+    ) -> AsyncGenerator[str, None]:
+        """Text deltas of the generation, up to (not including) the first stop string, or
+        until the tenant's token budget runs out."""
         async for ids in gen.tokens():
+            within = await lease.charge(len(ids))
             text, hit = stops.push(detok.push(ids))
             if text:
                 yield text
-            if hit:
+            if hit or not within:
                 return
         text, _ = stops.push(detok.flush())
         if text:
@@ -464,6 +540,7 @@ class Frontend:
         gen: Generation,
         pieces: Any,
         stops: StopMatcher,
+        lease: Lease,
         rid: str,
         created: int,
         *,
@@ -482,6 +559,7 @@ class Frontend:
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
+                **lease.headers,
             }
         )
         await resp.prepare(request)
@@ -510,8 +588,7 @@ class Frontend:
             if not done:
                 async for text in pieces:
                     await resp.write(chunk(text))
-            reason = "stop" if stops.stopped else _finish_reason(gen.finish_reason)
-            await resp.write(chunk(None, reason))
+            await resp.write(chunk(None, _reason(gen, stops, lease)))
             if req.include_usage:
                 usage = R.usage(len(gen.prompt_token_ids), len(gen.generated), gen.cached_tokens)
                 await resp.write(R.sse(R.usage_chunk(rid, req.model, created, usage, chat=chat)))
@@ -528,4 +605,5 @@ class Frontend:
 
 
 async def create(settings: Settings, bus: Bus) -> Frontend:
-    return Frontend(settings=settings, bus=bus)
+    store = await Store.connect(settings.redis_url) if settings.redis_url else None
+    return Frontend(settings=settings, bus=bus, store=store)
