@@ -99,6 +99,10 @@ ROUTED_TOKENS = Counter(
     "oracle router would reuse), and those the chosen TE's prefix cache actually held (cached)",
     ["model", "kind"],
 )
+SHED = Counter(
+    "meshserve_shed_requests",
+    "Requests refused at admission because every instance was saturated and none was coming",
+)
 OUTCOME_REPORT_S = 1.0
 
 
@@ -149,6 +153,8 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         resp = await handler(request)
     except MeshserveError as e:
+        if e.code == "overloaded":
+            SHED.inc()
         resp = _error_response(e)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[MAX_BODY]

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections import defaultdict
 
+from services.job_executor.admission import shed
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.routing import RoutingConfig, spread_of
@@ -86,6 +87,8 @@ class JobExecutor:
         self._views_of: ClusterView | None = None  # the view _views were made from
         self._inflight = 0
         self._started = time.time()
+        # Output tokens jobs ask for, a moving mean: how long a queued batch takes to clear.
+        self._mean_output_tokens = 256.0
 
     def _heartbeat(self) -> JEHeartbeat:
         return JEHeartbeat(
@@ -143,6 +146,7 @@ class JobExecutor:
         traffic.arrivals += 1
         traffic.prompt_tokens += len(job.prompt_token_ids)
         traffic.max_output_tokens += job.sampling.max_tokens
+        self._mean_output_tokens += (job.sampling.max_tokens - self._mean_output_tokens) / 64
         pending = PendingJob(
             model=job.model, deadline=job.deadline, exclude=frozenset(job.exclude_te_ids)
         )
@@ -164,6 +168,8 @@ class JobExecutor:
                     raise Internal(f"The model `{job.model}` failed to load: {failure}")
                 placed = {te: sum(n for _, n in ps) for te, ps in self._placed.items()}
                 tes = self._te_views(view)
+                if job.attempt == 0:  # an accepted request that moves is never shed
+                    self._admit(job, tes)
                 candidates = [
                     te.te_id for te in tes if te.model == job.model and te.state == TEState.READY
                 ]
@@ -260,6 +266,29 @@ class JobExecutor:
                 traffic = self._traffic_of(job.model)
                 traffic.held -= 1
                 traffic.held_prompt_tokens -= len(job.prompt_token_ids)
+
+    def _admit(self, job: ChatJob, tes: list[TEView]) -> None:
+        """Refuse the job now if the cluster cannot serve it in time (``admission``)."""
+        je = self._settings.job_executor
+        verdict = shed(
+            job.model,
+            tes,
+            {te: len(ps) for te, ps in self._placed.items()},
+            max_queued_per_slot=je.max_queued_per_slot,
+            mean_output_tokens=self._mean_output_tokens,
+        )
+        if verdict is None:
+            return
+        self._traffic_of(job.model).misses += 1
+        self._report_soon(urgent=True)
+        log.info("job shed", model=job.model, queued=verdict.queued, instances=verdict.instances)
+        raise NoCapacity(
+            f"Every instance of model `{job.model}` is saturated ({verdict.queued} requests "
+            f"queued on the least busy of {verdict.instances}) and no capacity is coming; "
+            "retry later.",
+            retry_after_s=min(verdict.retry_after_s, je.placement_timeout.total_seconds()),
+            code="overloaded",
+        )
 
     def _te_views(self, view: ClusterView) -> list[TEView]:
         # Per pushed view, not per version: a push with the same version brings new load.

@@ -1,0 +1,66 @@
+"""Admission control: refuse a job now, with 503 and Retry-After, when the cluster cannot
+serve it in time, instead of letting it queue until the client's deadline. Pure.
+
+A TE accepts every task it is given and queues those its batch has no room for, so without
+this a burst beyond the cluster's capacity makes every request slower until they time out
+together. A job is shed when both hold:
+
+- every ready instance of its model is saturated: the sequences queued on it (waiting, plus
+  those this JE placed since its last report) fill ``max_queued_per_slot`` times its batch
+  (``InstanceCapacity.max_num_seqs``), so a new one waits for that many batches to finish;
+- no capacity is coming: no instance of the model is loading, and no TE is idle for the
+  scaler to load it on.
+
+An instance whose capacity is unknown never counts as saturated, and a model with no ready
+instance is the scale-from-zero path (``holding.next_step`` holds the job), not this one.
+Retry-After is the time the least-queued instance needs to run its queue down to a free
+slot, one full batch of ``mean_output_tokens`` per ``max_num_seqs`` queued sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from services.views import TEView
+from shared.messages.cluster import TEState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shed:
+    retry_after_s: float
+    queued: int  # sequences queued on the least-queued instance
+    instances: int  # ready instances, all saturated
+
+
+def shed(
+    model: str,
+    tes: Sequence[TEView],
+    jobs_placed_since_report: Mapping[str, int],
+    *,
+    max_queued_per_slot: int,
+    mean_output_tokens: float,
+) -> Shed | None:
+    """``Shed`` if the job must be refused now, None if it may be placed or held."""
+    if max_queued_per_slot <= 0:
+        return None
+    ready = [te for te in tes if te.model == model and te.state == TEState.READY]
+    if not ready:
+        return None
+    if any(te.state == TEState.IDLE for te in tes) or any(
+        te.model == model and te.state == TEState.LOADING for te in tes
+    ):
+        return None
+    waits = []
+    for te in ready:
+        cap = te.capacity
+        if cap is None:
+            return None
+        queued = te.waiting + jobs_placed_since_report.get(te.te_id, 0)
+        free = max(0, cap.max_num_seqs - te.running)
+        if queued - free < max_queued_per_slot * cap.max_num_seqs:
+            return None
+        batches = (queued - free) / cap.max_num_seqs
+        waits.append((batches * mean_output_tokens * cap.step_s(), queued))
+    wait, queued = min(waits)
+    return Shed(retry_after_s=max(1.0, wait), queued=queued, instances=len(ready))
