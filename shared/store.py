@@ -4,6 +4,7 @@ cluster name."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 
@@ -21,7 +22,7 @@ class Store:
             await client.ping()
         except Exception as e:
             await client.aclose()
-            raise Unavailable(f"redis at {url} is unreachable: {e}") from e
+            raise Unavailable(f"redis at {redacted(url)} is unreachable: {e}") from e
         return cls(client)
 
     async def replace_hash(self, key: str, mapping: dict[str, bytes]) -> None:
@@ -39,6 +40,16 @@ class Store:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def redacted(url: str) -> str:
+    """The URL without its user name and password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _text(value: bytes | str) -> str:
