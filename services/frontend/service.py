@@ -21,6 +21,7 @@ from services.frontend.catalog import ModelCatalog
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.openapi import document as openapi_document
 from services.frontend.outcomes import Outcomes
 from services.frontend.stop import StopMatcher
 from services.frontend.validation import (
@@ -49,6 +50,7 @@ from shared.subjects import Subjects
 log = get_logger(__name__)
 
 MAX_BODY = web.AppKey("max_body_bytes", int)
+OPENAPI = web.AppKey("openapi_json", bytes)
 
 REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
 TTFT = Histogram(
@@ -144,10 +146,11 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         resp = _error_response(PayloadTooLarge(f"The request body exceeds {limit} bytes."))
     except web.HTTPNotFound:
         resp = _error_response(NotFound(f"Unknown request URL: {request.method} {request.path}."))
-    except web.HTTPMethodNotAllowed:
+    except web.HTTPMethodNotAllowed as e:
         resp = _error_response(
             MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         )
+        resp.headers["Allow"] = ",".join(sorted(e.allowed_methods))
     except web.HTTPException:
         raise
     except Exception:
@@ -183,12 +186,14 @@ class Frontend:
         limit = self._settings.frontend.max_body_bytes
         app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
         app[MAX_BODY] = limit
+        app[OPENAPI] = R.json_body(openapi_document(limit))
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     async def run(self) -> None:
@@ -281,6 +286,9 @@ class Frontend:
         resp = web.Response(body=generate_latest())
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
     def _model_obj(self, m: Any) -> dict[str, Any]:
         return {
