@@ -97,6 +97,13 @@ _RESPONSES: dict[str, Any] = {
     "ModelList": _obj(
         ["object", "data"], object={"const": "list"}, data={"type": "array", "items": _ref("Model")}
     ),
+    # One server-sent event (OpenAPI 3.1 has a text/event-stream schema describe each event).
+    "ServerSentEvent": {
+        **_obj(["data"], data=_STR, event=_STR, id=_STR, retry=_INT),
+        "description": "`data` holds a chunk as JSON (a chat.completion.chunk, or a "
+        "text_completion without usage), an error object after the stream started, or the "
+        "final `[DONE]`.",
+    },
     "Health": _obj(
         ["status", "models", "task_executors", "job_executors"],
         status={"enum": ["ok", "starting"]},
@@ -154,7 +161,7 @@ def _generation(summary: str, op_id: str, request: str, response: str) -> dict[s
                     "(`data: {chunk}` lines ending with `data: [DONE]`) when `stream` is true.",
                     "content": {
                         "application/json": {"schema": _ref(response)},
-                        "text/event-stream": {"schema": _STR},
+                        "text/event-stream": {"schema": _ref("ServerSentEvent")},
                     },
                 },
                 **_errors("400", "401", "404", "405", "413", "429", "503"),
