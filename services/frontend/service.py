@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from services.frontend import responses as R
@@ -151,6 +152,12 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
             MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         )
         resp.headers["Allow"] = ",".join(sorted(e.allowed_methods))
+    except web.RequestPayloadError as e:
+        # request.read() could not decode the body (a Content-Encoding it is not in, broken
+        # chunked framing): the client's fault, raised as a plain exception, not a 400.
+        cause = e.__cause__
+        why = cause.message if isinstance(cause, HttpProcessingError) else "it is malformed"
+        resp = _error_response(BadRequest(f"The request body could not be read: {why}."))
     except web.HTTPException:
         raise
     except Exception:

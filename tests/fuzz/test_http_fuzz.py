@@ -13,6 +13,7 @@ works. ``--fuzz-examples`` sets the examples per operation and mode (``scripts/f
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import socket
@@ -37,6 +38,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.e2e.conftest import Cluster, processes_of
+from tests.fuzz.conftest import MAX_BODY
 
 pytestmark = [
     pytest.mark.fuzz,
@@ -582,6 +584,52 @@ def test_wrong_method_or_route(
     _assert_openai_error(status_, headers, data, status)
     if status == 405:
         assert headers["allow"]
+
+
+def test_content_encoding(cluster: Cluster, pids: set[int]) -> None:
+    gz = {"Content-Encoding": "gzip"}
+    port = cluster.port
+    # Not gzip at all: the body cannot be read.
+    _assert_openai_error(*_request(port, "POST", CHAT, b"{}", headers=gz), 400)
+    # A gzip bomb: counted decompressed against the body limit.
+    bomb = gzip.compress(b" " * (MAX_BODY + 1))
+    _assert_openai_error(*_request(port, "POST", COMP, bomb, headers=gz), 413)
+    status, _, data = _request(
+        port, "POST", CHAT, gzip.compress(json.dumps(_chat_body()).encode()), headers=gz
+    )
+    assert status == 200, data[:500]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999999999999999\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nX-A: " + b"a" * 100_000 + b"\r\n\r\n",
+        b"GET /v1/models/\xff\xfe HTTP/1.1\r\n\r\n",
+        b"G\x00T /health HTTP/1.1\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,
+    ],
+    ids=[
+        "bad-length",
+        "huge-length",
+        "length-and-chunked",
+        "bad-chunk",
+        "nul-header",
+        "huge-header",
+        "utf8-path",
+        "nul-method",
+        "tls",
+    ],
+)
+def test_malformed_http(cluster: Cluster, pids: set[int], head: bytes) -> None:
+    """Requests the HTTP parser itself refuses (before the API sees them): a 4xx, whatever
+    its body."""
+    status, _, data = _send(cluster.port, head)
+    assert 400 <= status < 500, (status, data[:300])
 
 
 def test_slow_loris_does_not_block_others(cluster: Cluster, pids: set[int]) -> None:

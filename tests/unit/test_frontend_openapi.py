@@ -4,6 +4,7 @@ methods and oversized bodies get OpenAI-style 4xx errors."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import msgspec
@@ -135,3 +136,19 @@ async def test_undecodable_bodies_are_400(http, raw):
 
 async def test_body_over_the_limit_is_413(http):
     await _error(await http.post("/v1/chat/completions", data=b" " * (1024**2 + 1)), 413)
+
+
+async def test_body_in_a_content_encoding_it_is_not_in_is_400(http):
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    resp = await http.post("/v1/completions", data=b'{"model": "m"}', headers=headers)
+    err = await _error(resp, 400)
+    assert "could not be read" in err["message"] and "gzip" in err["message"]
+
+
+async def test_gzip_body_is_decoded_and_a_gzip_bomb_is_413(http):
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    raw = gzip.compress(b'{"model": "m", "prompt": "hi", "n": 2}')
+    err = await _error(await http.post("/v1/completions", data=raw, headers=headers), 400)
+    assert err["param"] == "n"  # decoded and validated
+    bomb = gzip.compress(b" " * (8 * 1024**2))
+    await _error(await http.post("/v1/completions", data=bomb, headers=headers), 413)
