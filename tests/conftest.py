@@ -22,7 +22,18 @@ FIXTURE_MARKS = {
 }
 # What a unit test may not need: servers, a trained model, an engine's own venv. (GPU unit
 # tests are unit tests: they skip without a GPU.)
-NOT_UNIT = {"nats", "redis", "e2e", "vllm", "openvino", "demo_model", "docker"}
+NOT_UNIT = {"nats", "redis", "e2e", "fuzz", "vllm", "openvino", "demo_model", "docker"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here rather than in tests/fuzz/conftest.py: pytest registers options only from the
+    # conftests it loads at start, and `pytest tests --fuzz-examples N` must work too.
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=20,
+        help="examples per operation and mode in tests/fuzz (scripts/fuzz raises it)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

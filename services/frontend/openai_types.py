@@ -27,11 +27,15 @@ Conveniences the frontend uses after validation:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# A seed is a signed 64-bit integer, as in OpenAI's API: every engine's generator takes one,
+# and the bus (msgpack) carries nothing wider.
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=False):
@@ -73,7 +77,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = None

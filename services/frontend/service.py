@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from services.frontend import responses as R
@@ -23,6 +24,7 @@ from services.frontend.catalog import ModelCatalog
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.openapi import document as openapi_document
 from services.frontend.outcomes import Outcomes
 from services.frontend.rate_limits import Lease, Limiter, check_sizes
 from services.frontend.stop import StopMatcher
@@ -55,6 +57,7 @@ from shared.tenancy import TenantStore
 log = get_logger(__name__)
 
 MAX_BODY = web.AppKey("max_body_bytes", int)
+OPENAPI = web.AppKey("openapi_json", bytes)
 
 REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
 TTFT = Histogram(
@@ -161,10 +164,17 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         resp = _error_response(PayloadTooLarge(f"The request body exceeds {limit} bytes."))
     except web.HTTPNotFound:
         resp = _error_response(NotFound(f"Unknown request URL: {request.method} {request.path}."))
-    except web.HTTPMethodNotAllowed:
+    except web.HTTPMethodNotAllowed as e:
         resp = _error_response(
             MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
         )
+        resp.headers["Allow"] = ",".join(sorted(e.allowed_methods))
+    except web.RequestPayloadError as e:
+        # request.read() could not decode the body (a Content-Encoding it is not in, broken
+        # chunked framing): the client's fault, raised as a plain exception, not a 400.
+        cause = e.__cause__
+        why = cause.message if isinstance(cause, HttpProcessingError) else "it is malformed"
+        resp = _error_response(BadRequest(f"The request body could not be read: {why}."))
     except web.HTTPException:
         raise
     except Exception:
@@ -212,12 +222,14 @@ class Frontend:
         )
         app[MAX_BODY] = limit
         self._admin.routes(app)
+        app[OPENAPI] = R.json_body(openapi_document(limit))
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     @web.middleware
@@ -328,6 +340,9 @@ class Frontend:
         resp = web.Response(body=generate_latest())
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
     def _model_obj(self, m: Any) -> dict[str, Any]:
         return {

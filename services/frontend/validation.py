@@ -128,11 +128,20 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
         return decoder.decode(body)
     except msgspec.ValidationError as e:  # a subclass of DecodeError, so it goes first
         raise _translate(str(e)) from None
-    except msgspec.DecodeError as e:
-        raise BadRequest(
-            f"We could not parse the JSON body of your request ({e}). The API expects a "
-            "JSON object in the request body.",
-        ) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # msgspec raises UnicodeDecodeError, not DecodeError, for invalid UTF-8 in a string.
+        raise _unparsable(str(e)) from None
+    except RecursionError:
+        # msgspec decodes (and skips unknown fields) recursively, under Python's recursion
+        # limit: JSON nested that deep is no request anyone means to send.
+        raise _unparsable("it is nested too deeply") from None
+
+
+def _unparsable(why: str) -> BadRequest:
+    return BadRequest(
+        f"We could not parse the JSON body of your request ({why}). The API expects a "
+        "JSON object in the request body.",
+    )
 
 
 def _translate(detail: str) -> BadRequest:

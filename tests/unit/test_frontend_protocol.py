@@ -177,6 +177,57 @@ def test_malformed_json(raw):
         assert err.param is None
 
 
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # Invalid UTF-8 inside a string: msgspec raises UnicodeDecodeError, not DecodeError.
+        b'{"model": "m", "prompt": "\xc0\xaf", "messages": [{"role": "user", "content": "\xff"}]}',
+        # Nesting past Python's recursion limit: in a typed field, an untyped one, an unknown one.
+        b'{"model": "m", "messages": [{"role": "user", "tool_calls": [{"a": '
+        + b"[" * DEEP
+        + b"]" * DEEP
+        + b"}]}]}",
+        b'{"model": "m", "messages": [], "tools": [' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"]}",
+        b'{"model": "m", "prompt": "x", "extra": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+        # Lone surrogates in escapes, NaN and Infinity literals: not JSON.
+        b'{"model": "\\ud800", "prompt": "\\udc00"}',
+        b'{"model": "m", "prompt": "x", "temperature": NaN}',
+        b'{"model": "m", "prompt": "x", "temperature": -Infinity}',
+    ],
+    ids=["utf8", "deep-typed", "deep-any", "deep-unknown", "surrogate", "nan", "inf"],
+)
+def test_undecodable_bodies_are_400_not_a_crash(raw):
+    for fn in (parse_chat_request, parse_completion_request):
+        err = bad(fn, raw)
+        assert "could not parse the JSON body" in err.message, err.message
+
+
+@pytest.mark.parametrize(
+    ("seed", "ok"), [(2**63 - 1, True), (-(2**63), True), (2**63, False), (2**70, False)]
+)
+def test_seed_is_a_64_bit_integer(seed, ok):
+    for fn, raw in (
+        (parse_chat_request, chat(seed=seed)),
+        (parse_completion_request, comp(seed=seed)),
+    ):
+        if ok:
+            assert fn(raw).seed == seed
+        else:
+            assert bad(fn, raw).param == "seed"
+
+
+def test_huge_numbers_are_400():
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 1e400}'
+    assert bad(parse_chat_request, raw).param == "temperature"
+    # Past the context limit whatever the prompt: the 400 comes from sampling_params.
+    req = parse_chat_request(chat(max_tokens=2**70))
+    with pytest.raises(BadRequest, match="maximum context length"):
+        sampling_params(req, prompt_tokens=3, max_context=64, eos_token_ids=[0])
+
+
 def test_body_must_be_an_object():
     err = bad(parse_chat_request, b"[1, 2]")
     assert err.param is None

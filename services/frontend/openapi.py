@@ -1,0 +1,254 @@
+"""The frontend's HTTP API as an OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+``document(max_body_bytes)`` is a pure function: the request bodies are the JSON Schemas of
+the msgspec types the frontend decodes (``services.frontend.openai_types``), so the document
+cannot drift from what is accepted; the response bodies are written out here after
+``services.frontend.responses``. Every failure is the OpenAI error body
+(``{"error": {message, type, param, code}}``). The ``/v1`` routes declare a bearer key
+(``Authorization: Bearer``); ``/health``, ``/metrics`` and this document need none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{name}"
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": REF.format(name=name)}
+
+
+def _obj(required: list[str], **props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required}
+
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_NULL_STR = {"type": ["string", "null"]}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+
+_RESPONSES: dict[str, Any] = {
+    "Error": _obj(
+        ["error"],
+        error=_obj(
+            ["message", "type", "param", "code"],
+            message=_STR,
+            type=_STR,
+            param=_NULL_STR,
+            code=_NULL_STR,
+        ),
+    ),
+    "Usage": _obj(
+        ["prompt_tokens", "completion_tokens", "total_tokens"],
+        prompt_tokens=_INT,
+        completion_tokens=_INT,
+        total_tokens=_INT,
+        prompt_tokens_details=_obj(["cached_tokens"], cached_tokens=_INT),
+    ),
+    "ChatCompletion": _obj(
+        ["id", "object", "created", "model", "choices", "usage"],
+        id=_STR,
+        object={"const": "chat.completion"},
+        created=_INT,
+        model=_STR,
+        choices={
+            "type": "array",
+            "items": _obj(
+                ["index", "message", "finish_reason"],
+                index=_INT,
+                message=_obj(["role", "content"], role={"const": "assistant"}, content=_NULL_STR),
+                logprobs={"type": "null"},
+                finish_reason=_FINISH,
+            ),
+        },
+        usage=_ref("Usage"),
+    ),
+    "Completion": _obj(
+        ["id", "object", "created", "model", "choices", "usage"],
+        id=_STR,
+        object={"const": "text_completion"},
+        created=_INT,
+        model=_STR,
+        choices={
+            "type": "array",
+            "items": _obj(
+                ["text", "index", "finish_reason"],
+                text=_STR,
+                index=_INT,
+                logprobs={"type": "null"},
+                finish_reason=_FINISH,
+            ),
+        },
+        usage=_ref("Usage"),
+    ),
+    "Model": _obj(
+        ["id", "object", "created", "owned_by"],
+        id=_STR,
+        object={"const": "model"},
+        created=_INT,
+        owned_by=_STR,
+        max_model_len=_INT,
+    ),
+    "ModelList": _obj(
+        ["object", "data"], object={"const": "list"}, data={"type": "array", "items": _ref("Model")}
+    ),
+    # One server-sent event (OpenAPI 3.1 has a text/event-stream schema describe each event).
+    "ServerSentEvent": {
+        **_obj(["data"], data=_STR, event=_STR, id=_STR, retry=_INT),
+        "description": "`data` holds a chunk as JSON (a chat.completion.chunk, or a "
+        "text_completion without usage), an error object after the stream started, or the "
+        "final `[DONE]`.",
+    },
+    "Health": _obj(
+        ["status", "models", "task_executors", "job_executors"],
+        status={"enum": ["ok", "starting"]},
+        models={"type": "array", "items": _STR},
+        task_executors={"type": "array", "items": {"type": "object"}},
+        job_executors=_INT,
+    ),
+}
+
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
+
+# Why each error status is sent; the body is always the OpenAI error object.
+_ERRORS = {
+    "400": "The request is malformed or asks for something unsupported (`param` names the field).",
+    "401": "The API key is missing or wrong (when authentication is on).",
+    "404": "No such model (or route).",
+    "405": "The route does not take this method.",
+    "413": "The request body exceeds the frontend's size limit.",
+    "429": "A rate or concurrency limit was reached; retry after `Retry-After` seconds.",
+    "503": "No capacity to serve the request within its deadline; retry after `Retry-After`.",
+}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in statuses:
+        r: dict[str, Any] = {
+            "description": _ERRORS[s],
+            "content": {"application/json": {"schema": _ref("Error")}},
+        }
+        if s in ("429", "503"):
+            r["headers"] = _RETRY_AFTER
+        out[s] = r
+    return out
+
+
+def _generation(summary: str, op_id: str, request: str, response: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": op_id,
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {
+                "200": {
+                    "description": "The generated text: one JSON object, or server-sent events "
+                    "(`data: {chunk}` lines ending with `data: [DONE]`) when `stream` is true.",
+                    "content": {
+                        "application/json": {"schema": _ref(response)},
+                        "text/event-stream": {"schema": _ref("ServerSentEvent")},
+                    },
+                },
+                **_errors("400", "401", "404", "405", "413", "429", "503"),
+            },
+        }
+    }
+
+
+def document(max_body_bytes: int | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 description of the frontend's HTTP API."""
+    _, requests = msgspec.json.schema_components(
+        (ChatCompletionRequest, CompletionRequest), ref_template=REF
+    )
+    limit = f" Bodies over {max_body_bytes} bytes get 413." if max_body_bytes else ""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "meshserve",
+            "version": "1",
+            "description": "The OpenAI-compatible API of a meshserve frontend." + limit,
+        },
+        "paths": {
+            "/v1/chat/completions": _generation(
+                "Create a chat completion",
+                "createChatCompletion",
+                "ChatCompletionRequest",
+                "ChatCompletion",
+            ),
+            "/v1/completions": _generation(
+                "Create a completion", "createCompletion", "CompletionRequest", "Completion"
+            ),
+            "/v1/models": {
+                "get": {
+                    "operationId": "listModels",
+                    "summary": "List the models",
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "200": _json("The models the cluster serves.", "ModelList"),
+                        **_errors("401", "429"),
+                    },
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "operationId": "retrieveModel",
+                    "summary": "Describe one model",
+                    "security": [{"bearer": []}],
+                    "parameters": [
+                        {"name": "model", "in": "path", "required": True, "schema": _STR}
+                    ],
+                    "responses": {
+                        "200": _json("The model.", "Model"),
+                        **_errors("401", "404", "429"),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "operationId": "health",
+                    "summary": "Whether the frontend is connected and what the cluster runs",
+                    "security": [],
+                    "responses": {
+                        "200": _json("Connected, with the cluster's view.", "Health"),
+                        "503": _json("Still starting (no cluster view yet).", "Health"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics",
+                    "security": [],
+                    "responses": {
+                        "200": {
+                            "description": "The Prometheus text exposition format.",
+                            "content": {"text/plain": {"schema": _STR}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": {**requests, **_RESPONSES},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _json(description: str, schema: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
