@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from shared.access import SERVICE_ROLE, Credentials
 from shared.embedded import EmbeddedServer, die_with_parent, free_port
 from shared.settings import Settings, process_environment
 from shared.tenancy import admin_key, default_admin_key_file, write_admin_key
@@ -49,6 +50,9 @@ class Launcher:
         self._children: dict[str, Child] = {}
         self._stop = False
         self._crashed = False
+        # Embedded servers admit each service as its role (shared/access.py).
+        self._creds = Credentials.generate() if settings.auth.infra else None
+        self._secured: dict[str, str] = {}  # environment variable -> URL without credentials
 
     def _request_stop(self, signum: int, _frame: object) -> None:
         self._stop = True
@@ -60,10 +64,14 @@ class Launcher:
             ("redis", "redis_url", self.settings.redis_url),
         ):
             if url is None:
-                server = EmbeddedServer(kind).start()
+                access = (self._creds, self.settings.cluster) if self._creds else None
+                server = EmbeddedServer(kind, access).start()
                 self._servers.append(server)
                 updates[field] = server.url
-                say(f"started embedded {kind} at {server.url}")
+                if access is not None:
+                    self._secured[f"MESHSERVE_{field.upper()}"] = server.url
+                secured = ", one user per service" if access is not None else ""
+                say(f"started embedded {kind} at {server.url}{secured}")
         if self.settings.frontend.http_port == 0:
             updates["http_port"] = free_port()
         if self.settings.auth.mode == "on" and admin_key(self.settings) is None:
@@ -75,6 +83,9 @@ class Launcher:
         return self.settings.with_values(**updates)
 
     def _spawn(self, name: str, env: dict[str, str], crashes: list[float] | None = None) -> None:
+        if self._creds is not None:  # its own role's credentials, in the URLs it is given
+            role = SERVICE_ROLE[name]
+            env = {**env, **{var: self._creds.url(url, role) for var, url in self._secured.items()}}
         # Own session, so a terminal's Ctrl-C reaches only the launcher, which then stops
         # the services in order; die_with_parent covers a launcher killed outright.
         proc = subprocess.Popen(

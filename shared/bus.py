@@ -24,6 +24,7 @@ from shared.errors import BadRequest, Internal, MeshserveError, PeerUnreachable,
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.base import Message, decoder_for, encode
+from shared.subjects import inbox_prefix
 
 log = get_logger(__name__)
 
@@ -59,7 +60,7 @@ class Bus:
             url,
             name=name,
             # Reply inboxes carry the cluster name too, like every other subject.
-            inbox_prefix=f"{cluster}._INBOX",
+            inbox_prefix=inbox_prefix(cluster),
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,

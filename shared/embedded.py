@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.access import Credentials, nats_config, redis_acl
+
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGTERM this process when its parent dies, so nothing outlives
@@ -60,13 +62,15 @@ def redis_server_binary() -> str:
 
 class EmbeddedServer:
     """One server process on a free loopback port; stopped (and its data dir removed) on
-    stop() or at exit of a `with` block."""
+    stop() or at exit of a `with` block. With ``access`` (credentials and the cluster name)
+    it admits only the roles of ``shared.access``, each to its own subjects or keys."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, access: tuple[Credentials, str] | None = None) -> None:
         self.kind = kind
         self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix=f"meshserve-{kind}-")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._access = access
 
     @property
     def url(self) -> str:
@@ -74,6 +78,8 @@ class EmbeddedServer:
         return f"{scheme}://127.0.0.1:{self.port}"
 
     def _argv(self) -> list[str]:
+        if self._access is not None:
+            return self._argv_with_access(*self._access)
         if self.kind == "nats":
             return [
                 nats_server_binary(),
@@ -97,6 +103,32 @@ class EmbeddedServer:
             "no",
             "--dir",
             self._dir.name,
+        ]
+
+    def _argv_with_access(self, creds: Credentials, cluster: str) -> list[str]:
+        # The secrets go in files only this user reads, never on a command line (ps shows it).
+        d = Path(self._dir.name)
+        if self.kind == "nats":
+            conf = d / "nats.conf"
+            text = nats_config(creds, cluster, port=self.port, store_dir=str(d / "js"))
+            _private(conf, text)
+            return [nats_server_binary(), "-c", str(conf)]
+        acl = d / "users.acl"
+        _private(acl, redis_acl(creds, cluster))
+        return [
+            redis_server_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+            "--aclfile",
+            str(acl),
         ]
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
@@ -136,3 +168,9 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _private(path: Path, text: str) -> None:
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)

@@ -138,6 +138,13 @@ class AuthSettings(Section):
         default=None,
         description="File holding the admin key. Unset: `~/.cache/meshserve/<cluster>.admin-key`.",
     )
+    infra: bool = Field(
+        default=True,
+        json_schema_extra=_env("MESHSERVE_INFRA_AUTH"),
+        description="`meshserve up`'s embedded NATS and Redis admit only the services, one "
+        "user per role with a generated secret, each limited to its own subjects and the "
+        "cluster's keys. Servers of your own are secured by you (credentials in the URLs).",
+    )
     key_cache: Duration = Field(
         default=timedelta(seconds=10),
         description="How long a frontend trusts a key it has checked; a revocation reaches "

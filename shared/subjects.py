@@ -168,6 +168,12 @@ CATALOGUE: dict[str, SubjectSpec] = {
 }
 
 
+def inbox_prefix(cluster: str) -> str:
+    """Where a cluster's services receive replies: nats.py's inboxes, with the cluster name
+    first like every other subject."""
+    return f"{cluster}._INBOX"
+
+
 class Subjects:
     """Subjects of one cluster."""
 

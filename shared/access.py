@@ -1,0 +1,138 @@
+"""Who may do what on NATS and Redis: one user per service role, each with a secret, the
+NATS subjects it may publish and subscribe to and the Redis keys it may touch.
+
+``meshserve up`` turns this on for the NATS and Redis it embeds (``MESHSERVE_INFRA_AUTH``,
+on by default): it generates the secrets, starts nats-server with ``nats_config`` and
+redis-server with ``redis_acl``, and hands each service URLs carrying its own role's
+credentials. Nothing else ever sees a secret: it is not logged, not in ``/health``, not in
+an error (``shared.store.redacted``).
+
+Subjects come from the catalogue (``shared.subjects.CATALOGUE``): ``ACCESS`` names, for
+each entry, the roles that publish and those that subscribe, and a test holds it complete.
+Every role may subscribe to ``<cluster>._INBOX.>`` (where it receives replies) and answer the
+requests it received (``allow_responses``), nothing more: a TE cannot submit jobs, publish
+a cluster view or command another TE, a frontend cannot send a TE a control message.
+Redis users reach only their cluster's keys and no administrative or dangerous command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from shared.subjects import CATALOGUE, inbox_prefix
+
+Role = Literal["frontend", "job_executor", "cluster_manager", "scaler", "task_executor"]
+ROLES: tuple[Role, ...] = (
+    "frontend",
+    "job_executor",
+    "cluster_manager",
+    "scaler",
+    "task_executor",
+)
+# Which service runs as which role (the launcher's and compose's service names).
+SERVICE_ROLE: Mapping[str, Role] = {r: r for r in ROLES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    publish: tuple[Role, ...]
+    subscribe: tuple[Role, ...]
+
+
+_EVERYONE: tuple[Role, ...] = ROLES
+
+ACCESS: Mapping[str, Access] = {
+    "job_submit": Access(publish=("frontend",), subscribe=("job_executor",)),
+    # the JE places tasks, a frontend cancels its own
+    "te_task": Access(publish=("job_executor", "frontend"), subscribe=("task_executor",)),
+    "te_control": Access(publish=("scaler",), subscribe=("task_executor",)),
+    # tokens from TEs, JobHeld notices from JEs, to the frontend that owns the request
+    "token_stream": Access(publish=("task_executor", "job_executor"), subscribe=("frontend",)),
+    "heartbeat": Access(publish=("task_executor", "job_executor"), subscribe=("cluster_manager",)),
+    "view": Access(publish=("cluster_manager",), subscribe=_EVERYONE),
+    "member_down": Access(publish=("cluster_manager",), subscribe=_EVERYONE),
+    "get_view": Access(publish=_EVERYONE, subscribe=("cluster_manager",)),
+    "kv_events": Access(publish=("task_executor",), subscribe=("job_executor",)),
+    "traffic": Access(publish=("job_executor",), subscribe=("scaler",)),
+    "outcomes": Access(publish=("frontend",), subscribe=("scaler",)),
+    "scale_events": Access(publish=("scaler",), subscribe=("frontend",)),
+    "key_revoked": Access(publish=("frontend",), subscribe=("frontend",)),
+}
+
+
+def subject_pattern(template: str, cluster: str) -> str:
+    """A catalogue template as a NATS wildcard: every field but the cluster is ``*``."""
+    return re.sub(r"\{(?!cluster\})[a-z_]+\}", "*", template).replace("{cluster}", cluster)
+
+
+def permissions(role: Role, cluster: str) -> dict[str, object]:
+    pub = sorted(
+        subject_pattern(CATALOGUE[name].template, cluster)
+        for name, a in ACCESS.items()
+        if role in a.publish
+    )
+    sub = sorted(
+        subject_pattern(CATALOGUE[name].template, cluster)
+        for name, a in ACCESS.items()
+        if role in a.subscribe
+    )
+    return {
+        "publish": {"allow": pub},
+        "subscribe": {"allow": [*sub, f"{inbox_prefix(cluster)}.>"]},
+        "allow_responses": True,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """A generated secret per role."""
+
+    secrets: Mapping[Role, str]
+
+    @classmethod
+    def generate(cls) -> Credentials:
+        return cls({role: secrets.token_urlsafe(24) for role in ROLES})
+
+    def url(self, base: str, role: Role) -> str:
+        """``base`` (a server URL without credentials) with this role's user and secret."""
+        parts = urlsplit(base)
+        netloc = f"{role}:{quote(self.secrets[role], safe='')}@{parts.hostname}"
+        if parts.port:
+            netloc += f":{parts.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
+
+def nats_config(creds: Credentials, cluster: str, *, port: int, store_dir: str) -> str:
+    """A nats-server configuration: loopback, JetStream, one user per role."""
+    users = [
+        {"user": role, "password": creds.secrets[role], "permissions": permissions(role, cluster)}
+        for role in ROLES
+    ]
+    # nats-server reads JSON as its configuration syntax.
+    return json.dumps(
+        {
+            "host": "127.0.0.1",
+            "port": port,
+            "jetstream": {"store_dir": store_dir},
+            "authorization": {"users": users},
+        },
+        indent=2,
+    )
+
+
+def redis_acl(creds: Credentials, cluster: str) -> str:
+    """A Redis ACL file: no default user; each role only its cluster's keys, no
+    administrative or dangerous command."""
+    lines = ["user default off"]
+    lines += [
+        f"user {role} on >{creds.secrets[role]} ~{cluster}:* resetchannels "
+        "+@all -@admin -@dangerous"
+        for role in ROLES
+    ]
+    return "\n".join(lines) + "\n"
