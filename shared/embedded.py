@@ -100,35 +100,60 @@ class EmbeddedServer:
         ]
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
-        log = open(Path(self._dir.name) / "server.log", "wb")
-        # Own session: a Ctrl-C in the terminal reaches the launcher, which stops the
-        # services first and the servers they depend on last.
-        self._proc = subprocess.Popen(
-            self._argv(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        """Start the server. Its death-with-parent signal is bound to the calling thread:
+        call this from a thread that lives as long as the server (not a pool's worker)."""
+        # Appended to: a restarted server's log follows the one before.
+        with open(Path(self._dir.name) / "server.log", "ab") as log:
+            # Own session: a Ctrl-C in the terminal reaches the launcher, which stops the
+            # services first and the servers they depend on last.
+            self._proc = subprocess.Popen(
+                self._argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
                 text = (Path(self._dir.name) / "server.log").read_text(errors="replace")
+                self.stop()
                 raise RuntimeError(f"embedded {self.kind} failed to start:\n{text[-2000:]}")
             time.sleep(0.05)
         return self
 
-    def stop(self) -> None:
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop_process(self, *, kill: bool = False) -> None:
+        """End the server (SIGTERM, or SIGKILL with ``kill``) and keep its data dir:
+        start() brings the same server back on the same port."""
         if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
+            if kill:
+                self._proc.kill()
+            else:
+                self._proc.terminate()
             try:
                 self._proc.wait(5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def restart(self, *, kill: bool = False, down_s: float = 0.0) -> EmbeddedServer:
+        """The same server back on the same port, as an operator's restart (or, with
+        ``kill``, a crash and its supervisor) brings it back: clients that reconnect to the
+        address find it again. What it keeps is what the real one keeps on disk: NATS its
+        JetStream store (the data dir stays), Redis nothing (it runs without persistence,
+        so every key is gone). ``down_s``: how long it stays down."""
+        self.stop_process(kill=kill)
+        time.sleep(down_s)
+        return self.start()
+
+    def stop(self) -> None:
+        self.stop_process()
         self._dir.cleanup()
 
     def __enter__(self) -> EmbeddedServer:
