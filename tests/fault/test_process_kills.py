@@ -25,6 +25,9 @@ from tests.fault.conftest import (
     wait_for,
 )
 
+# Each test bounded as a whole (a cluster start and the demo model included).
+pytestmark = pytest.mark.timeout(240)
+
 # A killed service is restarted by the launcher (TEs by their node pool) within this.
 BACK_S = 45.0
 

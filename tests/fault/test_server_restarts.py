@@ -23,6 +23,9 @@ from tests.fault.conftest import (
     under_load,
 )
 
+# Each test bounded as a whole (a cluster start and the demo model included).
+pytestmark = pytest.mark.timeout(240)
+
 # Soft state back in Redis within this after a restart (its writers look every few seconds).
 REBUILD_S = 20.0
 # A restarted NATS: every service reconnected and serving within this.
