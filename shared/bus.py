@@ -4,7 +4,8 @@ Messages are msgpack-encoded tagged Structs. A handler returns a reply Message (
 None); a MeshserveError it raises travels back as an ErrorReply and is raised again on
 the caller's side, so a remote failure looks like a local one. Transport failures (no
 responder, timeout, closed connection) become PeerUnreachable: the caller cannot tell
-whether the peer acted on the call. A request id given to publish or request travels in a
+whether the peer acted on the call; only its subclass NoResponder (nobody subscribed)
+says that nobody did. A request id given to publish or request travels in a
 header and is bound to the logs of the handler on the other side."""
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from shared.errors import BadRequest, Internal, MeshserveError, PeerUnreachable, from_reply
+from shared.errors import (
+    BadRequest,
+    Internal,
+    MeshserveError,
+    NoResponder,
+    PeerUnreachable,
+    from_reply,
+)
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.base import Message, decoder_for, encode
@@ -53,9 +61,26 @@ class Bus:
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
         self._subs: list[Subscription] = []
+        # Called on losing the server and on getting it back (subscriptions in place again).
+        # Core NATS delivers at most once: what was in flight then is gone, and a caller
+        # waiting for messages (a token stream) must hear it rather than wait for ever.
+        self.on_disconnected: list[Callable[[], None]] = []
+        self.on_reconnected: list[Callable[[], None]] = []
 
     @classmethod
     async def connect(cls, url: str, *, name: str, cluster: str) -> Bus:
+        listeners: list[Bus] = []
+
+        async def disconnected() -> None:
+            for bus in listeners:
+                for cb in list(bus.on_disconnected):
+                    cb()
+
+        async def reconnected() -> None:
+            for bus in listeners:
+                for cb in list(bus.on_reconnected):
+                    cb()
+
         nc = await nats.connect(
             url,
             name=name,
@@ -65,8 +90,12 @@ class Bus:
             reconnect_time_wait=0.5,
             connect_timeout=5,
             allow_reconnect=True,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
         )
-        return cls(nc)
+        bus = cls(nc)
+        listeners.append(bus)
+        return bus
 
     @property
     def connected(self) -> bool:
@@ -95,7 +124,7 @@ class Bus:
         try:
             resp = await self._nc.request(subject, encode(msg), timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as e:
-            raise PeerUnreachable(f"nobody serves {subject}") from e
+            raise NoResponder(f"nobody serves {subject}") from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
             raise PeerUnreachable(f"no reply on {subject} within {timeout:.1f}s") from e
         except nats.errors.Error as e:

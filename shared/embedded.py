@@ -78,89 +78,87 @@ class EmbeddedServer:
         return f"{scheme}://127.0.0.1:{self.port}"
 
     def _argv(self) -> list[str]:
-        if self._access is not None:
-            return self._argv_with_access(*self._access)
-        if self.kind == "nats":
-            return [
-                nats_server_binary(),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-js",
-                "-sd",
-                self._dir.name,
-            ]
-        return [
-            redis_server_binary(),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir.name,
-        ]
-
-    def _argv_with_access(self, creds: Credentials, cluster: str) -> list[str]:
-        # The secrets go in files only this user reads, never on a command line (ps shows it).
         d = Path(self._dir.name)
-        if self.kind == "nats":
+        if self.kind == "nats" and self._access is not None:
+            # The secrets go in files only this user reads, never on a command line.
             conf = d / "nats.conf"
-            text = nats_config(creds, cluster, port=self.port, store_dir=str(d / "js"))
-            _private(conf, text)
+            creds, cluster = self._access
+            _private(conf, nats_config(creds, cluster, port=self.port, store_dir=str(d / "js")))
             return [nats_server_binary(), "-c", str(conf)]
-        acl = d / "users.acl"
-        _private(acl, redis_acl(creds, cluster))
-        return [
-            redis_server_binary(),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._dir.name,
-            "--aclfile",
-            str(acl),
+        if self.kind == "nats":
+            # fmt: off
+            return [
+                nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+                "-js", "-sd", self._dir.name,
+            ]
+            # fmt: on
+        # fmt: off
+        argv = [
+            redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
+            "--save", "", "--appendonly", "no", "--dir", self._dir.name,
         ]
+        # fmt: on
+        if self._access is not None:
+            acl = d / "users.acl"
+            _private(acl, redis_acl(*self._access))
+            argv += ["--aclfile", str(acl)]
+        return argv
 
     def start(self, timeout: float = 10.0) -> EmbeddedServer:
-        log = open(Path(self._dir.name) / "server.log", "wb")
-        # Own session: a Ctrl-C in the terminal reaches the launcher, which stops the
-        # services first and the servers they depend on last.
-        self._proc = subprocess.Popen(
-            self._argv(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        """Start the server. Its death-with-parent signal is bound to the calling thread:
+        call this from a thread that lives as long as the server (not a pool's worker)."""
+        # Appended to: a restarted server's log follows the one before.
+        with open(Path(self._dir.name) / "server.log", "ab") as log:
+            # Own session: a Ctrl-C in the terminal reaches the launcher, which stops the
+            # services first and the servers they depend on last.
+            self._proc = subprocess.Popen(
+                self._argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         deadline = time.monotonic() + timeout
         while not port_open("127.0.0.1", self.port):
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
                 text = (Path(self._dir.name) / "server.log").read_text(errors="replace")
+                self.stop()
                 raise RuntimeError(f"embedded {self.kind} failed to start:\n{text[-2000:]}")
             time.sleep(0.05)
         return self
 
-    def stop(self) -> None:
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop_process(self, *, kill: bool = False) -> None:
+        """End the server (SIGTERM, or SIGKILL with ``kill``) and keep its data dir:
+        start() brings the same server back on the same port."""
         if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
+            if kill:
+                self._proc.kill()
+            else:
+                self._proc.terminate()
             try:
                 self._proc.wait(5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def restart(self, *, kill: bool = False, down_s: float = 0.0) -> EmbeddedServer:
+        """The same server back on the same port, as an operator's restart (or, with
+        ``kill``, a crash and its supervisor) brings it back: clients that reconnect to the
+        address find it again. What it keeps is what the real one keeps on disk: NATS its
+        JetStream store (the data dir stays), Redis nothing (it runs without persistence,
+        so every key is gone). ``down_s``: how long it stays down."""
+        self.stop_process(kill=kill)
+        time.sleep(down_s)
+        return self.start()
+
+    def stop(self) -> None:
+        self.stop_process()
         self._dir.cleanup()
 
     def __enter__(self) -> EmbeddedServer:

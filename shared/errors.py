@@ -132,6 +132,13 @@ class PeerUnreachable(Unavailable):
     code = "peer_unreachable"
 
 
+class NoResponder(PeerUnreachable):
+    """Nobody serves the subject now (every instance gone or restarting): the call reached
+    no peer, so none acted on it, and sending it again is safe."""
+
+    code = "no_responder"
+
+
 class Refused(Unavailable):
     """A peer declined the call without acting on it."""
 
@@ -167,6 +174,7 @@ _ALL: tuple[type[MeshserveError], ...] = (
     RateLimited,
     Unavailable,
     PeerUnreachable,
+    NoResponder,
     Refused,
     NoCapacity,
     InstanceLost,

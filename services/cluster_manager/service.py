@@ -172,6 +172,13 @@ class ClusterManager:
     async def _rescan(self) -> None:
         models = await asyncio.to_thread(scan_models, self._settings.models_dir)
         if models == self._models:
+            # Unchanged, but Redis may have restarted without its data: the registry is
+            # written again where it is gone, not only when the models change.
+            if models and not await self._store.redis.exists(self._keys.models()):
+                log.info("model registry written again")
+                await self._store.replace_hash(
+                    self._keys.models(), {m.id: msgspec.json.encode(m) for m in models}
+                )
             return
         self._models = models
         log.info("model registry", models=[m.id for m in models])

@@ -4,8 +4,9 @@ the loss of any one process. A resubmission carries the tokens produced so far, 
 output continues exactly where it stopped.
 
 Nothing here polls. An attempt waits on its queue, which receives the TE's chunks, and one
-of two notices: its member declared gone (``liveness.Liveness``, for every attempt on that
-member at once) or the request's deadline (a timer)."""
+of three notices: its member declared gone (``liveness.Liveness``, for every attempt on that
+member at once), the bus connection lost (``StreamRouter.interrupt_all``) or the request's
+deadline (a timer)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from nats.aio.msg import Msg
 
 from services.frontend.liveness import Liveness, Watch
 from shared.clients import JobExecutorClient, TaskExecutorClient
-from shared.errors import MeshserveError, PeerUnreachable, Unavailable, from_reply
+from shared.errors import MeshserveError, NoResponder, PeerUnreachable, Unavailable, from_reply
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
@@ -36,14 +37,19 @@ MAX_ATTEMPTS = 4
 # How long a cancelled request waits for a placement in flight, to cancel it on its TE.
 CANCEL_WAIT_S = 5.0
 
+# How often a job is offered again while no job executor serves the subject at all.
+NO_JE_RETRY_S = 0.2
+
 _stream_decoder = decoder_for(TokenChunk, JobHeld)
 
 
 class _Lost:
-    """The member the attempt depended on was declared gone."""
+    """The member the attempt depended on was declared gone (``member``), or the bus lost
+    what the attempt was waiting for (``member`` None): moved elsewhere; or, with ``error``,
+    failed with it."""
 
-    def __init__(self, member: str) -> None:
-        self.member = member
+    def __init__(self, member: str | None, error: MeshserveError | None = None) -> None:
+        self.member, self.error = member, error
 
 
 class _Deadline:
@@ -61,6 +67,8 @@ class Attempt:
         self.key = attempt_key(request_id, attempt)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.lost = asyncio.Event()
+        self.error: MeshserveError | None = None  # the attempt failed with it, not moved
+        self.lost_member: str | None = None  # the member whose loss ended it
         self.held_at: float | None = None  # monotonic time a JE said it holds the job
         self._liveness = liveness
         self._watch: Watch | None = None
@@ -75,8 +83,18 @@ class Attempt:
 
     def _on_lost(self, member: str) -> None:
         self._watch = None
+        self.lost_member = member
         self.lost.set()
         self.events.put_nowait(_Lost(member))
+
+    def interrupt(self, error: MeshserveError | None) -> None:
+        """The bus dropped messages the attempt waits for (a chunk, the JE's answer): it
+        moves on as if its member were lost, or fails with ``error``."""
+        if self.lost.is_set():
+            return
+        self.error = error
+        self.lost.set()
+        self.events.put_nowait(_Lost(None, error))
 
     def close(self) -> None:
         if self._watch is not None:
@@ -121,6 +139,19 @@ class StreamRouter:
     def close(self, attempt: Attempt) -> None:
         attempt.close()
         self._attempts.pop(attempt.key, None)
+
+    def interrupt_all(self, error: MeshserveError | None) -> None:
+        """Every attempt in flight may have lost messages (the bus connection dropped, and
+        core NATS does not deliver again): each is resubmitted with the tokens it has, which
+        continues greedy output exactly; or, with ``error``, fails with it."""
+        if self._attempts:
+            log.warning(
+                "bus interrupted the attempts in flight",
+                attempts=len(self._attempts),
+                error=None if error is None else error.message,
+            )
+        for attempt in list(self._attempts.values()):
+            attempt.interrupt(error)
 
 
 @dataclasses.dataclass
@@ -169,7 +200,8 @@ class Generation:
                 # request runs elsewhere.
                 await self.cancel()
                 self._placed = None
-                exclude.append(accepted.te_id)
+                if not attempt.lost.is_set() or attempt.lost_member is not None:
+                    exclude.append(accepted.te_id)  # not when only the bus dropped its chunks
                 log.warning(
                     "resubmitting request",
                     request_id=self.request_id,
@@ -200,7 +232,7 @@ class Generation:
             attempt=attempt.attempt,
             exclude_te_ids=exclude,
         )
-        submit = asyncio.create_task(self.jobs.submit(job, timeout=placement + 5))
+        submit = asyncio.create_task(self._offer(job))
         lost = asyncio.create_task(attempt.lost.wait())
         try:
             try:
@@ -211,8 +243,12 @@ class Generation:
             if attempt.held_at is not None:
                 self.held_s = (self.held_s or 0.0) + time.monotonic() - attempt.held_at
             if not submit.done():
+                if attempt.error is not None:
+                    raise attempt.error
                 log.warning(
-                    "job executor lost while holding the job",
+                    "job executor lost while holding the job"
+                    if attempt.lost_member is not None
+                    else "the bus lost the job's answer",
                     request_id=self.request_id,
                     attempt=attempt.attempt,
                 )
@@ -226,6 +262,19 @@ class Generation:
         finally:
             submit.cancel()
             lost.cancel()
+
+    async def _offer(self, job: ChatJob) -> JobAccepted:
+        """Submit the job to a JE. While no JE serves the subject at all (the only one was
+        killed and is restarting), nobody received it, so it is offered again until its
+        placement deadline, as a JE holding it would wait: a JE's restart must not fail the
+        requests that arrive meanwhile."""
+        while True:
+            try:
+                return await self.jobs.submit(job, timeout=max(job.deadline - time.time(), 0) + 5)
+            except NoResponder:
+                if time.time() + NO_JE_RETRY_S >= job.deadline:
+                    raise
+                await asyncio.sleep(NO_JE_RETRY_S)
 
     async def _cancel_placed(self, submit: asyncio.Task[JobAccepted], attempt: int) -> None:
         """The client left while the job was being placed. The TE may already be running
@@ -249,8 +298,10 @@ class Generation:
         while True:
             event = await attempt.events.get()
             if isinstance(event, _Lost):
+                if event.error is not None:
+                    raise event.error
                 log.warning(
-                    "task executor lost",
+                    "task executor lost" if event.member is not None else "token stream lost",
                     te=te_id,
                     request_id=self.request_id,
                     attempt=attempt.attempt,
@@ -263,6 +314,8 @@ class Generation:
                 continue  # a TE the JE gave up on after all started: not this attempt's
             start = chunk.completion_tokens - len(chunk.token_ids)
             if start > have:
+                # Chunks went missing on the bus: the output would have a hole. The attempt
+                # moves on like a lost one; the resubmission continues from what arrived.
                 log.warning(
                     "tokens lost",
                     request_id=self.request_id,
@@ -270,6 +323,8 @@ class Generation:
                     expected=have,
                     got=start,
                 )
+                attempt.interrupt(None)
+                return
             ids = chunk.token_ids[max(0, have - start) :]
             have = max(have, chunk.completion_tokens)
             if chunk.failure is not None:

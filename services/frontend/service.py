@@ -42,6 +42,7 @@ from shared.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    Unavailable,
 )
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
@@ -214,6 +215,10 @@ class Frontend:
         self._scaler = ScalerClient(bus, self._subjects)
         self._outcomes = Outcomes(settings.scaler.slo())
         self.port: int | None = None
+        bus.on_disconnected.append(self._on_bus_down)
+        bus.on_reconnected.append(self._on_bus_back)
+        self._bus_down_timer: asyncio.TimerHandle | None = None
+        self._bus_lost: Unavailable | None = None  # the bus is down past its grace
 
     def app(self) -> web.Application:
         limit = self._settings.frontend.max_body_bytes
@@ -287,6 +292,32 @@ class Frontend:
 
     async def _on_member_down(self, msg: MemberDown) -> None:
         self._liveness.on_member_down(msg)
+
+    def _on_bus_down(self) -> None:
+        """NATS is gone. Token streams stop; a request must not wait out its whole timeout
+        for a bus that may not come back: past one liveness deadline (what a member gets
+        before its requests move), the requests in flight fail with a 503."""
+        if self._bus_down_timer is None and not self._life.stopping:
+            self._bus_down_timer = asyncio.get_running_loop().call_later(
+                self._settings.membership.liveness_timeout.total_seconds(), self._bus_gone
+            )
+
+    def _bus_gone(self) -> None:
+        self._bus_lost = Unavailable(
+            "The cluster's message bus is unreachable; retry later.",
+            retry_after_s=self._settings.job_executor.retry_after.total_seconds(),
+        )
+        self._router.interrupt_all(self._bus_lost)
+
+    def _on_bus_back(self) -> None:
+        """NATS is back, the subscriptions with it; what was in flight meanwhile is lost, so
+        every request in flight is resubmitted with the tokens it has (greedy output goes on
+        exactly where it stopped)."""
+        if self._bus_down_timer is not None:
+            self._bus_down_timer.cancel()
+            self._bus_down_timer = None
+        self._bus_lost = None
+        self._router.interrupt_all(None)
 
     async def _on_scale_event(self, msg: ScaleEvent) -> None:
         SCALE_EVENTS.labels(msg.kind, msg.model, str(msg.ok).lower()).inc()
@@ -431,6 +462,8 @@ class Frontend:
             prompt_tokens=len(prompt),
             param="messages" if chat else "prompt",
         )
+        if self._bus_lost is not None:  # a new request would wait for the bus as long
+            raise self._bus_lost
         rid = R.chat_id() if chat else R.completion_id()
         # Every log line about this request, in every service, carries its id (the one the
         # client gets back); the bus carries it to the job executor and the TE.

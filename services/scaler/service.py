@@ -49,6 +49,9 @@ from shared.subjects import Keys, Subjects
 log = get_logger(__name__)
 
 TICK_S = 0.5
+# How often the stored capacities are checked to be still in Redis (a restart without
+# persistence loses them, and a scaler started then would measure every model again).
+CAPACITY_CHECK_S = 5.0
 FIRST_TOKEN_WAIT_S = 10.0  # a scale-up's event waits this long for the first token
 
 
@@ -111,6 +114,7 @@ class Scaler:
         # when it turned ready)
         self._awaiting_first: dict[str, tuple[ScaleEvent, float]] = {}
         self._wake = asyncio.Event()
+        self._capacities_checked = time.monotonic()
 
     async def run(self) -> None:
         if self._store is None:
@@ -185,6 +189,25 @@ class Scaler:
             except Exception as e:
                 log.warning("storing a capacity failed", error=str(e))
 
+    async def _restore_capacities(self) -> None:
+        """Write back what Redis lost of the capacities this scaler knows (a restart)."""
+        if time.monotonic() - self._capacities_checked < CAPACITY_CHECK_S or not self._stored:
+            return
+        self._capacities_checked = time.monotonic()
+        assert self._store is not None
+        key = self._keys.capacities()
+        try:
+            if await self._store.redis.hlen(key) >= len(self._stored):
+                return
+            have = set(await self._store.hash_items(key))
+            lost = {k: msgspec.msgpack.encode(c) for k, c in self._stored.items() if k not in have}
+            if lost:
+                log.info("stored capacities written again", capacities=sorted(lost))
+                for field, value in lost.items():
+                    await self._store.redis.hset(key, field, value)
+        except Exception as e:  # Redis away: the next check tries again
+            log.warning("checking the stored capacities failed", error=str(e))
+
     # -- the loop ----------------------------------------------------------------------------
 
     async def _tick(self) -> None:
@@ -193,6 +216,7 @@ class Scaler:
             return
         now = time.time()
         await self._remember_capacities(view)
+        await self._restore_capacities()
         tes = [te_view(hb) for hb in view.tes]
         for model in {m.id for m in view.models}:
             if self._state.memory(model).capacity is None:

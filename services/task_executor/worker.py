@@ -625,9 +625,24 @@ class TaskExecutor:
                 changed = (self._settings.host_cache.dir / "index.json").stat().st_mtime_ns
             except OSError:
                 continue
-            if changed != seen or time.monotonic() - self._cache_read_at >= HOST_CACHE_REREAD_S:
+            if (
+                changed != seen
+                or time.monotonic() - self._cache_read_at >= HOST_CACHE_REREAD_S
+                or await self._host_cache_lost()
+            ):
                 if await self._read_host_cache():
                     seen = changed
+
+    async def _host_cache_lost(self) -> bool:
+        """Redis no longer holds this pool's host cache metadata (it restarted without its
+        data): written again at the next look, not a minute later."""
+        if self._store is None:
+            return False
+        key = Keys(self._settings.cluster).host_cache(self.pool_id, "pool")
+        try:
+            return not await self._store.redis.exists(key)
+        except Exception:  # Redis away: nothing to write to yet
+            return False
 
     async def _read_host_cache(self) -> bool:
         """Read the cache's state (and publish it); False when that failed (logged)."""
