@@ -41,6 +41,8 @@ class LocalCluster:
         log: Path,
         second_pool: bool = False,
         log_level: str = "warning",
+        nats_url: str | None = None,
+        redis_url: str | None = None,
     ) -> None:
         self.name = name
         self.cluster = f"bench-{name}-{uuid.uuid4().hex[:6]}"
@@ -53,14 +55,16 @@ class LocalCluster:
         self.port = free_port()
         self.url = ""  # the API's base URL (…/v1), once up
         self._procs: list[subprocess.Popen[str]] = []
+        s = Settings.load()  # the servers the bench runs with, unless given its own
+        self.nats_url = nats_url or s.nats_url or ""
+        self.redis_url = redis_url or s.redis_url or ""
 
     def env(self, pool: str, extra: Mapping[str, str] = {}) -> dict[str, str]:
-        s = Settings.load()
         return process_environment(
             {
                 "MESHSERVE_CLUSTER": self.cluster,
-                "MESHSERVE_NATS_URL": s.nats_url or "",
-                "MESHSERVE_REDIS_URL": s.redis_url or "",
+                "MESHSERVE_NATS_URL": self.nats_url,
+                "MESHSERVE_REDIS_URL": self.redis_url,
                 "MESHSERVE_MODELS_DIR": str(self.models),
                 "MESHSERVE_HTTP_PORT": str(self.port),
                 "MESHSERVE_POOL_ID": pool,

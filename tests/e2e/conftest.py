@@ -13,25 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from devtools.procs import processes_of  # noqa: F401 (the e2e and fault tests' import)
 from shared.embedded import free_port
 from tests.infra import nats_url, redis_url  # noqa: F401
-
-
-def processes_of(cluster: str) -> list[int]:
-    """Pids of live processes started with MESHSERVE_CLUSTER=<cluster>."""
-    needle = f"MESHSERVE_CLUSTER={cluster}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
-                stat = (d / "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
 
 
 class Cluster:

@@ -22,6 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from devtools.procs import module_of
 from shared.embedded import EmbeddedServer
 from tests.e2e.conftest import Cluster, processes_of
 
@@ -49,21 +50,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(mark)
 
 
-def _module_of(pid: int) -> str | None:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    if b"-m" not in argv:
-        return None
-    i = argv.index(b"-m")
-    return argv[i + 1].decode() if i + 1 < len(argv) else None
-
-
 def pids_of(cluster: Cluster, role: str) -> list[int]:
     """Live processes of one role in the cluster."""
     module = ROLES[role]
-    return sorted(pid for pid in processes_of(cluster.name) if _module_of(pid) == module)
+    return sorted(pid for pid in processes_of(cluster.name) if module_of(pid) == module)
 
 
 def kill9(pid: int) -> None:
