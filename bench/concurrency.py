@@ -387,6 +387,9 @@ def main() -> None:
             "MAX_QUEUED_PER_SLOT": "0",
             "KEEP_ALIVE": "3600",
             "TORCH_THREADS": "1",
+            # A fixed prefill budget: paced (the default) it shrinks to keep the TPOT of the
+            # thousands already decoding under the SLO, and the last streams start minutes late.
+            "MAX_PREFILL_TOKENS": "2048",
             "STALL_TIMEOUT": str(args.stall_timeout),
         }
         log = Path(tmp) / "cluster.log"
