@@ -190,8 +190,18 @@ class Bus:
         self._subs.append(s)
         return s
 
-    async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Any:
-        """A plain subscription for hot paths that decode themselves (token streams)."""
+    async def subscribe_raw(
+        self, subject: str, cb: Callable[[Msg], Awaitable[None]], *, unbounded: bool = False
+    ) -> Any:
+        """A plain subscription for hot paths that decode themselves (token streams).
+
+        nats.py drops a subscription's messages (a slow consumer error) once 512 Ki of them,
+        or 128 MiB, wait for its callback. ``unbounded`` lifts both, for a subscriber that must
+        lose nothing and bounds what waits itself."""
+        if unbounded:
+            return await self._nc.subscribe(
+                subject, cb=cb, pending_msgs_limit=0, pending_bytes_limit=0
+            )
         return await self._nc.subscribe(subject, cb=cb)
 
     async def flush(self, timeout: int = 2) -> None:

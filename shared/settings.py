@@ -118,6 +118,13 @@ class FrontendSettings(Section):
     max_body_bytes: int = Field(
         default=32 * 1024**2, ge=1024, description="Largest request body accepted (413 above it)."
     )
+    stall_timeout: Duration = Field(
+        default=timedelta(seconds=30),
+        gt=timedelta(0),
+        description="A stream whose client reads nothing for this long (one write to it "
+        "waits this long) is ended: its connection aborted, its generation cancelled on the "
+        "TE, counted in meshserve_stalled_streams.",
+    )
 
 
 class AuthSettings(Section):

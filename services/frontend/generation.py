@@ -3,10 +3,17 @@ holding it or the TE running it dies or gives it back, so an accepted request su
 the loss of any one process. A resubmission carries the tokens produced so far, so greedy
 output continues exactly where it stopped.
 
-Nothing here polls. An attempt waits on its queue, which receives the TE's chunks, and one
+Nothing here polls. An attempt waits on its inbox, which receives the TE's chunks, and one
 of three notices: its member declared gone (``liveness.Liveness``, for every attempt on that
 member at once), the bus connection lost (``StreamRouter.interrupt_all``) or the request's
-deadline (a timer)."""
+deadline (a timer).
+
+A client that reads slower than its tokens come (or not at all) leaves them waiting in the
+inbox. There they coalesce: a chunk that continues the one still waiting is appended to it,
+so what waits is one list of token ids, not a message per token; it is bounded by the
+request's max_tokens, and in time by ``frontend.stall_timeout`` (``streaming.StallGuard``
+ends a stream whose client reads nothing for that long). The inbox cannot refuse a chunk:
+the one subscription that feeds every stream must never wait on a single slow one."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -59,13 +67,63 @@ class _Deadline:
 Event = TokenChunk | _Lost | _Deadline
 
 
+def _continues(last: TokenChunk, chunk: TokenChunk) -> bool:
+    """``chunk`` holds the tokens right after ``last``'s, from the same TE, and neither ends
+    anything: appending it to ``last`` loses nothing a reader looks at."""
+    return (
+        last.finish_reason is None
+        and last.failure is None
+        and chunk.failure is None
+        and chunk.te_id == last.te_id
+        and chunk.completion_tokens - len(chunk.token_ids) == last.completion_tokens
+    )
+
+
+class Inbox:
+    """An attempt's events in arrival order, with the chunks that wait for a reader that is
+    behind coalesced into one. Each entry keeps the arrival time of its oldest token."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[float, Event]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, event: Event) -> None:
+        items = self._items
+        if items and isinstance(event, TokenChunk):
+            last = items[-1][1]
+            if isinstance(last, TokenChunk) and _continues(last, event):
+                # The decoded chunk is this inbox's own: extended in place, never copied.
+                last.token_ids.extend(event.token_ids)
+                last.seq = event.seq
+                last.completion_tokens = event.completion_tokens
+                last.cached_tokens = max(last.cached_tokens, event.cached_tokens)
+                last.finish_reason = event.finish_reason
+                return
+        items.append((time.monotonic(), event))
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> tuple[float, Event]:
+        """The oldest entry: (when it arrived, the event)."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class Attempt:
     """One placement of a request: its token stream and the member it depends on now."""
 
     def __init__(self, request_id: str, attempt: int, subject: str, liveness: Liveness) -> None:
         self.request_id, self.attempt, self.subject = request_id, attempt, subject
         self.key = attempt_key(request_id, attempt)
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.events = Inbox()
         self.lost = asyncio.Event()
         self.error: MeshserveError | None = None  # the attempt failed with it, not moved
         self.lost_member: str | None = None  # the member whose loss ended it
@@ -169,6 +227,9 @@ class Generation:
     cached_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # When the oldest of the tokens yielded last reached this frontend (monotonic): what the
+    # frontend adds to a token's latency is measured from here.
+    arrived_at: float | None = None
     held_s: float | None = None  # how long JEs held the job for capacity (None: never held)
     routed: JobAccepted | None = None  # the first placement: where routing sent it, and why
     on_attempt: Callable[[int, str], None] | None = None
@@ -296,7 +357,7 @@ class Generation:
         tokens; an unseeded one's continuation follows its own."""
         have = 0  # tokens of this attempt taken so far
         while True:
-            event = await attempt.events.get()
+            arrived, event = await attempt.events.get()
             if isinstance(event, _Lost):
                 if event.error is not None:
                     raise event.error
@@ -335,6 +396,7 @@ class Generation:
                     await asyncio.sleep(error.retry_after_s)
                 return
             if ids:
+                self.arrived_at = arrived
                 self.last_token_at = time.monotonic()
                 if self.first_token_at is None:
                     self.first_token_at = self.last_token_at

@@ -28,6 +28,11 @@ from services.frontend.openapi import document as openapi_document
 from services.frontend.outcomes import Outcomes
 from services.frontend.rate_limits import Lease, Limiter, check_sizes
 from services.frontend.stop import StopMatcher
+from services.frontend.streaming import (
+    STREAM_DELAY,
+    StallGuard,
+    raise_open_files_limit,
+)
 from services.frontend.validation import (
     parse_chat_request,
     parse_completion_request,
@@ -108,6 +113,7 @@ SHED = Counter(
     "Requests refused at admission because every instance was saturated and none was coming",
 )
 OUTCOME_REPORT_S = 1.0
+LISTEN_BACKLOG = 4096
 
 
 def _reason(gen: Generation, stops: StopMatcher, lease: Lease) -> str:
@@ -214,6 +220,7 @@ class Frontend:
         self._tes = TaskExecutorClient(bus, self._subjects)
         self._scaler = ScalerClient(bus, self._subjects)
         self._outcomes = Outcomes(settings.scaler.slo())
+        self._stalls = StallGuard(settings.frontend.stall_timeout.total_seconds())
         self.port: int | None = None
         bus.on_disconnected.append(self._on_bus_down)
         bus.on_reconnected.append(self._on_bus_back)
@@ -258,9 +265,13 @@ class Frontend:
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
         await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: self._on_scale_event})
         self._life.spawn(self._report_outcomes(), name="outcome reporter")
+        self._life.spawn(self._stalls.run(), name="stall guard")
+        # Every stream's tokens come through this one subscription: none may be dropped
+        # for a backlog (the client library's default), what waits is bounded per stream.
         await self._bus.subscribe_raw(
-            self._subjects.token_streams(self.frontend_id), self._router.on_msg
+            self._subjects.token_streams(self.frontend_id), self._router.on_msg, unbounded=True
         )
+        files = raise_open_files_limit()
         runner = web.AppRunner(
             self.app(),
             access_log=None,
@@ -271,11 +282,19 @@ class Frontend:
         )
         await runner.setup()
         site = web.TCPSite(
-            runner, self._settings.frontend.http_host, self._settings.frontend.http_port
+            runner,
+            self._settings.frontend.http_host,
+            self._settings.frontend.http_port,
+            # Thousands of clients may connect at once (the kernel caps it at somaxconn).
+            backlog=LISTEN_BACKLOG,
         )
         await site.start()
         self.port = runner.addresses[0][1]
-        log.info("listening", url=f"http://{self._settings.frontend.http_host}:{self.port}/v1")
+        log.info(
+            "listening",
+            url=f"http://{self._settings.frontend.http_host}:{self.port}/v1",
+            open_files_limit=files,
+        )
         try:
             await self._life.wait()
         finally:
@@ -628,33 +647,39 @@ class Frontend:
                 R.completion_chunk(rid, req.model, created, text=text or "", finish_reason=finish)
             )
 
-        try:
-            if chat:
-                await resp.write(
-                    R.sse(
-                        R.chat_chunk(
-                            rid, req.model, created, delta={"role": "assistant", "content": ""}
+        # A client that reads nothing for stall_timeout is cut (streaming.StallGuard).
+        with self._stalls.open(resp, request, rid) as out:
+            try:
+                if chat:
+                    await out.write(
+                        R.sse(
+                            R.chat_chunk(
+                                rid, req.model, created, delta={"role": "assistant", "content": ""}
+                            )
                         )
                     )
-                )
-            if first:
-                await resp.write(chunk(first))
-            if not done:
-                async for text in pieces:
-                    await resp.write(chunk(text))
-            await resp.write(chunk(None, _reason(gen, stops, lease)))
-            if req.include_usage:
-                usage = R.usage(len(gen.prompt_token_ids), len(gen.generated), gen.cached_tokens)
-                await resp.write(R.sse(R.usage_chunk(rid, req.model, created, usage, chat=chat)))
-            await resp.write(R.SSE_DONE)
-        except MeshserveError as e:
-            with contextlib.suppress(ConnectionError):
-                await resp.write(R.sse(R.error_body(e)))
-                await resp.write(R.SSE_DONE)
-        except ConnectionError:
-            # The client hung up mid-stream: nothing to answer; _generate cancels the task.
-            log.info("client went away", request_id=rid)
-            CLIENT_GONE.inc()
+                if first:
+                    await out.write(chunk(first))
+                if not done:
+                    async for text in pieces:
+                        if gen.arrived_at is not None:
+                            STREAM_DELAY.observe(time.monotonic() - gen.arrived_at)
+                        await out.write(chunk(text))
+                await out.write(chunk(None, _reason(gen, stops, lease)))
+                if req.include_usage:
+                    usage = R.usage(
+                        len(gen.prompt_token_ids), len(gen.generated), gen.cached_tokens
+                    )
+                    await out.write(R.sse(R.usage_chunk(rid, req.model, created, usage, chat=chat)))
+                await out.write(R.SSE_DONE)
+            except MeshserveError as e:
+                with contextlib.suppress(ConnectionError):
+                    await out.write(R.sse(R.error_body(e)))
+                    await out.write(R.SSE_DONE)
+            except ConnectionError:
+                # The client hung up mid-stream: nothing to answer; _generate cancels the task.
+                log.info("client went away", request_id=rid)
+                CLIENT_GONE.inc()
         return resp
 
 

@@ -31,7 +31,17 @@ def _bench(*args: str, timeout: float = 120) -> str:
 
 @pytest.mark.parametrize(
     "name",
-    ["engine", "gpu", "kernels", "scheduling", "vs_vllm", "scaling", "routing", "coldstart"],
+    [
+        "engine",
+        "gpu",
+        "kernels",
+        "scheduling",
+        "vs_vllm",
+        "scaling",
+        "routing",
+        "coldstart",
+        "concurrency",
+    ],
 )
 def test_every_bench_starts(name: str) -> None:
     assert "usage:" in _bench(f"bench.{name}", "--help")

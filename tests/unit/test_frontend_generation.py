@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.frontend.generation import Attempt, Generation
+from services.frontend.generation import Attempt, Generation, Inbox
 from services.frontend.liveness import Liveness
 from shared.errors import InstanceLost, Internal
 from shared.messages.api import SamplingParams
@@ -26,7 +26,9 @@ def _chunk(seq: int, ids: list[int], done: int, finish: str | None = None) -> To
     )
 
 
-async def _read(chunks: list[TokenChunk]) -> tuple[list[list[int]], Generation]:
+async def _read(chunks: list[TokenChunk]) -> tuple[list[int], Generation]:
+    """The tokens the generation yields for ``chunks``, all queued before it reads (so
+    those that continue each other arrive coalesced)."""
     gen = Generation(
         request_id="r",
         model="m",
@@ -40,7 +42,7 @@ async def _read(chunks: list[TokenChunk]) -> tuple[list[list[int]], Generation]:
     attempt = Attempt("r", 0, "inbox", Liveness(grace_s=1))
     for c in chunks:
         attempt.events.put_nowait(c)
-    got = [ids async for ids in gen._receive(attempt, "te-1")]
+    got = [t async for ids in gen._receive(attempt, "te-1") for t in ids]
     return got, gen
 
 
@@ -57,7 +59,7 @@ async def test_a_copy_restarted_on_the_same_te_does_not_repeat_tokens():
             _chunk(3, [10], 4, "length"),
         ]
     )
-    assert got == [[7], [8], [9], [10]]
+    assert got == [7, 8, 9, 10]
     assert gen.generated == [7, 8, 9, 10] and gen.finish_reason == "length"
 
 
@@ -65,7 +67,7 @@ async def test_a_chunk_overlapping_what_was_taken_gives_only_its_new_tokens():
     got, gen = await _read(
         [_chunk(0, [7, 8], 2), _chunk(0, [7, 8, 9], 3), _chunk(1, [10], 4, "stop")]
     )
-    assert got == [[7, 8], [9], [10]] and gen.finish_reason == "stop"
+    assert got == [7, 8, 9, 10] and gen.finish_reason == "stop"
 
 
 async def test_a_restarted_copy_that_fails_still_ends_the_attempt():
@@ -82,7 +84,32 @@ async def test_a_retryable_failure_ends_the_attempt_for_a_move_elsewhere():
     chunks = [_chunk(0, [7], 1), _chunk(1, [], 1, "error")]
     chunks[-1].failure = InstanceLost("te stopping", retry_after_s=0).to_reply()
     got, gen = await _read(chunks)
-    assert got == [[7]] and gen.finish_reason is None and gen.generated == [7]
+    assert got == [7] and gen.finish_reason is None and gen.generated == [7]
+
+
+async def test_chunks_waiting_for_a_reader_that_is_behind_coalesce():
+    """What waits for a slow client is one list of token ids, not a message per token; a
+    chunk that does not continue the one waiting (a restarted copy, a failure) stays apart."""
+    inbox = Inbox()
+    for i in range(100):
+        inbox.put_nowait(_chunk(i, [i], i + 1))
+    inbox.put_nowait(_chunk(0, [0], 1))  # a copy restarted from its first token
+    failed = _chunk(1, [], 1, "error")
+    failed.failure = Internal("boom").to_reply()
+    inbox.put_nowait(failed)
+    assert len(inbox) == 3
+    _, first = await inbox.get()
+    assert isinstance(first, TokenChunk)
+    assert first.token_ids == list(range(100)) and first.completion_tokens == 100
+    assert first.seq == 99
+    _, restarted = await inbox.get()
+    assert isinstance(restarted, TokenChunk) and restarted.token_ids == [0]
+    assert (await inbox.get())[1] is failed
+
+
+async def test_a_finishing_chunk_coalesces_and_ends_the_stream():
+    got, gen = await _read([_chunk(0, [7], 1), _chunk(1, [8], 2), _chunk(2, [9], 3, "length")])
+    assert got == [7, 8, 9] and gen.finish_reason == "length"
 
 
 async def test_every_attempt_on_a_lost_member_hears_it_at_once():
