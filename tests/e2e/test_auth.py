@@ -4,6 +4,7 @@ and the `meshserve keys` / `meshserve tenants` commands."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import subprocess
 import sys
@@ -188,3 +189,33 @@ def test_size_limits_are_clear_400s(secure):
         model="demo", prompt="Hi", max_tokens=None, temperature=0, extra_body={"ignore_eos": True}
     )
     assert done.usage.completion_tokens == 3 and done.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic dXNlcjpwYXNz",
+        "bearer sk-ms-" + "a" * 43,
+        "Bearer " + "x" * 8000,
+        "Bearer sk-ms-\u00e9\u00e8",
+        "Bearer sk-ms-\x00\x01",
+        "Bearer  sk-ms-  spaced  ",
+    ],
+)
+def test_malformed_authorization_headers_are_401s(secure, header):
+    host, port = secure.url.removeprefix("http://").removesuffix("/v1").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    if header:
+        conn.putheader("Authorization", header.encode("utf-8", "surrogateescape"))
+    conn.endheaders(b'{"model": "demo", "messages": []}')
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    assert resp.status in (400, 401), (resp.status, body[:200])
+    if resp.status == 401:
+        assert json.loads(body)["error"]["type"] == "authentication_error"
