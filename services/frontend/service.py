@@ -298,7 +298,14 @@ class Frontend:
         try:
             await self._life.wait()
         finally:
-            # Stop accepting, let in-flight requests finish within the grace period.
+            # Stop accepting (a listener closed stays closed), give the streams the grace
+            # period, end those still running with an error event, then let the other
+            # in-flight requests finish within the grace period.
+            await site.stop()
+            grace = self._settings.membership.shutdown_grace.total_seconds()
+            if await self._stalls.drain(grace):
+                self._stalls.interrupt_all()
+                await self._stalls.drain(2.0)
             await runner.cleanup()
             self._liveness.close()
             await self._life.cancel_tasks()
@@ -680,6 +687,18 @@ class Frontend:
                 # The client hung up mid-stream: nothing to answer; _generate cancels the task.
                 log.info("client went away", request_id=rid)
                 CLIENT_GONE.inc()
+            except asyncio.CancelledError:
+                if self._life.stopping:
+                    # The frontend stops and its grace is over: the stream ends with an error
+                    # event the client can act on, not with a connection cut mid-event.
+                    gone = Unavailable(
+                        "The server is shutting down; retry the request.", retry_after_s=1
+                    )
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(
+                            resp.write(R.sse(R.error_body(gone)) + R.SSE_DONE), 1.0
+                        )
+                raise
         return resp
 
 

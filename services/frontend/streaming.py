@@ -59,13 +59,14 @@ STREAM_SEND_BUFFER = 64 * 1024
 class StreamWriter:
     """Writes one response's events; ``since`` is when a write now waiting began."""
 
-    __slots__ = ("_resp", "_transport", "request_id", "since")
+    __slots__ = ("_resp", "_transport", "request_id", "since", "task")
 
     def __init__(self, resp: web.StreamResponse, request: web.Request, request_id: str) -> None:
         self._resp = resp
         self._transport = request.transport
         self.request_id = request_id
         self.since: float | None = None
+        self.task = asyncio.current_task()  # the handler writing it
         self._sock(socket.SO_SNDBUF, STREAM_SEND_BUFFER)
 
     async def write(self, data: bytes) -> None:
@@ -93,6 +94,8 @@ class StallGuard:
     def __init__(self, stall_timeout_s: float) -> None:
         self.stall_timeout_s = stall_timeout_s
         self._writers: set[StreamWriter] = set()
+        self._none_open = asyncio.Event()
+        self._none_open.set()
         OPEN_STREAMS.set_function(lambda: len(self._writers))
         WAITING_STREAMS.set_function(self.waiting)
 
@@ -109,10 +112,16 @@ class StallGuard:
     ) -> Iterator[StreamWriter]:
         writer = StreamWriter(resp, request, request_id)
         self._writers.add(writer)
+        self._none_open.clear()
         try:
             yield writer
         finally:
-            self._writers.discard(writer)
+            self._discard(writer)
+
+    def _discard(self, writer: StreamWriter) -> None:
+        self._writers.discard(writer)
+        if not self._writers:
+            self._none_open.set()
 
     def sweep(self, now: float) -> int:
         """End the streams whose write has waited the timeout; how many it ended."""
@@ -122,7 +131,7 @@ class StallGuard:
             if w.since is not None and now - w.since >= self.stall_timeout_s
         ]
         for w in stalled:
-            self._writers.discard(w)
+            self._discard(w)
             log.warning(
                 "client stalled: stream ended",
                 request_id=w.request_id,
@@ -131,6 +140,19 @@ class StallGuard:
             STALLED.inc()
             w.abort()
         return len(stalled)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the open streams to end; how many are still open."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._none_open.wait(), timeout_s)
+        return len(self._writers)
+
+    def interrupt_all(self) -> None:
+        """Cancel the handler of every open stream (the frontend is stopping): each ends its
+        stream with an error event while its connection is still open."""
+        for w in list(self._writers):
+            if w.task is not None:
+                w.task.cancel()
 
     async def run(self) -> None:
         period = self.stall_timeout_s / 4
