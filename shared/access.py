@@ -54,7 +54,9 @@ ACCESS: Mapping[str, Access] = {
     "te_control": Access(publish=("scaler",), subscribe=("task_executor",)),
     # tokens from TEs, JobHeld notices from JEs, to the frontend that owns the request
     "token_stream": Access(publish=("task_executor", "job_executor"), subscribe=("frontend",)),
-    "heartbeat": Access(publish=("task_executor", "job_executor"), subscribe=("cluster_manager",)),
+    "heartbeat": Access(
+        publish=("task_executor", "job_executor", "frontend"), subscribe=("cluster_manager",)
+    ),
     "view": Access(publish=("cluster_manager",), subscribe=_EVERYONE),
     "member_down": Access(publish=("cluster_manager",), subscribe=_EVERYONE),
     "get_view": Access(publish=_EVERYONE, subscribe=("cluster_manager",)),

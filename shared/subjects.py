@@ -10,6 +10,7 @@ from shared.messages.auth import KeyRevoked
 from shared.messages.base import Message
 from shared.messages.cluster import (
     ClusterView,
+    FEHeartbeat,
     GetView,
     JEHeartbeat,
     Leave,
@@ -84,9 +85,9 @@ CATALOGUE: dict[str, SubjectSpec] = {
     "heartbeat": SubjectSpec(
         "{cluster}.cm.heartbeat",
         "publish",
-        (TEHeartbeat, JEHeartbeat, Leave),
+        (TEHeartbeat, JEHeartbeat, FEHeartbeat, Leave),
         (),
-        "TEs, JEs",
+        "TEs, JEs, frontends",
         "cluster manager",
         "Liveness, state and load of every member.",
     ),
@@ -105,7 +106,7 @@ CATALOGUE: dict[str, SubjectSpec] = {
         (MemberDown,),
         (),
         "cluster manager",
-        "frontends",
+        "frontends, TEs (a frontend gone: its generations stop)",
         "A member was declared gone (liveness deadline passed, or it left): every request "
         "depending on it moves at once.",
     ),
@@ -194,6 +195,11 @@ class Subjects:
 
     def token_stream(self, owner: str, attempt_key: str) -> str:
         return self._fill("token_stream", owner=owner, attempt_key=attempt_key)
+
+    @staticmethod
+    def owner_of(token_stream: str) -> str:
+        """The frontend a token-stream subject belongs to (cluster names hold no dots)."""
+        return token_stream.split(".")[2]
 
     def token_streams(self, owner: str) -> str:
         """Wildcard over every token stream one frontend owns."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shared.messages.cluster import JEHeartbeat, TEHeartbeat
+from shared.messages.cluster import FEHeartbeat, JEHeartbeat, TEHeartbeat
 
-Member = TEHeartbeat | JEHeartbeat
+Member = TEHeartbeat | JEHeartbeat | FEHeartbeat
 
 
 def expired(last_seen: Mapping[str, float], *, now: float, timeout: float) -> list[str]:
@@ -19,8 +19,10 @@ def identity(m: Member) -> tuple[object, ...]:
     every beat and go out with the periodic view instead."""
     if isinstance(m, TEHeartbeat):
         return (m.state, m.model, m.engine, m.device, m.max_model_len, m.error, m.pool_id)
-    return ("je",)
+    return ("je",) if isinstance(m, JEHeartbeat) else ("frontend",)
 
 
 def member_id(m: Member) -> str:
-    return m.te_id if isinstance(m, TEHeartbeat) else m.je_id
+    if isinstance(m, TEHeartbeat):
+        return m.te_id
+    return m.je_id if isinstance(m, JEHeartbeat) else m.frontend_id

@@ -16,6 +16,7 @@ from shared.kv_index_store import KvIndexStore
 from shared.logging import get_logger
 from shared.messages.cluster import (
     ClusterView,
+    FEHeartbeat,
     GetView,
     JEHeartbeat,
     Leave,
@@ -57,6 +58,7 @@ class ClusterManager:
             {
                 TEHeartbeat: self._on_heartbeat,
                 JEHeartbeat: self._on_heartbeat,
+                FEHeartbeat: self._on_heartbeat,
                 Leave: self._on_leave,
             },
         )
@@ -82,6 +84,9 @@ class ClusterManager:
             generated_at=time.time(),
             tes=sorted((m for m in members if isinstance(m, TEHeartbeat)), key=lambda m: m.te_id),
             jes=sorted((m for m in members if isinstance(m, JEHeartbeat)), key=lambda m: m.je_id),
+            frontends=sorted(
+                (m for m in members if isinstance(m, FEHeartbeat)), key=lambda m: m.frontend_id
+            ),
             models=self._models,
         )
 

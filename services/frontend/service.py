@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -39,7 +41,14 @@ from services.frontend.validation import (
     sampling_params,
 )
 from shared.bus import Bus
-from shared.clients import JobExecutorClient, ScalerClient, TaskExecutorClient, ViewWatcher
+from shared.clients import (
+    ClusterClient,
+    Heartbeater,
+    JobExecutorClient,
+    ScalerClient,
+    TaskExecutorClient,
+    ViewWatcher,
+)
 from shared.errors import (
     BadRequest,
     Internal,
@@ -52,7 +61,7 @@ from shared.errors import (
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.auth import KeyRevoked
-from shared.messages.cluster import MemberDown
+from shared.messages.cluster import FEHeartbeat, MemberDown
 from shared.messages.scaling import OutcomeReport, ScaleEvent
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -222,6 +231,13 @@ class Frontend:
         self._outcomes = Outcomes(settings.scaler.slo())
         self._stalls = StallGuard(settings.frontend.stall_timeout.total_seconds())
         self.port: int | None = None
+        self._started = time.time()
+        # Its liveness lets TEs stop the generations of a frontend that died.
+        self._hb = Heartbeater(
+            ClusterClient(bus, self._subjects),
+            self._heartbeat,
+            settings.membership.heartbeat_interval.total_seconds(),
+        )
         bus.on_disconnected.append(self._on_bus_down)
         bus.on_reconnected.append(self._on_bus_back)
         self._bus_down_timer: asyncio.TimerHandle | None = None
@@ -262,6 +278,7 @@ class Frontend:
             self._subjects.key_revoked(), {KeyRevoked: self._auth.on_key_revoked}
         )
         self._life.spawn(self._limiter.renew_forever(), name="lease renewer")
+        self._hb.start(self._life)
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
         await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: self._on_scale_event})
         self._life.spawn(self._report_outcomes(), name="outcome reporter")
@@ -309,12 +326,23 @@ class Frontend:
             await runner.cleanup()
             self._liveness.close()
             await self._life.cancel_tasks()
+            with contextlib.suppress(MeshserveError):
+                await ClusterClient(self._bus, self._subjects).leave(self.frontend_id)
             if self._store is not None:
                 await self._store.close()
             self._life.stopped()
 
     async def shutdown(self) -> None:
         self._life.request_stop()
+
+    def _heartbeat(self) -> FEHeartbeat:
+        return FEHeartbeat(
+            frontend_id=self.frontend_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self._started,
+            streams=self._stalls.streams,
+        )
 
     async def _on_member_down(self, msg: MemberDown) -> None:
         self._liveness.on_member_down(msg)

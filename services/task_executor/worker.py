@@ -53,7 +53,7 @@ from shared.errors import (
 )
 from shared.kv_index_store import KvIndexStore, apply_events
 from shared.logging import get_logger
-from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.cluster import MemberDown, TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import (
     ControlAck,
@@ -249,6 +249,7 @@ class TaskExecutor:
                 Drain: self._on_drain,
             },
         )
+        await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
         if self._engine_factory is create_engine:  # a load queued meanwhile waits its turn
             self._engine_thread.submit(self._prewarm)
         self._hb.start(self._life)
@@ -545,6 +546,22 @@ class TaskExecutor:
             if self._adds.pop(msg.key, None) is None:  # not queued: in the engine
                 self._aborts.add(stream.engine_id)
             self._work.set()
+
+    async def _on_member_down(self, msg: MemberDown) -> None:
+        """A frontend is gone: nobody reads the tokens of its requests any more, so their
+        generations stop here instead of running to max_tokens. (A request whose frontend
+        only lost its bus moves with the tokens it has, wherever it goes next.)"""
+        orphans = [
+            s for s in self._streams.values() if Subjects.owner_of(s.reply_to) == msg.member_id
+        ]
+        for s in orphans:
+            await self._on_cancel(CancelTask(request_id=s.request_id, attempt=s.attempt))
+        if orphans:
+            log.info(
+                "generations stopped: their frontend is gone",
+                frontend=msg.member_id,
+                n=len(orphans),
+            )
 
     def _close_stream(self, key: str) -> _Stream | None:
         stream = self._streams.pop(key, None)

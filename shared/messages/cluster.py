@@ -93,6 +93,17 @@ class JEHeartbeat(Message):
     inflight: int = 0
 
 
+class FEHeartbeat(Message):
+    """A frontend is alive. TEs stop the generations of a frontend declared gone: nobody
+    would read their tokens."""
+
+    frontend_id: str
+    host: str
+    pid: int
+    started_at: float
+    streams: int = 0  # requests it is answering now
+
+
 class Leave(Message):
     """Sent by a member that shuts down cleanly, so the view changes without waiting for
     the liveness deadline."""
@@ -129,4 +140,5 @@ class ClusterView(Message):
     generated_at: float
     tes: list[TEHeartbeat] = msgspec.field(default_factory=list)
     jes: list[JEHeartbeat] = msgspec.field(default_factory=list)
+    frontends: list[FEHeartbeat] = msgspec.field(default_factory=list)
     models: list[ModelInfo] = msgspec.field(default_factory=list)

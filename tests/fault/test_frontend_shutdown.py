@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import openai
 import pytest
 
 from tests.e2e.conftest import Cluster
-from tests.fault.conftest import client_of, pids_of, wait_for
+from tests.fault.conftest import client_of, health, pids_of, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,3 +68,33 @@ async def test_streams_past_the_grace_end_with_an_error_event(cluster):
             return
         await asyncio.sleep(1)
     raise AssertionError("the restarted frontend does not serve")
+
+
+async def test_a_killed_frontends_generations_stop_on_their_tes(cluster):
+    stream = await client_of(cluster).chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Tell me everything, at length."}],
+        max_tokens=6000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    got = 0
+    with pytest.raises(openai.APIError):
+        async with asyncio.timeout(30):
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got += 1
+                    if got == 3:
+                        (pid,) = pids_of(cluster, "frontend")
+                        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    def idle() -> bool:
+        body = health(cluster)
+        return body is not None and all(te["running"] == 0 for te in body["task_executors"])
+
+    # Declared gone after the liveness timeout (2 s here), its generation stops: long before
+    # its 6,000 tokens would have run out.
+    wait_for("the orphaned generation to stop", idle, BACK_S)
+    assert time.monotonic() - killed_at < 20
