@@ -1,5 +1,5 @@
 """One generation: submit the job, receive the TE's token stream, and resubmit if the JE
-holding it or the TE running it dies or gives it back, so an accepted request survives
+placing it or the TE running it dies or gives it back, so an accepted request survives
 the loss of any one process. A resubmission carries the tokens produced so far, so greedy
 output continues exactly where it stopped.
 
@@ -25,7 +25,7 @@ from shared.errors import MeshserveError, NoResponder, PeerUnreachable, Unavaila
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
-from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.tasks import TokenChunk, attempt_key
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -40,7 +40,7 @@ CANCEL_WAIT_S = 5.0
 # How often a job is offered again while no job executor serves the subject at all.
 NO_JE_RETRY_S = 0.2
 
-_stream_decoder = decoder_for(TokenChunk, JobHeld)
+_stream_decoder = decoder_for(TokenChunk, JobTaken, JobHeld)
 
 
 class _Lost:
@@ -70,6 +70,7 @@ class Attempt:
         self.error: MeshserveError | None = None  # the attempt failed with it, not moved
         self.lost_member: str | None = None  # the member whose loss ended it
         self.held_at: float | None = None  # monotonic time a JE said it holds the job
+        self.placed_on: str | None = None  # the TE the JE's answer named
         self._liveness = liveness
         self._watch: Watch | None = None
 
@@ -79,7 +80,30 @@ class Attempt:
             if self._watch.member == member:
                 return
             self._watch.cancel()
+        elif self.lost_member is not None and self.lost_member != member and self.error is None:
+            self._forget_loss()
         self._watch = self._liveness.watch(member, self._on_lost)
+
+    def _forget_loss(self) -> None:
+        """The member the attempt depended on was declared gone just as the attempt moved
+        past it (the JE's answer came first, then the notice of its death): that loss no
+        longer concerns the attempt, which now depends on another member."""
+        self.lost.clear()
+        self.lost_member = None
+        for _ in range(self.events.qsize()):
+            event = self.events.get_nowait()
+            if not isinstance(event, _Lost):
+                self.events.put_nowait(event)
+
+    def streaming_from(self) -> set[str]:
+        """The TEs whose chunks wait in the queue (read before the attempt is abandoned)."""
+        tes: set[str] = set()
+        for _ in range(self.events.qsize()):
+            event = self.events.get_nowait()
+            if isinstance(event, TokenChunk) and event.te_id:
+                tes.add(event.te_id)
+            self.events.put_nowait(event)
+        return tes
 
     def _on_lost(self, member: str) -> None:
         self._watch = None
@@ -104,7 +128,8 @@ class Attempt:
 
 class StreamRouter:
     """One subscription for all of this frontend's token streams; chunks go to the queue of
-    their attempt, a JobHeld notice makes the attempt depend on the JE holding it."""
+    their attempt, a JobTaken or JobHeld notice makes the attempt depend on the JE placing
+    it (until its answer names the TE)."""
 
     def __init__(self, owner: str, subjects: Subjects, liveness: Liveness) -> None:
         self.owner = owner
@@ -121,10 +146,14 @@ class StreamRouter:
         attempt = self._attempts.get(msg.key)
         if attempt is None:
             return
-        if isinstance(msg, JobHeld):
+        if isinstance(msg, JobTaken):
+            if attempt.placed_on is None:  # never after the answer: it depends on the TE then
+                attempt.depend_on(msg.je_id)
+        elif isinstance(msg, JobHeld):
             if attempt.held_at is None:
                 attempt.held_at = time.monotonic()
-            attempt.depend_on(msg.je_id)
+            if attempt.placed_on is None:
+                attempt.depend_on(msg.je_id)
         else:
             attempt.events.put_nowait(msg)
 
@@ -189,7 +218,8 @@ class Generation:
                 self._placed = (accepted.te_id, n)
                 if self.routed is None:
                     self.routed = accepted
-                attempt.depend_on(accepted.te_id)
+                attempt.placed_on = accepted.te_id
+                attempt.depend_on(accepted.te_id)  # no longer on the JE that placed it
                 if self.on_attempt:
                     self.on_attempt(n, accepted.te_id)
                 async for ids in self._receive(attempt, accepted.te_id):
@@ -218,7 +248,8 @@ class Generation:
         )
 
     async def _submit(self, attempt: Attempt, exclude: list[str]) -> JobAccepted | None:
-        """The job placed (None: the JE holding it was declared gone before it was)."""
+        """The job placed (None: the JE placing or holding it was declared gone before it
+        answered, or the bus lost its answer)."""
         placement = self.settings.job_executor.placement_timeout.total_seconds()
         job = ChatJob(
             request_id=self.request_id,
@@ -246,12 +277,17 @@ class Generation:
                 if attempt.error is not None:
                     raise attempt.error
                 log.warning(
-                    "job executor lost while holding the job"
+                    "job executor lost while placing the job"
                     if attempt.lost_member is not None
                     else "the bus lost the job's answer",
                     request_id=self.request_id,
                     attempt=attempt.attempt,
+                    je=attempt.lost_member,
                 )
+                # It may have placed the task before it died: stop whatever TE streams it.
+                for te_id in attempt.streaming_from():
+                    with contextlib.suppress(MeshserveError):
+                        await self.tes.cancel(te_id, self.request_id, attempt.attempt)
                 return None
             return submit.result()
         except PeerUnreachable as e:  # the bus's own failure, not a JE's verdict
