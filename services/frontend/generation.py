@@ -71,6 +71,8 @@ class Attempt:
         self.lost_member: str | None = None  # the member whose loss ended it
         self.held_at: float | None = None  # monotonic time a JE said it holds the job
         self.placed_on: str | None = None  # the TE the JE's answer named
+        self.taken = False  # a JE said it has the job (or its TE streams it)
+        self.untaken = False  # no JE said it took the job within a liveness deadline
         self._liveness = liveness
         self._watch: Watch | None = None
 
@@ -111,6 +113,16 @@ class Attempt:
         self.lost.set()
         self.events.put_nowait(_Lost(member))
 
+    def not_taken(self) -> None:
+        """Nobody said it took the job within a liveness deadline of its offer: the JE that
+        received it died before it could say so, or stalled as long as a dead one. The
+        attempt moves on."""
+        if self.taken or self.lost.is_set():
+            return
+        self.untaken = True
+        self.lost.set()
+        self.events.put_nowait(_Lost(None))
+
     def interrupt(self, error: MeshserveError | None) -> None:
         """The bus dropped messages the attempt waits for (a chunk, the JE's answer): it
         moves on as if its member were lost, or fails with ``error``."""
@@ -146,6 +158,7 @@ class StreamRouter:
         attempt = self._attempts.get(msg.key)
         if attempt is None:
             return
+        attempt.taken = True
         if isinstance(msg, JobTaken):
             if attempt.placed_on is None:  # never after the answer: it depends on the TE then
                 attempt.depend_on(msg.je_id)
@@ -263,7 +276,7 @@ class Generation:
             attempt=attempt.attempt,
             exclude_te_ids=exclude,
         )
-        submit = asyncio.create_task(self._offer(job))
+        submit = asyncio.create_task(self._offer(job, attempt))
         lost = asyncio.create_task(attempt.lost.wait())
         try:
             try:
@@ -279,6 +292,8 @@ class Generation:
                 log.warning(
                     "job executor lost while placing the job"
                     if attempt.lost_member is not None
+                    else "no job executor said it took the job"
+                    if attempt.untaken
                     else "the bus lost the job's answer",
                     request_id=self.request_id,
                     attempt=attempt.attempt,
@@ -299,18 +314,29 @@ class Generation:
             submit.cancel()
             lost.cancel()
 
-    async def _offer(self, job: ChatJob) -> JobAccepted:
+    async def _offer(self, job: ChatJob, attempt: Attempt) -> JobAccepted:
         """Submit the job to a JE. While no JE serves the subject at all (the only one was
         killed and is restarting), nobody received it, so it is offered again until its
         placement deadline, as a JE holding it would wait: a JE's restart must not fail the
-        requests that arrive meanwhile."""
+        requests that arrive meanwhile.
+
+        The JE that receives the job says so first of all (JobTaken), and from then on the
+        attempt follows that JE's liveness. One that does not say so within a liveness
+        deadline of the offer died with the job before it could (a kill between the job's
+        delivery and that notice), or stalled as long as a dead member: the attempt moves
+        on (``Attempt.not_taken``) rather than wait out the request's timeout."""
+        taken_within = self.settings.membership.liveness_timeout.total_seconds()
+        loop = asyncio.get_running_loop()
         while True:
+            check = loop.call_later(taken_within, attempt.not_taken)
             try:
                 return await self.jobs.submit(job, timeout=max(job.deadline - time.time(), 0) + 5)
             except NoResponder:
                 if time.time() + NO_JE_RETRY_S >= job.deadline:
                     raise
-                await asyncio.sleep(NO_JE_RETRY_S)
+            finally:
+                check.cancel()
+            await asyncio.sleep(NO_JE_RETRY_S)
 
     async def _cancel_placed(self, submit: asyncio.Task[JobAccepted], attempt: int) -> None:
         """The client left while the job was being placed. The TE may already be running

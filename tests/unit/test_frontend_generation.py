@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 
 from services.frontend.generation import Attempt, Generation, StreamRouter
 from services.frontend.liveness import Liveness
-from shared.errors import InstanceLost, Internal
+from shared.errors import InstanceLost, Internal, NoResponder
 from shared.messages.api import SamplingParams
 from shared.messages.base import Message, encode
 from shared.messages.cluster import ClusterView, MemberDown, TEHeartbeat, TEState
@@ -164,7 +166,9 @@ class _TEs:
         self.cancelled.append((te_id, request_id, attempt))
 
 
-def _generation(jobs: _Jobs, liveness: Liveness) -> tuple[Generation, _TEs]:
+def _generation(
+    jobs: _Jobs, liveness: Liveness, settings: Settings | None = None
+) -> tuple[Generation, _TEs]:
     router = StreamRouter("fe", Subjects("c"), liveness)
     jobs.router = router
     tes = _TEs()
@@ -173,7 +177,7 @@ def _generation(jobs: _Jobs, liveness: Liveness) -> tuple[Generation, _TEs]:
         model="m",
         prompt_token_ids=[1, 2],
         sampling=SamplingParams(max_tokens=2),
-        settings=Settings(),
+        settings=settings or Settings(),
         router=router,
         jobs=jobs,  # type: ignore[arg-type]
         tes=tes,  # type: ignore[arg-type]
@@ -250,3 +254,58 @@ async def test_a_job_executor_lost_after_its_answer_does_not_move_the_stream():
     out = await asyncio.wait_for(read(), 2)
     assert out == [[7], [8]]
     assert [j.attempt for j in jobs.jobs] == [0] and tes.cancelled == []
+
+
+def _accepted_on_te_y(job: ChatJob) -> tuple[list[Message], JobAccepted | None]:
+    taken = JobTaken(request_id="r", je_id="je-2", attempt=job.attempt)
+    chunks = [_te_chunk("te-y", job.attempt, 0, [7], 1), _te_chunk("te-y", job.attempt, 1, [8], 2)]
+    return [taken, *chunks], JobAccepted(
+        request_id="r", te_id="te-y", je_id="je-2", attempt=job.attempt
+    )
+
+
+async def test_an_offer_no_job_executor_says_it_took_moves_on_after_a_liveness_deadline():
+    """The JE that received the job was killed before its JobTaken left it: nobody will
+    ever answer, and no member the frontend follows is lost. Within a liveness deadline of
+    the offer the job is offered again, not after the request's timeout."""
+
+    def answer(job: ChatJob) -> tuple[list[Message], JobAccepted | None]:
+        if job.attempt == 0:
+            return [], None  # received by a JE that is already dying
+        return _accepted_on_te_y(job)
+
+    jobs = _Jobs(answer)
+    settings = Settings(liveness_timeout=timedelta(seconds=0.2))
+    gen, _ = _generation(jobs, Liveness(grace_s=30), settings)
+
+    async def read() -> list[list[int]]:
+        return [ids async for ids in gen.tokens()]
+
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(read(), 2) == [[7], [8]]
+    assert 0.2 <= time.monotonic() - t0 < 1
+    assert [j.attempt for j in jobs.jobs] == [0, 1]
+
+
+async def test_offers_nobody_serves_do_not_use_up_attempts():
+    """While no JE serves the subject (the only one restarting) the same attempt is
+    offered again, for longer than a liveness deadline: each offer nobody received has no
+    JobTaken to wait for."""
+    offers = 0
+
+    def answer(job: ChatJob) -> tuple[list[Message], JobAccepted | None]:
+        nonlocal offers
+        offers += 1
+        if offers <= 4:  # 4 x NO_JE_RETRY_S: past the liveness deadline below
+            raise NoResponder("nobody serves the subject")
+        return _accepted_on_te_y(job)
+
+    jobs = _Jobs(answer)
+    settings = Settings(liveness_timeout=timedelta(seconds=0.3))
+    gen, _ = _generation(jobs, Liveness(grace_s=30), settings)
+
+    async def read() -> list[list[int]]:
+        return [ids async for ids in gen.tokens()]
+
+    assert await asyncio.wait_for(read(), 3) == [[7], [8]]
+    assert [j.attempt for j in jobs.jobs] == [0] * 5
