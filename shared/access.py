@@ -52,7 +52,7 @@ ACCESS: Mapping[str, Access] = {
     # the JE places tasks, a frontend cancels its own
     "te_task": Access(publish=("job_executor", "frontend"), subscribe=("task_executor",)),
     "te_control": Access(publish=("scaler",), subscribe=("task_executor",)),
-    # tokens from TEs, JobHeld notices from JEs, to the frontend that owns the request
+    # tokens from TEs, JobTaken and JobHeld notices from JEs, to the frontend that owns the request
     "token_stream": Access(publish=("task_executor", "job_executor"), subscribe=("frontend",)),
     "heartbeat": Access(
         publish=("task_executor", "job_executor", "frontend"), subscribe=("cluster_manager",)

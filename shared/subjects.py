@@ -17,7 +17,7 @@ from shared.messages.cluster import (
     MemberDown,
     TEHeartbeat,
 )
-from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.kv import KvEventBatch
 from shared.messages.scaling import (
     ControlAck,
@@ -74,13 +74,14 @@ CATALOGUE: dict[str, SubjectSpec] = {
     "token_stream": SubjectSpec(
         "{cluster}.inbox.{owner}.{attempt_key}",
         "publish",
-        (TokenChunk, JobHeld),
+        (TokenChunk, JobTaken, JobHeld),
         (),
-        "TE (tokens), job executor (JobHeld)",
+        "TE (tokens), job executor (JobTaken, JobHeld)",
         "the frontend that owns the request",
         "Tokens of one attempt of a request (attempt_key: request id and attempt number), "
-        "streamed straight from the TE to the frontend; and the notice that a JE holds the "
-        "job while a model scales up.",
+        "streamed straight from the TE to the frontend; the notice that a JE has taken the "
+        "job and is placing it; and the notice that a JE holds the job while a model scales "
+        "up.",
     ),
     "heartbeat": SubjectSpec(
         "{cluster}.cm.heartbeat",

@@ -1,5 +1,5 @@
 """One generation: submit the job, receive the TE's token stream, and resubmit if the JE
-holding it or the TE running it dies or gives it back, so an accepted request survives
+placing it or the TE running it dies or gives it back, so an accepted request survives
 the loss of any one process. A resubmission carries the tokens produced so far, so greedy
 output continues exactly where it stopped.
 
@@ -33,7 +33,7 @@ from shared.errors import MeshserveError, NoResponder, PeerUnreachable, Unavaila
 from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
-from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.tasks import TokenChunk, attempt_key
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -48,7 +48,7 @@ CANCEL_WAIT_S = 5.0
 # How often a job is offered again while no job executor serves the subject at all.
 NO_JE_RETRY_S = 0.2
 
-_stream_decoder = decoder_for(TokenChunk, JobHeld)
+_stream_decoder = decoder_for(TokenChunk, JobTaken, JobHeld)
 
 
 class _Lost:
@@ -106,6 +106,14 @@ class Inbox:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def pending(self) -> list[Event]:
+        """The events waiting, oldest first."""
+        return [event for _, event in self._items]
+
+    def drop(self, unwanted: Callable[[Event], bool]) -> None:
+        """Remove the waiting events ``unwanted`` says so of."""
+        self._items = deque(item for item in self._items if not unwanted(item[1]))
+
     async def get(self) -> tuple[float, Event]:
         """The oldest entry: (when it arrived, the event)."""
         while not self._items:
@@ -128,6 +136,9 @@ class Attempt:
         self.error: MeshserveError | None = None  # the attempt failed with it, not moved
         self.lost_member: str | None = None  # the member whose loss ended it
         self.held_at: float | None = None  # monotonic time a JE said it holds the job
+        self.placed_on: str | None = None  # the TE the JE's answer named
+        self.taken = False  # a JE said it has the job (or its TE streams it)
+        self.untaken = False  # no JE said it took the job within a liveness deadline
         self._liveness = liveness
         self._watch: Watch | None = None
 
@@ -137,13 +148,41 @@ class Attempt:
             if self._watch.member == member:
                 return
             self._watch.cancel()
+        elif self.lost_member is not None and self.lost_member != member and self.error is None:
+            self._forget_loss()
         self._watch = self._liveness.watch(member, self._on_lost)
+
+    def _forget_loss(self) -> None:
+        """The member the attempt depended on was declared gone just as the attempt moved
+        past it (the JE's answer came first, then the notice of its death): that loss no
+        longer concerns the attempt, which now depends on another member."""
+        self.lost.clear()
+        self.lost_member = None
+        self.events.drop(lambda event: isinstance(event, _Lost))
+
+    def streaming_from(self) -> set[str]:
+        """The TEs whose chunks wait in the inbox (read before the attempt is abandoned)."""
+        return {
+            event.te_id
+            for event in self.events.pending()
+            if isinstance(event, TokenChunk) and event.te_id
+        }
 
     def _on_lost(self, member: str) -> None:
         self._watch = None
         self.lost_member = member
         self.lost.set()
         self.events.put_nowait(_Lost(member))
+
+    def not_taken(self) -> None:
+        """Nobody said it took the job within a liveness deadline of its offer: the JE that
+        received it died before it could say so, or stalled as long as a dead one. The
+        attempt moves on."""
+        if self.taken or self.lost.is_set():
+            return
+        self.untaken = True
+        self.lost.set()
+        self.events.put_nowait(_Lost(None))
 
     def interrupt(self, error: MeshserveError | None) -> None:
         """The bus dropped messages the attempt waits for (a chunk, the JE's answer): it
@@ -162,7 +201,8 @@ class Attempt:
 
 class StreamRouter:
     """One subscription for all of this frontend's token streams; chunks go to the queue of
-    their attempt, a JobHeld notice makes the attempt depend on the JE holding it."""
+    their attempt, a JobTaken or JobHeld notice makes the attempt depend on the JE placing
+    it (until its answer names the TE)."""
 
     def __init__(self, owner: str, subjects: Subjects, liveness: Liveness) -> None:
         self.owner = owner
@@ -179,10 +219,15 @@ class StreamRouter:
         attempt = self._attempts.get(msg.key)
         if attempt is None:
             return
-        if isinstance(msg, JobHeld):
+        attempt.taken = True
+        if isinstance(msg, JobTaken):
+            if attempt.placed_on is None:  # never after the answer: it depends on the TE then
+                attempt.depend_on(msg.je_id)
+        elif isinstance(msg, JobHeld):
             if attempt.held_at is None:
                 attempt.held_at = time.monotonic()
-            attempt.depend_on(msg.je_id)
+            if attempt.placed_on is None:
+                attempt.depend_on(msg.je_id)
         else:
             attempt.events.put_nowait(msg)
 
@@ -250,7 +295,8 @@ class Generation:
                 self._placed = (accepted.te_id, n)
                 if self.routed is None:
                     self.routed = accepted
-                attempt.depend_on(accepted.te_id)
+                attempt.placed_on = accepted.te_id
+                attempt.depend_on(accepted.te_id)  # no longer on the JE that placed it
                 if self.on_attempt:
                     self.on_attempt(n, accepted.te_id)
                 async for ids in self._receive(attempt, accepted.te_id):
@@ -279,7 +325,8 @@ class Generation:
         )
 
     async def _submit(self, attempt: Attempt, exclude: list[str]) -> JobAccepted | None:
-        """The job placed (None: the JE holding it was declared gone before it was)."""
+        """The job placed (None: the JE placing or holding it was declared gone before it
+        answered, or the bus lost its answer)."""
         placement = self.settings.job_executor.placement_timeout.total_seconds()
         job = ChatJob(
             request_id=self.request_id,
@@ -293,7 +340,7 @@ class Generation:
             attempt=attempt.attempt,
             exclude_te_ids=exclude,
         )
-        submit = asyncio.create_task(self._offer(job))
+        submit = asyncio.create_task(self._offer(job, attempt))
         lost = asyncio.create_task(attempt.lost.wait())
         try:
             try:
@@ -307,12 +354,19 @@ class Generation:
                 if attempt.error is not None:
                     raise attempt.error
                 log.warning(
-                    "job executor lost while holding the job"
+                    "job executor lost while placing the job"
                     if attempt.lost_member is not None
+                    else "no job executor said it took the job"
+                    if attempt.untaken
                     else "the bus lost the job's answer",
                     request_id=self.request_id,
                     attempt=attempt.attempt,
+                    je=attempt.lost_member,
                 )
+                # It may have placed the task before it died: stop whatever TE streams it.
+                for te_id in attempt.streaming_from():
+                    with contextlib.suppress(MeshserveError):
+                        await self.tes.cancel(te_id, self.request_id, attempt.attempt)
                 return None
             return submit.result()
         except PeerUnreachable as e:  # the bus's own failure, not a JE's verdict
@@ -324,18 +378,29 @@ class Generation:
             submit.cancel()
             lost.cancel()
 
-    async def _offer(self, job: ChatJob) -> JobAccepted:
+    async def _offer(self, job: ChatJob, attempt: Attempt) -> JobAccepted:
         """Submit the job to a JE. While no JE serves the subject at all (the only one was
         killed and is restarting), nobody received it, so it is offered again until its
         placement deadline, as a JE holding it would wait: a JE's restart must not fail the
-        requests that arrive meanwhile."""
+        requests that arrive meanwhile.
+
+        The JE that receives the job says so first of all (JobTaken), and from then on the
+        attempt follows that JE's liveness. One that does not say so within a liveness
+        deadline of the offer died with the job before it could (a kill between the job's
+        delivery and that notice), or stalled as long as a dead member: the attempt moves
+        on (``Attempt.not_taken``) rather than wait out the request's timeout."""
+        taken_within = self.settings.membership.liveness_timeout.total_seconds()
+        loop = asyncio.get_running_loop()
         while True:
+            check = loop.call_later(taken_within, attempt.not_taken)
             try:
                 return await self.jobs.submit(job, timeout=max(job.deadline - time.time(), 0) + 5)
             except NoResponder:
                 if time.time() + NO_JE_RETRY_S >= job.deadline:
                     raise
-                await asyncio.sleep(NO_JE_RETRY_S)
+            finally:
+                check.cancel()
+            await asyncio.sleep(NO_JE_RETRY_S)
 
     async def _cancel_placed(self, submit: asyncio.Task[JobAccepted], attempt: int) -> None:
         """The client left while the job was being placed. The TE may already be running

@@ -1,7 +1,8 @@
 """The one place a frontend learns that a member its requests depend on is gone.
 
-Every attempt of a request depends on one member at a time: the job executor holding it
-while its model scales up, then the task executor streaming its tokens. Attempts register
+Every attempt of a request depends on one member at a time: the job executor placing it
+(from the moment it took the job, through any wait for a scale-up), then the task executor
+streaming its tokens. Attempts register
 here; when a member is declared gone, every attempt that depends on it hears it at once,
 from one event, and moves on (resubmitted elsewhere), instead of each request polling for
 its own peer.

@@ -32,7 +32,7 @@ from shared.errors import (
 from shared.kv_index_store import KvIndexStore
 from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
-from shared.messages.jobs import ChatJob, JobAccepted, JobHeld
+from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import ModelTraffic, TrafficReport
 from shared.messages.tasks import ChatTask
 from shared.native import Toolchain
@@ -135,6 +135,14 @@ class JobExecutor:
     async def _on_job(self, job: ChatJob) -> JobAccepted:
         self._inflight += 1
         try:
+            # First of all, tell the frontend who has the job: should this JE die before it
+            # answers, the frontend hears it within one liveness deadline and resubmits.
+            with contextlib.suppress(MeshserveError):
+                await self._bus.publish(
+                    job.reply_to,
+                    JobTaken(request_id=job.request_id, je_id=self.je_id, attempt=job.attempt),
+                    request_id=job.request_id,
+                )
             return await self._place(job)
         finally:
             self._inflight -= 1

@@ -37,9 +37,25 @@ class JobAccepted(Message):
     routing: str = ""  # the routing branch that chose the TE (routing.route)
 
 
+class JobTaken(Message):
+    """Sent by a JE to the job's reply_to the moment it receives the job, before it places
+    it: from then on the frontend follows that JE's liveness, so a JE that dies while
+    placing the job (before its answer) costs one liveness deadline, not the bus request's
+    timeout. Once the JE answers, the attempt follows the TE instead."""
+
+    request_id: str
+    je_id: str
+    attempt: int = 0
+
+    @property
+    def key(self) -> str:
+        return attempt_key(self.request_id, self.attempt)
+
+
 class JobHeld(Message):
     """Sent by a JE to the job's reply_to when it starts holding a job it cannot place yet
-    (waiting for a scale-up), so the frontend can resubmit if that JE dies meanwhile."""
+    (waiting for a scale-up): the frontend times how long the job waits for capacity. It
+    follows the JE's liveness already (JobTaken), and does so again here."""
 
     request_id: str
     je_id: str

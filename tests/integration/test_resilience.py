@@ -1,5 +1,6 @@
 """Failures between services, on real NATS and Redis with the real torch engine: a job
-executor dying while it holds a job, and a model whose checkpoint cannot load."""
+executor dying while it holds a job or while it places one, and a model whose checkpoint
+cannot load."""
 
 import asyncio
 import contextlib
@@ -16,10 +17,15 @@ from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from services.scaler.service import Scaler
 from services.task_executor.worker import TaskExecutor
+from shared.bus import Bus
+from shared.clients import ClusterClient
 from shared.embedded import free_port
+from shared.messages.cluster import Leave, TEHeartbeat, TEState
+from shared.messages.tasks import CancelTask, ChatTask
 from shared.settings import Settings
 from shared.store import Store
-from tests.integration.services import Running
+from shared.subjects import Subjects
+from tests.integration.services import Running, wait_health
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis]
 
@@ -86,6 +92,108 @@ async def test_job_survives_the_death_of_the_job_executor_holding_it(cluster_env
     assert resp.status == 200, data
     assert data["usage"]["completion_tokens"] == 5
     assert time.monotonic() - t0 < 15
+
+
+class SilentTE:
+    """A task executor that reports itself ready with the model and never answers a
+    placement: a job executor placing a job on it waits there (up to its placement request's
+    timeout) before it answers the frontend or says it holds the job."""
+
+    def __init__(self, bus: Bus, settings: Settings, te_id: str) -> None:
+        self._bus, self._settings, self.te_id = bus, settings, te_id
+        self._subjects = Subjects(settings.cluster)
+        self.tasks: asyncio.Queue[ChatTask] = asyncio.Queue()
+        self._beat: asyncio.Task[None] | None = None
+        self._gone = asyncio.Event()
+
+    async def start(self) -> None:
+        await self._bus.subscribe(
+            self._subjects.te_task(self.te_id),
+            {ChatTask: self._on_task, CancelTask: self._on_cancel},
+            concurrent=True,
+        )
+        self._beat = asyncio.create_task(self._heartbeats())
+
+    async def _on_task(self, task: ChatTask) -> None:
+        self.tasks.put_nowait(task)
+        await self._gone.wait()  # no answer while it is up
+
+    async def _on_cancel(self, _: CancelTask) -> None:
+        return None
+
+    async def _heartbeats(self) -> None:
+        client = ClusterClient(self._bus, self._subjects)
+        started = time.time()
+        while True:
+            await client.heartbeat(
+                TEHeartbeat(
+                    te_id=self.te_id,
+                    pool_id="silent",
+                    host="silent",
+                    pid=0,
+                    state=TEState.READY,
+                    started_at=started,
+                    model="demo",
+                    sent_at=time.time(),
+                )
+            )
+            await asyncio.sleep(self._settings.membership.heartbeat_interval.total_seconds())
+
+    async def leave(self) -> None:
+        self._gone.set()
+        if self._beat is not None:
+            self._beat.cancel()
+        await self._bus.publish(self._subjects.heartbeat(), Leave(member_id=self.te_id))
+
+
+async def test_job_survives_the_death_of_the_job_executor_placing_it(cluster_env, nats_url):
+    """The JE dies while it places the job (its placement unanswered: before it answers the
+    frontend, and before any JobHeld notice). The frontend follows that JE from the moment
+    it took the job (JobTaken), so it resubmits within one liveness deadline: not after the
+    job's bus request times out (placement timeout + 5 s), which would fail it with 503."""
+    settings, run = cluster_env
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
+    await wait_port(base)
+    bus = await Bus.connect(nats_url, name="pytest-silent-te", cluster=settings.cluster)
+    silent = SilentTE(bus, settings, "te-silent")
+    try:
+        await silent.start()
+        je1 = await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
+        await wait_health(base, lambda b: b["job_executors"] == 1 and b["task_executors"])
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+        }
+        async with aiohttp.ClientSession() as http:
+            req = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
+            # je1 is placing the job on the silent TE (it waits up to 2 s for the answer).
+            task = await asyncio.wait_for(silent.tasks.get(), 10)
+            assert task.attempt == 0
+            await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
+            await run.kill(je1)
+            t0 = time.monotonic()
+            await silent.leave()  # (je2 may still try it once: its view can lag the Leave)
+            # Capacity for the resubmitted job: a scaler and one pre-warmed TE.
+            await run.start(lambda bus: Scaler(settings=settings, bus=bus))
+            await run.start(
+                lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-r", pool_id="p")
+            )
+            resp = await asyncio.wait_for(req, 30)
+            data = await resp.json()
+            elapsed = time.monotonic() - t0
+            assert resp.status == 200, data
+            # The same request undisturbed, on the same cluster: the same greedy output.
+            async with http.post(base + "/v1/chat/completions", json=body) as r:
+                again = await r.json()
+                assert r.status == 200, again
+    finally:
+        await bus.close()
+    assert data["usage"]["completion_tokens"] == 5
+    assert data["choices"][0]["message"] == again["choices"][0]["message"]
+    # Without JobTaken the frontend waits out its request to je1: 20 s + 5 s, then 503.
+    assert elapsed < 15, elapsed
 
 
 async def test_a_model_that_cannot_load_fails_fast_with_its_error(
