@@ -31,26 +31,32 @@ def cluster(fault_models_dir, servers, tmp_path_factory):
     c.stop()
 
 
-async def test_streams_past_the_grace_end_with_an_error_event(cluster):
-    client = client_of(cluster)
-    stream = await client.chat.completions.create(
+async def signal_frontend_mid_stream(cluster, sig: int) -> int:
+    """Stream a long generation, send the frontend ``sig`` at its third token, read on
+    until the stream fails (the test asserts how); the tokens read."""
+    stream = await client_of(cluster).chat.completions.create(
         model="demo",
-        messages=[{"role": "user", "content": "Tell me everything."}],
+        messages=[{"role": "user", "content": "Tell me everything, at length."}],
         max_tokens=6000,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
     )
     got = 0
+    async with asyncio.timeout(30):
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got += 1
+                if got == 3:
+                    (pid,) = pids_of(cluster, "frontend")
+                    os.kill(pid, sig)
+    return got
+
+
+async def test_streams_past_the_grace_end_with_an_error_event(cluster):
     with pytest.raises(openai.APIError, match="shutting down") as e:
-        async with asyncio.timeout(30):
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    got += 1
-                    if got == 3:
-                        (pid,) = pids_of(cluster, "frontend")
-                        os.kill(pid, signal.SIGTERM)
-    assert got >= 3 and "retry" in str(e.value)
+        await signal_frontend_mid_stream(cluster, signal.SIGTERM)
+    assert "retry" in str(e.value)
     # The launcher starts another frontend, which serves.
     wait_for("a new frontend", lambda: pids_of(cluster, "frontend"), BACK_S)
 
@@ -71,23 +77,8 @@ async def test_streams_past_the_grace_end_with_an_error_event(cluster):
 
 
 async def test_a_killed_frontends_generations_stop_on_their_tes(cluster):
-    stream = await client_of(cluster).chat.completions.create(
-        model="demo",
-        messages=[{"role": "user", "content": "Tell me everything, at length."}],
-        max_tokens=6000,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    got = 0
     with pytest.raises(openai.APIError):
-        async with asyncio.timeout(30):
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    got += 1
-                    if got == 3:
-                        (pid,) = pids_of(cluster, "frontend")
-                        os.kill(pid, signal.SIGKILL)
+        await signal_frontend_mid_stream(cluster, signal.SIGKILL)
     killed_at = time.monotonic()
 
     def idle() -> bool:
