@@ -4,12 +4,12 @@ and the `meshserve keys` / `meshserve tenants` commands."""
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 
 import openai
 import pytest
@@ -207,7 +207,7 @@ def test_size_limits_are_clear_400s(secure):
 )
 def test_malformed_authorization_headers_are_401s(secure, header):
     host, port = secure.url.removeprefix("http://").removesuffix("/v1").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn = HTTPConnection(host, int(port), timeout=10)
     conn.putrequest("POST", "/v1/chat/completions")
     conn.putheader("Content-Type", "application/json")
     if header:
