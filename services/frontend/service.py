@@ -452,11 +452,21 @@ class Frontend:
             )
         return info
 
+    @staticmethod
+    async def _body(request: web.Request) -> bytes:
+        """The body, held to the caller's own size limit: a chunked body has no
+        Content-Length for the middleware to check."""
+        body = await request.read()
+        limit = principal_of(request).limits.max_body_bytes
+        if len(body) > limit:
+            raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
+        return body
+
     async def get_model(self, request: web.Request) -> web.Response:
         return web.json_response(self._model_obj(self._model(request, request.match_info["model"])))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat_request(await request.read())
+        req = parse_chat_request(await self._body(request))
         info = self._model(request, req.model)
         tok = await self._catalog.tokenizer(info)
         messages = req.template_messages()
@@ -475,7 +485,7 @@ class Frontend:
         return await self._generate(request, req, info, tok, prompt, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion_request(await request.read())
+        req = parse_completion_request(await self._body(request))
         info = self._model(request, req.model)
         tok = await self._catalog.tokenizer(info)
         p = req.prompt_input()

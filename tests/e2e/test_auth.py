@@ -219,3 +219,22 @@ def test_malformed_authorization_headers_are_401s(secure, header):
     assert resp.status in (400, 401), (resp.status, body[:200])
     if resp.status == 401:
         assert json.loads(body)["error"]["type"] == "authentication_error"
+
+
+def test_a_tenants_body_limit_holds_for_chunked_bodies(secure):
+    key = meshserve(secure, "keys", "create", "--tenant", "tiny").strip()
+    meshserve(secure, "tenants", "set", "tiny", "--max-body-bytes", "2000")
+    body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "x" * 4000}]})
+    host, port = secure.url.removeprefix("http://").removesuffix("/v1").split(":")
+    for chunked in (False, True):
+        conn = HTTPConnection(host, int(port), timeout=10)
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        data = iter([body.encode()]) if chunked else body.encode()
+        conn.request(
+            "POST", "/v1/chat/completions", body=data, headers=headers, encode_chunked=chunked
+        )
+        resp = conn.getresponse()
+        payload = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 413, (chunked, payload)
+        assert "2000 bytes" in payload["error"]["message"]
