@@ -56,6 +56,7 @@ def test_placements_not_yet_reported_count():
 def test_capacity_coming_admits():
     full = te("a", waiting=20)
     assert verdict([full, te("i", state=TEState.IDLE)]) is None
+    assert verdict([full, te("p", state=TEState.PRELOADING)]) is None
     assert verdict([full, te("l", state=TEState.LOADING)]) is None
     assert verdict([full, te("l", state=TEState.LOADING, model="other")]) is not None
 

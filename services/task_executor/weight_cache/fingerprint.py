@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -103,7 +104,8 @@ def _header_names(path: Path) -> list[str]:
 
 def _write_memo(memo: Path, fps: Mapping[str, str]) -> None:
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".tmp{os.getpid()}")
+    # Per process and thread: two loads in one process may memoise the same file at once.
+    tmp = memo.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(json.dumps(dict(fps)))
     tmp.replace(memo)
 
