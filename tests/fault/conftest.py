@@ -71,6 +71,18 @@ def health(cluster: Cluster, timeout: float = 2.0) -> dict | None:
         return None
 
 
+def cluster_whole(cluster: Cluster) -> bool:
+    """The view shows the whole cluster serving again: one JE, both TEs, the model."""
+    body = health(cluster)
+    return bool(
+        body
+        and body["status"] == "ok"
+        and body["job_executors"] == 1
+        and len(body["task_executors"]) == 2
+        and body["models"] == ["demo"]
+    )
+
+
 def wait_for(what: str, check, timeout: float, every: float = 0.1):
     """Poll ``check()`` until it returns something truthy; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ from tests.fault.conftest import (
     Req,
     await_for,
     client_of,
+    cluster_whole,
     health,
     kill9,
     pids_of,
@@ -77,18 +78,7 @@ def _back(cluster, role: str, old: int) -> None:
         lambda: (p := pids_of(cluster, role)) and old not in p,
         BACK_S,
     )
-    wait_for("the whole cluster in the view again", lambda: _whole(cluster), BACK_S)
-
-
-def _whole(cluster) -> bool:
-    body = health(cluster)
-    return bool(
-        body
-        and body["status"] == "ok"
-        and body["job_executors"] == 1
-        and len(body["task_executors"]) == 2
-        and body["models"] == ["demo"]
-    )
+    wait_for("the whole cluster in the view again", lambda: cluster_whole(cluster), BACK_S)
 
 
 async def _afterwards(cluster, reqs, expected) -> None:
@@ -117,7 +107,7 @@ async def test_a_killed_task_executor_loses_no_request(cluster, reqs, expected):
         lambda: len(pids_of(cluster, "te")) == 2 and killed[0] not in pids_of(cluster, "te"),
         BACK_S,
     )
-    wait_for("the whole cluster in the view again", lambda: _whole(cluster), BACK_S)
+    wait_for("the whole cluster in the view again", lambda: cluster_whole(cluster), BACK_S)
     await _afterwards(cluster, reqs, expected)
 
 

@@ -16,7 +16,7 @@ from tests.fault.conftest import (
     Req,
     await_for,
     client_of,
-    health,
+    cluster_whole,
     references,
     requests_for,
     start_cluster,
@@ -46,17 +46,6 @@ def _keys(url: str, cluster: str) -> set[str]:
         return {k.decode() for k in r.scan_iter(match=f"{cluster}:*")}
     finally:
         r.close()
-
-
-def _serving(cluster) -> bool:
-    body = health(cluster)
-    return bool(
-        body
-        and body["status"] == "ok"
-        and body["job_executors"] == 1
-        and len(body["task_executors"]) == 2
-        and body["models"] == ["demo"]
-    )
 
 
 async def _all(client, reqs: list[Req]) -> list[str | BaseException]:
@@ -146,7 +135,7 @@ async def test_nats_restart_ends_in_flight_requests_and_serving_resumes(cluster,
         f"in flight at the restart: {[type(o).__name__ for o in got.values()]} within {took:.1f}s"
     )
 
-    await await_for("serving after the restart", lambda: _serving(cluster), RECONNECT_S)
+    await await_for("serving after the restart", lambda: cluster_whole(cluster), RECONNECT_S)
     client = client_of(cluster)
     try:
         assert await _all(client, reqs) == [expected[r] for r in reqs]
@@ -191,7 +180,7 @@ async def test_a_long_nats_outage_fails_requests_with_503_and_serving_resumes(cl
             assert out == expected[r], f"{r} completed with another output"
     assert any(isinstance(out, BaseException) for out in got), "the outage disturbed nothing"
 
-    await await_for("serving after the restart", lambda: _serving(cluster), RECONNECT_S)
+    await await_for("serving after the restart", lambda: cluster_whole(cluster), RECONNECT_S)
     client = client_of(cluster)
     try:
         assert await _all(client, reqs) == [expected[r] for r in reqs]
