@@ -30,6 +30,12 @@ def main(argv: list[str] | None = None) -> None:
         "with the model, so that no load measures it on its critical path",
     )
     prof.add_argument("model_dir", help="the checkpoint's directory")
+    health = sub.add_parser(
+        "health",
+        help="exit 0 if the service in this container is alive (its MESHSERVE_HEALTH_FILE "
+        "is fresh), or if --url answers /health with status ok; a container's health check",
+    )
+    health.add_argument("--url", help="a frontend's /health URL to ask instead of the file")
     from services import admin_cli
 
     admin_cli.add_commands(sub)
@@ -63,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         capacity, where = profile_model(Path(args.model_dir), Settings.load())
         print(f"{args.model_dir}: capacity {where}: {capacity}")
         return
+    if args.command == "health":
+        sys.exit(_health(args.url))
     if args.command in admin_cli.COMMANDS:
         sys.exit(admin_cli.run(args))
     if args.command == "task-executor" and args.pool_id:
@@ -74,6 +82,32 @@ def main(argv: list[str] | None = None) -> None:
         return
     sys.argv = [SERVICE_NAMES[args.command]]
     runpy.run_module(SERVICE_NAMES[args.command], run_name="__main__", alter_sys=True)
+
+
+def _health(url: str | None) -> int:
+    from shared import health
+    from shared.settings import Settings
+
+    if url:
+        import json
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                status = json.load(r).get("status")
+        except (OSError, ValueError) as e:
+            print(f"unhealthy: {url}: {e}", file=sys.stderr)
+            return 1
+        print(f"{url}: {status}")
+        return 0 if status == "ok" else 1
+    settings = Settings.load()
+    path = settings.membership.health_file
+    if path is None:
+        print("unhealthy: MESHSERVE_HEALTH_FILE is not set, so nothing reports", file=sys.stderr)
+        return 2
+    ok, why = health.check(path, settings.membership.liveness_timeout.total_seconds())
+    print(why if ok else f"unhealthy: {why}", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

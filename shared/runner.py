@@ -13,6 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
+from shared import health
 from shared.bus import Bus
 from shared.logging import get_logger, setup_logging
 from shared.settings import Settings
@@ -128,7 +129,18 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         log.info("service started", cluster=settings.cluster)
-        await service.run()
+        alive = None
+        if path := settings.membership.health_file:
+            interval = settings.membership.heartbeat_interval.total_seconds()
+            alive = asyncio.create_task(
+                health.keep_touching(path, lambda: bus.connected, interval), name="health-file"
+            )
+        try:
+            await service.run()
+        finally:
+            if alive is not None:
+                alive.cancel()
+                await asyncio.gather(alive, return_exceptions=True)
         log.info("service stopped")
     finally:
         with contextlib.suppress(Exception):

@@ -105,6 +105,12 @@ class MembershipSettings(Section):
         default=timedelta(seconds=10),
         description="How long a stopping service drains in-flight work.",
     )
+    health_file: Path | None = Field(
+        default=None,
+        description="A file the service touches every heartbeat interval while it is "
+        "connected to NATS; `meshserve health` exits 0 while it is younger than the liveness "
+        "timeout (a container's health check: compose.yaml). Unset: none.",
+    )
 
 
 class FrontendSettings(Section):
@@ -713,6 +719,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if leaf.env not in env:
             continue
         raw = env[leaf.env]
+        if raw == "" and leaf.info.default is None:
+            continue  # an empty variable leaves an optional setting unset (compose's ${X:-})
         origin = getattr(leaf.info.annotation, "__origin__", None)
         out[leaf.flat] = json.loads(raw) if origin in (dict, list) else raw
     return out

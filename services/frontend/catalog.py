@@ -8,8 +8,11 @@ from pathlib import Path
 
 from shared.clients import ViewWatcher
 from shared.errors import NotFound, Unavailable
+from shared.logging import get_logger
 from shared.messages.cluster import ModelInfo
 from shared.tokenization import ModelTokenizer
+
+log = get_logger(__name__)
 
 
 class ModelCatalog:
@@ -43,7 +46,17 @@ class ModelCatalog:
         lock = self._locks.setdefault(info.path, asyncio.Lock())
         async with lock:
             if info.path not in self._tokenizers:
-                self._tokenizers[info.path] = await asyncio.to_thread(
-                    ModelTokenizer.from_dir, Path(info.path)
-                )
+                try:
+                    self._tokenizers[info.path] = await asyncio.to_thread(
+                        ModelTokenizer.from_dir, Path(info.path)
+                    )
+                except OSError as e:
+                    # The cluster manager lists the model, but this frontend cannot read its
+                    # files: a deployment that did not give it the models directory.
+                    log.error("tokenizer unreadable", model=info.id, error=str(e))
+                    raise Unavailable(
+                        f"The model `{info.id}` is listed but this frontend cannot read its "
+                        f"tokenizer ({e}): is the models directory mounted on every frontend?",
+                        code="model_unavailable",
+                    ) from e
         return self._tokenizers[info.path]

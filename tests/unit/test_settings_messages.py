@@ -35,6 +35,14 @@ def test_settings_from_environment(monkeypatch, tmp_path):
     assert Settings().cluster == "default"
 
 
+def test_an_empty_variable_leaves_an_optional_setting_unset():
+    # compose.yaml passes `${MESHSERVE_ADMIN_KEY:-}`: empty must not become a key of "".
+    s = Settings.load({"MESHSERVE_ADMIN_KEY": "", "MESHSERVE_NATS_URL": ""})
+    assert s.auth.admin_key is None and s.nats_url is None
+    with pytest.raises(ValidationError):
+        Settings.load({"MESHSERVE_HTTP_PORT": ""})
+
+
 def test_settings_env_round_trip_to_a_child():
     s = Settings(
         cluster="c1",

@@ -1,0 +1,116 @@
+"""`docker compose up` gives a working cluster: the official openai client gets chat
+completions through it, a crashed task executor comes back through its restart policy with
+no request lost, and `docker compose down` leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+import yaml
+
+from tests.docker.conftest import Compose
+
+PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def _client(c: Compose) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", timeout=180, max_retries=0)
+
+
+def _greedy(c: Compose, max_tokens: int) -> str:
+    r = _client(c).chat.completions.create(
+        model="demo", messages=PROMPT, max_tokens=max_tokens, temperature=0
+    )
+    assert r.usage is not None and r.usage.completion_tokens > 0
+    return r.choices[0].message.content or ""
+
+
+def _streamed(
+    c: Compose, max_tokens: int, first: threading.Event | None = None
+) -> tuple[str, str | None]:
+    text, finish = [], None
+    stream = _client(c).chat.completions.create(
+        model="demo", messages=PROMPT, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+            if first is not None and choice.delta.content:
+                first.set()
+    return "".join(text), finish
+
+
+def test_every_service_is_healthy(compose: Compose) -> None:
+    for service in ("cluster-manager", "scaler", "job-executor", "frontend", "task-executor"):
+        state = compose.inspect(compose.container(service))["State"]
+        assert state["Running"] and state["Health"]["Status"] in ("healthy", "starting"), (
+            service,
+            state,
+        )
+    demo = compose.inspect(compose.container("demo-model"))["State"]
+    assert demo["Status"] == "exited" and demo["ExitCode"] == 0
+
+
+def test_chat_completions_through_compose(compose: Compose) -> None:
+    text = _greedy(compose, 24)
+    assert text
+    streamed, finish = _streamed(compose, 24)
+    assert streamed == text
+    assert finish in ("stop", "length")
+    with pytest.raises(openai.NotFoundError):
+        _client(compose).chat.completions.create(model="no-such-model", messages=PROMPT)
+
+
+def test_killed_task_executor_restarts_and_loses_no_request(compose: Compose) -> None:
+    reference = _greedy(compose, 400)
+    te = compose.container("task-executor")
+    before = compose.inspect(te)
+    result: dict[str, object] = {}
+    first = threading.Event()
+
+    def in_flight() -> None:
+        try:
+            result["text"], result["finish"] = _streamed(compose, 400, first)
+        except Exception as e:
+            result["error"] = e
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    assert first.wait(60), "the request never started streaming"
+    # SIGKILL to the container's init: the node pool and its TEs die with it mid-stream.
+    os.kill(before["State"]["Pid"], signal.SIGKILL)
+    assert "text" not in result, "the request finished before the kill: ask for more tokens"
+    deadline = time.monotonic() + 60
+    while True:
+        after = compose.inspect(te)
+        if after["RestartCount"] > before["RestartCount"] and after["State"]["Running"]:
+            break
+        assert time.monotonic() < deadline, f"not restarted: {after['State']}"
+        time.sleep(0.5)
+    t.join(timeout=240)
+    assert not t.is_alive(), "the in-flight request never finished"
+    assert "error" not in result, f"in-flight request failed: {result['error']!r}"
+    assert result["text"] == reference
+    assert _greedy(compose, 400) == reference
+
+
+def test_gpu_profile_reserves_the_gpus(compose: Compose) -> None:
+    # Not started without --profile gpu.
+    assert not compose("ps", "-q", "task-executor-gpu").stdout.split()
+    config = yaml.safe_load(compose("--profile", "gpu", "config").stdout)
+    gpu = config["services"]["task-executor-gpu"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert gpu["environment"]["MESHSERVE_ENGINE"] == "vllm"
+    assert gpu["build"]["target"] == "gpu"
+
+
+def test_down_leaves_nothing_behind(compose: Compose) -> None:
+    compose("down", "-v", "--remove-orphans", "--timeout", "10")
+    assert compose.leftovers() == {"containers": [], "networks": [], "volumes": []}
