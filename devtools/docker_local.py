@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MIRROR = "http://deb.debian.org/debian"
 # The CPU torch wheel pyproject.toml pins; the Dockerfile takes it from a PEP 503 index.
 TORCH = "torch==2.13.0+cpu"
+# The index's port is part of the build's cache key (the TORCH_INDEX argument): a fixed one
+# lets the next build reuse the torch and dependency layers.
+TORCH_INDEX_PORT = 47913
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 IMAGE_CA_BUNDLE = Path("/etc/ssl/host-ca-bundle.pem")  # not rewritten by update-ca-certificates
 
@@ -234,7 +237,10 @@ def torch_index(workdir: Path) -> Iterator[str | None]:
             yield None
             return
     handler = functools.partial(_QuietHandler, directory=str(workdir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", TORCH_INDEX_PORT), handler)
+    except OSError:  # taken: any port, and the layers from torch on are built again
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -262,7 +268,7 @@ def build(d: Docker, images: Images = Images(), *, workdir: Path | None = None) 
         args = ["--build-arg", f"TORCH_INDEX={index}"] if index else []
         say(f"docker build {images.meshserve}")
         d.run(
-            "build", "--network", "host", "--target", "cpu",
+            "build", "--network", "host", "--force-rm", "--target", "cpu",
             "--build-arg", f"BASE={images.base}", *args,
             "-t", images.meshserve, str(ROOT), timeout=1800,
         )  # fmt: skip
@@ -271,7 +277,7 @@ def build(d: Docker, images: Images = Images(), *, workdir: Path | None = None) 
         t0 = time.monotonic()
         say(f"docker build {tag}")
         d.run(
-            "build", "--network", "host", "--target", target,
+            "build", "--network", "host", "--force-rm", "--target", target,
             "--build-arg", f"BASE={images.base}",
             "-f", str(ROOT / "docker" / "local-infra.Dockerfile"),
             "-t", tag, str(ROOT / "docker"), timeout=900,
