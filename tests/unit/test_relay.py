@@ -135,3 +135,35 @@ def test_a_receiver_needs_a_writable_buffer_and_the_schedule_is_checked() -> Non
     bad = [[Transfer(0, 1, 2, 0)]]  # node 1 sends a block it does not hold
     with pytest.raises(ValueError, match="does not hold"):
         run_node(0, bad, ["127.0.0.1:1"] * 3, BlockStore(b"ab", 2, full=True))
+
+
+def test_a_stale_sender_of_another_run_is_dropped_and_the_run_completes() -> None:
+    """A sender left over from an earlier multicast to the same listener (another run's
+    tag) is turned away; the receiver still gets every block from its own sender."""
+    source = os.urandom(3 * 1024 + 5)
+    listeners = [listen() for _ in range(2)]
+    addresses = [address_of(s) for s in listeners]
+    schedule = binomial_pipeline(1, block_count(len(source), 1024))
+    stale = BlockStore(os.urandom(len(source)), 1024, full=True)
+    stores = [BlockStore(source, 1024, full=True), BlockStore(bytearray(len(source)), 1024)]
+    errors: dict[str, BaseException] = {}
+
+    def node(k: int, store: BlockStore, name: str) -> None:
+        try:
+            run_node(k, schedule, addresses, store, listener=listeners[k], timeout=5, name=name)
+        except BaseException as e:
+            errors[f"{name}:{k}"] = e
+
+    old = threading.Thread(target=node, args=(0, stale, "old-model"))
+    old.start()  # connects first: the receiver must drop it
+    time.sleep(0.2)
+    threads = [threading.Thread(target=node, args=(k, stores[k], "model")) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in (*threads, old):
+        t.join(20)
+    for s in listeners:
+        s.close()
+    # The run's own nodes finished (the stale sender may or may not see the hang-up).
+    assert not {k: e for k, e in errors.items() if k.startswith("model:")}
+    assert bytes(stores[1].view) == source

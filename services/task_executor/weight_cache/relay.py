@@ -16,7 +16,10 @@ the same list of addresses. A node's bytes are one buffer (``BlockStore``) cut i
 There is no barrier per step: the pipelining comes from forwarding blocks as they land. The
 schedule only ever sends a block its sender holds from an earlier step, so every wait ends.
 
-A connection opens with the sender's node number (4 bytes, big-endian); each block on it is
+A connection opens with the sender's node number (4 bytes, big-endian) and the run's tag (8
+bytes: ``run_tag`` of the run's name, addresses and block layout). A receiver drops a
+connection whose tag is another run's (a sender left over from an earlier, failed multicast
+to the same listener) and goes on waiting for its own senders. Each block on a connection is
 a header (block index: 4 bytes, length: 8 bytes, big-endian), the payload, and the xxh3-64
 digest of the payload (8 bytes). Payloads go out with ``sendall`` from views of the buffer
 and come in with ``recv_into`` straight into it: no copies in Python. ``TCP_NODELAY``, as in
@@ -40,7 +43,7 @@ import xxhash
 
 from services.task_executor.weight_cache.multicast import Transfer, check_schedule
 
-HELLO = struct.Struct("!I")  # the sender's node number
+HELLO = struct.Struct("!I8s")  # the sender's node number, the run's tag (``run_tag``)
 HEADER = struct.Struct("!IQ")  # block index, payload length
 DIGEST = 8  # xxh3-64, big-endian
 _POLL_S = 0.05  # how often a blocked wait looks for a failure elsewhere in the node
@@ -119,6 +122,13 @@ class NodeStats:
     blocks_received: int
 
 
+def run_tag(name: str, addresses: Sequence[str], store: BlockStore) -> bytes:
+    """8 bytes that name one run: every node of it computes the same, and a run of another
+    model, other nodes or another block layout a different one."""
+    text = "\0".join([name, *addresses, str(store.size), str(store.block_bytes)])
+    return xxhash.xxh3_64_digest(text.encode())
+
+
 def listen(address: str = "127.0.0.1:0") -> socket.socket:
     """A listening socket on ``host:port`` (port 0: a free one; ``address_of`` says which)."""
     host, port = _split(address)
@@ -139,6 +149,7 @@ def run_node(
     listener: socket.socket | None = None,
     timeout: float = 60.0,
     corrupt: Collection[int] = (),
+    name: str = "",
 ) -> NodeStats:
     """Play ``node``'s part of ``schedule`` (node ``k`` listens on ``addresses[k]``; there
     are ``len(addresses) − 1`` receivers) until it holds every block and made all its sends.
@@ -147,7 +158,9 @@ def run_node(
     connect before this call; without one, ``addresses[node]`` is bound for the call (peers
     that connect too early are retried until ``timeout``). ``timeout``: seconds any one wait
     (for a block, a connection, bytes) may take. ``corrupt`` (tests): blocks this node sends
-    with a wrong digest. ``RelayError`` on any failure."""
+    with a wrong digest. ``name``: the run's name (the model), which every node passes alike;
+    with the addresses and the layout it makes the tag that tells this run's connections
+    from a stale one's. ``RelayError`` on any failure."""
     check_schedule(schedule, len(addresses) - 1, store.blocks)
     started = time.monotonic()
     sends = [t for step in schedule for t in step if t.sender == node]
@@ -157,7 +170,7 @@ def run_node(
             if t.receiver == node:
                 expected.setdefault(t.sender, []).append(t.block)
     receives = sum(len(b) for b in expected.values())
-    run = _Run(node, store, timeout, receives)
+    run = _Run(node, store, timeout, receives, run_tag(name, addresses, store))
     own = listener is None and bool(expected)
     if listener is None and expected:
         listener = listen(addresses[node])
@@ -200,8 +213,11 @@ def run_node(
 class _Run:
     """One ``run_node`` call's shared state: its connections, counters and first failure."""
 
-    def __init__(self, node: int, store: BlockStore, timeout: float, receives: int) -> None:
-        self.node, self.store, self.timeout = node, store, timeout
+    def __init__(
+        self, node: int, store: BlockStore, timeout: float, receives: int, tag: bytes
+    ) -> None:
+        self.node, self.store, self.timeout, self.tag = node, store, timeout, tag
+        self.stray = 0  # connections of another run, dropped
         self._receives_left = receives
         self.error: RelayError | None = None
         self.failed = threading.Event()
@@ -232,6 +248,14 @@ class _Run:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+
+    def _untrack(self, sock: socket.socket) -> None:
+        with self._lock:
+            if sock in self._socks:
+                self._socks.remove(sock)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
 
     def _track(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -285,7 +309,7 @@ class _Run:
             except OSError as e:
                 raise RelayError(f"node {self.node}: connecting to node {receiver}: {e}") from e
         self._track(sock)
-        sock.sendall(HELLO.pack(self.node))
+        sock.sendall(HELLO.pack(self.node, self.tag))
         return sock
 
     def _wait_block(self, t: Transfer) -> None:
@@ -319,7 +343,11 @@ class _Run:
             self._track(sock)
             hello = bytearray(HELLO.size)
             self._read(sock, memoryview(hello), "its node number", None)
-            (sender,) = HELLO.unpack(hello)
+            sender, tag = HELLO.unpack(hello)
+            if tag != self.tag:  # a sender of an earlier run to this listener
+                self.stray += 1
+                self._untrack(sock)
+                continue
             if sender not in waiting:
                 raise RelayError(f"node {self.node}: unexpected connection from node {sender}")
             waiting.discard(sender)

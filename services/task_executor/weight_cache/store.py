@@ -454,7 +454,9 @@ def receive_multicast(
     image = torch.empty(sum(sizes), dtype=torch.uint8)
     store = relay.BlockStore(image.numpy().data, plan.block_bytes)
     schedule = binomial_pipeline(len(plan.nodes) - 1, store.blocks)
-    relay.run_node(plan.node, schedule, plan.nodes, store, listener=listener, timeout=timeout)
+    relay.run_node(
+        plan.node, schedule, plan.nodes, store, listener=listener, timeout=timeout, name=model
+    )
     images, offset = {}, 0
     for key, size in zip(manifest["keys"], sizes, strict=True):
         images[str(key)] = image[offset : offset + size]

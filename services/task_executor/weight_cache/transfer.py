@@ -179,7 +179,9 @@ class WeightServer(socketserver.ThreadingTCPServer):
         def send() -> None:
             with self._relay_lock:
                 try:
-                    relay.run_node(0, schedule, nodes, store, listener=self._relay)
+                    relay.run_node(
+                        0, schedule, nodes, store, listener=self._relay, name=str(request["model"])
+                    )
                 except relay.RelayError as e:
                     log.warning("multicast of %s failed: %s", request["model"], e)
 
