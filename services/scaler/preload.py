@@ -63,8 +63,12 @@ def preloads(
         (m for m in models if 0 < now - state.memory(m).last_demand <= cfg.preload_window_s),
         key=lambda m: (-state.memory(m).last_demand, m),
     )
+    sizes: dict[str, int] = {}  # S of each model, as any host reports it (one pass)
+    for te in tes:
+        for m, weights in te.cached_weights.items():
+            sizes[m] = max(sizes.get(m, 0), weights.total_bytes)
     for model in predicted:
-        size = max((c.total_bytes for te in tes if (c := te.cached_weights.get(model))), default=0)
+        size = sizes.get(model, 0)
         if size == 0:
             continue
         pool = placement_order(model, idle, tes, cfg)[0].pool_id
