@@ -300,7 +300,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     profiles = load_profiles(args.profile or DEFAULT_PROFILE)
     models_map = parse_models_map(args.models_map)
     model = args.model
-    if model is None and not models_map and len(profiles) == 1:
+    if model is None and not models_map and not args.profile_for and len(profiles) == 1:
         model = next(iter(profiles))  # one profile: every request is for its model
     names = {p.model for p in plan(reqs, model=model, models_map=models_map)}
     if args.profile_for:
