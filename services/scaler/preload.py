@@ -14,7 +14,9 @@ while another runs (a TE ``preloading``), none for a model no host has ever cach
 size is unknown until a first load stores it), and one try per model and pool a window
 (``tried``: a pre-load that failed is not retried every tick).
 
-The simulator does not model host caches, so it does not run this decision.
+``meshserve-loadgen simulate`` runs this decision each scaler tick as the service does, on
+simulated node pools' host caches (``loadgen/simulator.py``), and counts the pre-loads and
+the loads that then map their weights.
 """
 
 from __future__ import annotations
