@@ -300,7 +300,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     profiles = load_profiles(args.profile or DEFAULT_PROFILE)
     models_map = parse_models_map(args.models_map)
     model = args.model
-    if model is None and not models_map and len(profiles) == 1:
+    if model is None and not models_map and not args.profile_for and len(profiles) == 1:
         model = next(iter(profiles))  # one profile: every request is for its model
     names = {p.model for p in plan(reqs, model=model, models_map=models_map)}
     if args.profile_for:
@@ -342,6 +342,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         record_gaps=not args.no_gaps,
         routing=_routing(args),
         prefix_caching=not args.no_prefix_caching,
+        host_cache_bytes=args.host_cache_bytes,
+        preload_window_s=args.preload_window,
     )
     calibration = None
     if args.calibrate:
@@ -381,6 +383,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "rate_scale": args.rate_scale,
         "seed": args.seed,
         "stats": dataclasses.asdict(stats),
+        "weight_cache_hit_rate": stats.weight_cache_hit_rate,
         "wall_s": round(wall, 3),
         "argv": sys.argv[1:],
         "calibration": calibration,
@@ -412,6 +415,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{100 * reuse_bound(planned):.1f}), taken from the cache at admission "
             f"{100 * stats.hit_rate:.1f}; routing {stats.routed}"
         )
+    print(_weight_cache_line(stats, cfg.host_cache_bytes))
     if args.routing == "all":
         _compare_routing(planned, profiles, cfg, slo, args.out, (summary, stats))
     if ideal is not None:
@@ -423,6 +427,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{ideal_is:.0f}; this run uses {ratio:.2f}x the ideal's instance-seconds"
         )
     return 0
+
+
+def _size(text: str) -> int:
+    """``1073741824``, ``1G``, ``512M``: bytes (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return round(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+
+
+def _weight_cache_line(stats, host_cache_bytes: int) -> str:
+    """Where loads took their weights from, pre-loads and evictions, and the TTFT of the
+    requests that found their model at zero."""
+    src = stats.loads_by_source
+    cold = stats.cold_ttft_s
+    cache = f"{host_cache_bytes / 2**30:.3g} GiB a pool" if host_cache_bytes else "off"
+    return (
+        f"host weight cache ({cache}): loads mapped {src.get('cache', 0)}, forked "
+        f"{src.get('fork', 0)}, from disk {src.get('disk', 0)} (hit rate "
+        f"{100 * stats.weight_cache_hit_rate:.1f}%), pre-loads {stats.preloads_done}/"
+        f"{stats.preloads_sent} done, evictions {stats.evictions}; requests that found no "
+        f"instance of their model ready {stats.cold_requests}: TTFT p50 "
+        f"{cold.get('p50', float('nan')):.2f} s, p90 {cold.get('p90', float('nan')):.2f} s"
+    )
 
 
 def _routing(args: argparse.Namespace) -> RoutingConfig:
@@ -787,6 +819,23 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the same trace with instances that load instantly (λScale's ideal) "
         "and print both instance-second totals",
+    )
+    m.add_argument(
+        "--host-cache-bytes",
+        type=_size,
+        default="32G",
+        metavar="BYTES",
+        help="each node pool's host weight cache (K, M, G, T: binary units; the default is a "
+        "quarter of a 128 GiB host): loads map the weights it holds, evicted by Tangram's "
+        "cost; 0 = off, every load reads the checkpoint",
+    )
+    m.add_argument(
+        "--preload-window",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a model with a request this recent is pre-loaded into the host cache of the "
+        "pool its next instance would take (the scaler's decision); 0 = off",
     )
     m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")

@@ -16,6 +16,12 @@ TE publishes each token before its next iteration; the frontend shares the host'
 cannot be measured in-process, so ``profile`` leaves it 0 and ``calibrate_emit_s`` fits it
 from a replay of the same workload (see the README). Everything else (load time, KV
 capacity, context length, batch limit) is what the engine reported when it was profiled.
+
+A load takes ``load_s`` from the checkpoint on disk; ``load_cached_s`` where its node pool's
+host weight cache holds the weights (mapped: nothing read or packed). ``weight_bytes`` is
+what the weights take in that cache. Profiles written before these fields load with
+estimates: ``load_cached_s`` as ``CACHED_LOAD_FRACTION`` of ``load_s``, ``weight_bytes`` as
+what ``load_s`` reads at ``DEFAULT_LOAD_BANDWIDTH``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ from typing import Any
 
 from services.task_executor.capacity import CAPACITY_MAX_BATCH
 from shared.messages.scaling import InstanceCapacity
+
+# A load that maps its weights from the host cache, over one that reads the checkpoint: 0.17 s
+# against 0.55 s from a warm disk for the Qwen2-0.5B-shaped model (README, Performance:
+# ``scripts/bench-coldstart``).
+CACHED_LOAD_FRACTION = 0.17 / 0.55
+# Bytes/s a load reads and packs a checkpoint at: the scaler's and the eviction cost's
+# default (MESHSERVE_HOST_CACHE_LOAD_BANDWIDTH).
+DEFAULT_LOAD_BANDWIDTH = 1.0e9
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,6 +64,11 @@ class EngineProfile:
     # The engine paces its prefill (scheduler.Pacing) from these costs and the SLO's TPOT:
     # max_prefill_tokens is then the budget while nothing decodes.
     paced: bool = False
+    # The weights in the engine's form, as the host weight cache holds them (0: estimated,
+    # ``weight_size``); LoadModel to ready when that cache holds them (None: estimated,
+    # ``cached_load_s``).
+    weight_bytes: int = 0
+    load_cached_s: float | None = None
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured
 
     def __post_init__(self) -> None:
@@ -57,6 +76,18 @@ class EngineProfile:
             raise ValueError("a profile needs decode step times for at least one batch size")
         if list(self.decode_batches) != sorted(set(self.decode_batches)):
             raise ValueError("decode batch sizes must be distinct and ascending")
+
+    def weight_size(self) -> int:
+        """Bytes the weights take in a host weight cache: ``weight_bytes``, else what a load
+        from disk reads in ``load_s`` at the default load bandwidth."""
+        return self.weight_bytes or max(1, round(self.load_s * DEFAULT_LOAD_BANDWIDTH))
+
+    def cached_load_s(self) -> float:
+        """A load whose weights its host cache holds: ``load_cached_s``, else
+        ``CACHED_LOAD_FRACTION`` of a load from disk."""
+        if self.load_cached_s is not None:
+            return self.load_cached_s
+        return self.load_s * CACHED_LOAD_FRACTION
 
     def decode_step_s(self, batch: int) -> float:
         """Step time of ``batch`` decodes at short context (0 for none)."""

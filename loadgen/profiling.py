@@ -6,7 +6,9 @@ Runs the engine the TE would run (``engines.factory.create_engine`` with the sam
 in this process: the load time, prefills of a few prompt lengths (fitted as
 ``a * n + b * n**2``), and decode steps at a few batch sizes, at a short and a long context
 (the difference gives the per-context-token attention cost). Prompts are random token ids:
-timing does not depend on content. Medians of a few repetitions.
+timing does not depend on content. Medians of a few repetitions. ``weight_bytes`` is the
+checkpoint's size (the host weight cache holds the engine's form of it: the same bytes unless
+the engine changes the dtype); ``load_cached_s`` is left to its estimate.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from services.task_executor.capacity import (
     pace_at_full_budget,
     prefill_s,
 )
+from services.task_executor.checkpoint import shard_files
 from services.task_executor.engines.factory import choose_engine, create_engine
 from shared.settings import Settings
 
@@ -87,6 +90,7 @@ def measure_profile(
             kv_blocks=st.total_kv_blocks,
             block_size=getattr(engine, "block_size", 16),
             max_model_len=max_len,
+            weight_bytes=checkpoint_bytes(model_dir),
             source={
                 "engine": engine.name,
                 "device": engine.device,
@@ -103,3 +107,11 @@ def measure_profile(
         )
     finally:
         engine.close()
+
+
+def checkpoint_bytes(model_dir: Path) -> int:
+    """The checkpoint's safetensors files, in bytes (0 where it has none)."""
+    try:
+        return sum(f.stat().st_size for f in shard_files(model_dir))
+    except (FileNotFoundError, KeyError, ValueError):
+        return 0

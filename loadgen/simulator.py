@@ -24,10 +24,29 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   each TE's cached prefix of the prompt, which the simulator knows exactly (a precise index);
 - prefix caching: each instance keeps an LRU of the trace's chained block keys
   (``loadgen.prefix_sim``) as large as its KV cache; a request admitted with a cached
-  prefix prefills only the rest (the scheduler sees it as the engine shows it).
+  prefix prefills only the rest (the scheduler sees it as the engine shows it);
+- host weight caches: each node pool has one (``SimConfig.host_cache_bytes``; 0: off),
+  modelled one entry per model (``loadgen.weight_cache_sim``: the simulated models share no
+  tensors), evicted by the real ``eviction.choose_victims``, never an entry a TE of the
+  pool has loading, ready or draining. A load maps the weights where its pool's cache holds
+  them (``EngineProfile.cached_load_s``), forks them where the scaler's ``Load`` names
+  another pool's weight server (``fork_source``; bytes over ``fork_bandwidth``, then
+  mapped), else reads the checkpoint (``load_s``); what it forked or read is stored after
+  it. TEs report their pool's cache in their views (``cached_weights``,
+  ``cache_free_bytes``, ``weight_server``), refreshed with the next heartbeat after it
+  changes, so ``placement_order`` weighs ``load_time`` as in production. Each scaler tick
+  runs the real ``preload.preloads`` as the service does (the views less the TEs its
+  decision took, the same ``tried`` memory); the TE pre-loading is ``PRELOADING`` for as
+  long as a load from the same source takes, then stores the model and is idle again. Its
+  time counts in ``SimStats.preload_seconds``, not in ``instance_seconds`` (no engine).
 
-Not modelled yet (they grow with the policy issues): PD disaggregation, TE failures. ``instant_loads`` gives λScale's ideal: the same policy with instances that
-are ready the moment they are asked for (``simulate --compare-ideal``).
+Not modelled yet (they grow with the policy issues): PD disaggregation, TE failures;
+multicast loads (``plan_multicasts`` needs relay addresses, which the simulated TEs do not
+report, so scale-outs fork one by one); a host cache holding part of a model (a real store
+keeps the tensors that fit; here a model is cached whole or not at all); the store after a
+load taking time (here the weights are cached the moment the load is done).
+``instant_loads`` gives λScale's ideal: the same policy with instances that are ready the
+moment they are asked for (``simulate --compare-ideal``); it turns host caches off.
 
 Results are ``loadgen.results.Result`` objects, so a simulated run is summarised, plotted
 and compared exactly like a replayed one.
@@ -46,6 +65,8 @@ from loadgen.costmodel import EngineProfile
 from loadgen.plan import Planned
 from loadgen.prefix_sim import PrefixLRU, chain_keys
 from loadgen.results import Result
+from loadgen.stats import summary as latency_summary
+from loadgen.weight_cache_sim import HostCacheModel
 from services.frontend.outcomes import Outcomes
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
@@ -62,6 +83,7 @@ from services.scaler.policy import (
     observe_traffic,
     observe_view,
 )
+from services.scaler.preload import preloads
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
@@ -70,6 +92,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     schedule,
     tpot_slack,
 )
+from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView
 from shared.messages.cluster import TEState
 from shared.messages.scaling import ModelTraffic
@@ -102,6 +125,13 @@ class SimConfig:
     record_gaps: bool = True  # keep every inter-token gap (memory: 8 bytes per token)
     routing: RoutingConfig = DEFAULT_ROUTING
     prefix_caching: bool = True  # instances reuse the K/V of prompt prefixes they computed
+    # Each node pool's host weight cache, bytes (0: off). The real default is a quarter of
+    # the host's memory: here, of a 128 GiB host.
+    host_cache_bytes: int = 32 << 30
+    load_bandwidth: float = 1.0e9  # MESHSERVE_HOST_CACHE_LOAD_BANDWIDTH: t_load, eviction cost
+    cache_horizon_s: float = 600.0  # MESHSERVE_HOST_CACHE_HORIZON: eviction's look ahead
+    fork_bandwidth: float = 1.25e9  # bytes/s a fork receives from another pool (10 Gb/s)
+    preload_window_s: float = 600.0  # MESHSERVE_PRELOAD_WINDOW (0: no pre-loads)
 
     def scaler_config(self) -> ScalerConfig:
         return ScalerConfig(
@@ -113,7 +143,18 @@ class SimConfig:
             ),
             stable_window_s=self.stable_window_s,
             panic_window_s=self.panic_window_s,
+            load_bandwidth=self.load_bandwidth,
+            preload_window_s=self.preload_window_s,
         )
+
+    def eviction_config(self) -> EvictionConfig:
+        """As ``HostWeightCache.from_settings`` builds it."""
+        return EvictionConfig(self.load_bandwidth, self.cache_horizon_s)
+
+    @property
+    def host_cache(self) -> bool:
+        """Pools keep weights (instant loads need none: the cache is off for them)."""
+        return self.host_cache_bytes > 0 and not self.instant_loads
 
 
 @dataclasses.dataclass(slots=True)
@@ -134,6 +175,25 @@ class SimStats:
     oracle_tokens: int = 0  # at placement, the longest cached prefix any instance held
     cached_tokens: int = 0  # at first admission, what the instance's cache still held
     routed: dict[str, int] = dataclasses.field(default_factory=dict)  # by routing branch
+    # Host weight caches: where each load's weights came from (cache: mapped; fork: from
+    # another pool's cache; disk: the checkpoint; instant: instant_loads), pre-loads, and
+    # what eviction took.
+    loads_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+    preloads_sent: int = 0
+    preloads_done: int = 0
+    preload_seconds: float = 0.0  # TEs pre-loading (not in instance_seconds: no engine)
+    evictions: int = 0
+    evicted_bytes: int = 0
+    uncached_loads: int = 0  # loads and pre-loads whose weights found no room in the cache
+    # Requests that arrived while their model had no instance ready (at zero, or its first
+    # instance still loading): how many, and their TTFT percentiles (seconds).
+    cold_requests: int = 0
+    cold_ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def weight_cache_hit_rate(self) -> float:
+        """Loads that mapped their weights from their pool's host cache."""
+        return self.loads_by_source.get("cache", 0) / self.loads if self.loads else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -192,6 +252,10 @@ class _TE:
     since: float = EPOCH  # when it left IDLE (instance-seconds)
     recent_models: tuple[str, ...] = ()
     cache: PrefixLRU | None = None  # its prefix cache, while a model is loaded
+    host: HostCacheModel | None = None  # its node pool's host weight cache
+    weight_server: str = ""  # its pool's weight server ("" without a host cache)
+    weights: str = ""  # where the weights of its load or pre-load come from
+    preloading: str | None = None  # the model it pre-loads
 
     def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
         """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
@@ -220,6 +284,9 @@ class _TE:
             last_active=self.last_active,
             reported_at=now,
             recent_models=self.recent_models,
+            weight_server=self.weight_server,
+            cached_weights=self.host.residencies() if self.host is not None else {},
+            cache_free_bytes=self.host.free_bytes() if self.host is not None else 0,
         )
 
 
@@ -239,6 +306,18 @@ class Simulation:
             for i in range(cfg.devices)
         ]
         self._by_id = {te.te_id: te for te in self.tes}
+        self._pools: dict[str, list[_TE]] = {}
+        for te in self.tes:
+            self._pools.setdefault(te.pool_id, []).append(te)
+        self._hosts: dict[str, HostCacheModel] = {}  # by weight server
+        if cfg.host_cache:
+            eviction = cfg.eviction_config()
+            for pool_id, tes in self._pools.items():
+                host = HostCacheModel(cfg.host_cache_bytes, eviction)
+                server = f"{pool_id}:7070"
+                self._hosts[server] = host
+                for te in tes:
+                    te.host, te.weight_server = host, server
         self.now = EPOCH
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
@@ -266,6 +345,9 @@ class Simulation:
         self._round_robin = 0
         self._scaler_at: float | None = None  # when the next scaler tick is due
         self._models = sorted({p.model for p in planned})
+        self._preloaded: dict[tuple[str, str], float] = {}  # (model, pool) -> sent at
+        self._ready: dict[str, int] = {}  # model -> instances ready (truth, not the view)
+        self._cold: list[Result] = []  # requests that found no instance of their model ready
         self.results: list[Result] = []
 
     # -- event queue ----------------------------------------------------------------------
@@ -284,6 +366,7 @@ class Simulation:
             "place": self._place_held,
             "iteration": self._iteration_done,
             "loaded": self._loaded,
+            "preloaded": self._preloaded_done,
             "heartbeat": self._heartbeat,
             "report": self._report_traffic,
             "scaler": self._scaler_tick,
@@ -300,8 +383,14 @@ class Simulation:
             self.stats.events += 1
             handlers[kind](arg)
         for te in self.tes:
-            if te.state != TEState.IDLE:
+            if te.state == TEState.PRELOADING:
+                self.stats.preload_seconds += self.now - te.since
+            elif te.state != TEState.IDLE:
                 self.stats.instance_seconds += self.now - te.since
+        self.stats.cold_requests = len(self._cold)
+        self.stats.cold_ttft_s = latency_summary(
+            [r.ttft_s for r in self._cold if r.ttft_s is not None]
+        )
         self.results.sort(key=lambda r: r.index)
         return self.results
 
@@ -329,6 +418,8 @@ class Simulation:
             session_id=p.session_id,
         )
         self.results.append(result)
+        if not self._ready.get(p.model):
+            self._cold.append(result)
         seq = _Seq(plan=p, result=result, prompt=p.input_tokens)
         if self.cfg.prefix_caching and p.hash_ids and p.block_size:
             seq.keys = chain_keys(p.hash_ids[: p.input_tokens // p.block_size])
@@ -521,16 +612,94 @@ class Simulation:
                 te.epoch += 1
                 self._state_changed(te)
                 self.stats.loads += 1
-                load_s = 0.0 if self.cfg.instant_loads else profile.load_s
+                if self.cfg.instant_loads:
+                    te.weights, load_s = "instant", 0.0
+                else:
+                    te.weights = self._weights_source(te, action.model, action.weights_from)
+                    load_s = fill_s(profile, te.weights, self.cfg.fork_bandwidth)
+                by_source = self.stats.loads_by_source
+                by_source[te.weights] = by_source.get(te.weights, 0) + 1
                 self._at(self.now + self.cfg.network_s + load_s, "loaded", (te, te.epoch))
             elif isinstance(action, Unload) and te.state == TEState.READY:
                 te.state = TEState.DRAINING
+                assert te.model is not None
+                self._ready[te.model] -= 1
                 self._state_changed(te)
                 self._maybe_unloaded(te)
         for model, t in decision.targets.items():
             self.stats.peak_replicas[model] = max(self.stats.peak_replicas.get(model, 0), t.current)
+        # As the scaler service does: on the views the decision saw, less the TEs it took.
+        taken = {a.te_id for a in decision.actions}
+        for p in preloads(
+            self._scaler,
+            [v for v in views if v.te_id not in taken],
+            models=self._models,
+            now=self.now,
+            cfg=self._scfg,
+            tried=self._preloaded,
+        ):
+            self._preloaded[p.model, p.pool_id] = self.now
+            self._preload(self._by_id[p.te_id], p.model, p.weights_from)
         if self._held or self._busy() or self._reports_due:
             self._schedule_scaler()
+
+    # -- host weight caches ------------------------------------------------------------------
+
+    def _weights_source(self, te: _TE, model: str, weights_from: str | None) -> str:
+        """Where a load or pre-load on ``te`` takes ``model``'s weights from, as the TE's
+        cache session does: its pool's cache, else the weight server it was told to fork
+        from (where that cache still holds them), else the checkpoint."""
+        if te.host is None:
+            return "disk"
+        if model in te.host:
+            return "cache"
+        source = self._hosts.get(weights_from) if weights_from else None
+        return "fork" if source is not None and model in source else "disk"
+
+    def _preload(self, te: _TE, model: str, weights_from: str | None) -> None:
+        """``PreloadModel``: an idle TE makes the model's weights into its pool's cache, no
+        engine (a TE that is not idle refuses, and the scaler does not retry it)."""
+        self.stats.preloads_sent += 1
+        if te.state != TEState.IDLE:
+            return
+        te.state, te.preloading, te.since = TEState.PRELOADING, model, self.now
+        te.epoch += 1
+        te.weights = self._weights_source(te, model, weights_from)
+        done = fill_s(self.profiles[model], te.weights, self.cfg.fork_bandwidth)
+        self._state_changed(te)
+        self._at(self.now + self.cfg.network_s + done, "preloaded", (te, te.epoch))
+
+    def _preloaded_done(self, arg: tuple[_TE, int]) -> None:
+        te, epoch = arg
+        if te.epoch != epoch or te.state != TEState.PRELOADING or te.preloading is None:
+            return
+        self._into_host_cache(te, te.preloading)
+        self.stats.preloads_done += 1
+        self.stats.preload_seconds += self.now - te.since
+        te.state, te.preloading = TEState.IDLE, None
+        te.epoch += 1
+        self._state_changed(te)
+
+    def _into_host_cache(self, te: _TE, model: str) -> None:
+        """After a load or pre-load through its pool's cache: what it built or fetched is
+        stored (room made by eviction), and its use recorded. The pool's TEs report the
+        change with their next heartbeat (the real ones read the cache every few seconds)."""
+        host = te.host
+        if host is None or te.weights == "instant":
+            return
+        if te.weights != "cache":
+            in_use = {
+                t.model
+                for t in self._pools[te.pool_id]
+                if t.model is not None
+                and t.state in (TEState.LOADING, TEState.READY, TEState.DRAINING)
+            }
+            stored = host.store(model, self.profiles[model].weight_size(), self.now, in_use)
+            self.stats.evictions += len(stored.evicted)
+            self.stats.evicted_bytes += stored.evicted_bytes
+            self.stats.uncached_loads += not stored.cached
+        host.record(model, self.now)
+        self._dirty.update(t.te_id for t in self._pools[te.pool_id])
 
     def _maybe_unloaded(self, te: _TE) -> None:
         """A draining TE unloads once its last request finished."""
@@ -553,6 +722,8 @@ class Simulation:
             te.cache = PrefixLRU(te.profile.kv_blocks * te.profile.block_size)
         te.last_active = self.now
         te.recent_models = (te.model, *(m for m in te.recent_models if m != te.model))[:8]
+        self._ready[te.model] = self._ready.get(te.model, 0) + 1
+        self._into_host_cache(te, te.model)
         self._state_changed(te)
 
     # -- engine -------------------------------------------------------------------------------
@@ -686,6 +857,18 @@ class Simulation:
                 )
                 self._reports_due = True
         self._dirty.add(te.te_id)
+
+
+def fill_s(profile: EngineProfile, source: str, fork_bandwidth: float) -> float:
+    """How long a load takes by where its weights come from: mapped from the pool's cache;
+    forked (the bytes over the network, then mapped as from the cache); read and packed
+    from the checkpoint (``load_s``). A pre-load takes as long as a load from the same
+    source: what it saves on the engine it spends storing the weights."""
+    if source == "cache":
+        return profile.cached_load_s()
+    if source == "fork":
+        return profile.weight_size() / fork_bandwidth + profile.cached_load_s()
+    return profile.load_s
 
 
 def simulate(

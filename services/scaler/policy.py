@@ -505,6 +505,23 @@ def load_time(model: str, pool_id: str, tes: Sequence[TEView], cfg: ScalerConfig
     return max(total - resident, 0) / cfg.load_bandwidth
 
 
+def load_times(model: str, tes: Sequence[TEView], cfg: ScalerConfig) -> dict[str, float]:
+    """``load_time`` of ``model`` on every pool of ``tes``, in one pass over them (a
+    placement weighs every idle TE's pool: one ``load_time`` each would read the whole
+    view once per idle TE)."""
+    total = 0
+    resident: dict[str, int] = {}
+    for te in tes:
+        held = resident.setdefault(te.pool_id, 0)
+        cached = te.cached_weights.get(model)
+        if cached is not None:
+            total = max(total, cached.total_bytes)
+            resident[te.pool_id] = max(held, cached.resident_bytes)
+    if total == 0:
+        return dict.fromkeys(resident, math.inf)
+    return {pool: max(total - r, 0) / cfg.load_bandwidth for pool, r in resident.items()}
+
+
 def fork_source(model: str, pool_id: str, tes: Sequence[TEView]) -> str | None:
     """Where a new instance of ``model`` on ``pool_id`` should fork its weights from: the
     weight server of another pool whose host cache holds all of them, when this pool's
@@ -543,7 +560,13 @@ def placement_order(
             warm.add(te.pool_id)
         if te.state == TEState.IDLE:
             idle_per_pool[te.pool_id] = idle_per_pool.get(te.pool_id, 0) + 1
-    t_load = {te.pool_id: load_time(model, te.pool_id, tes, cfg) for te in idle}
+    times = load_times(model, tes, cfg)
+    t_load = {
+        te.pool_id: times[te.pool_id]
+        if te.pool_id in times
+        else load_time(model, te.pool_id, tes, cfg)
+        for te in idle
+    }
     return sorted(
         idle,
         key=lambda te: (

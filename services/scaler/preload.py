@@ -14,7 +14,9 @@ while another runs (a TE ``preloading``), none for a model no host has ever cach
 size is unknown until a first load stores it), and one try per model and pool a window
 (``tried``: a pre-load that failed is not retried every tick).
 
-The simulator does not model host caches, so it does not run this decision.
+``meshserve-loadgen simulate`` runs this decision each scaler tick as the service does, on
+simulated node pools' host caches (``loadgen/simulator.py``), and counts the pre-loads and
+the loads that then map their weights.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ def preloads(
         (m for m in models if 0 < now - state.memory(m).last_demand <= cfg.preload_window_s),
         key=lambda m: (-state.memory(m).last_demand, m),
     )
+    sizes: dict[str, int] = {}  # S of each model, as any host reports it (one pass)
+    for te in tes:
+        for m, weights in te.cached_weights.items():
+            sizes[m] = max(sizes.get(m, 0), weights.total_bytes)
     for model in predicted:
-        size = max((c.total_bytes for te in tes if (c := te.cached_weights.get(model))), default=0)
+        size = sizes.get(model, 0)
         if size == 0:
             continue
         pool = placement_order(model, idle, tes, cfg)[0].pool_id

@@ -107,7 +107,9 @@ def test_chunked_prefill_bounds_the_stall_a_long_prompt_puts_on_decodes() -> Non
 
 def test_warm_instance_and_scale_to_zero_after_keep_alive() -> None:
     planned = plan(trace((0.0, 10, 2), (5.0, 10, 2), (100.0, 10, 2)), model="m")
-    cfg = SimConfig(devices=1, keep_alive_s=30.0, **NO_NET)
+    # No host weight cache: every load reads the checkpoint (with one, the third request's
+    # load maps the weights: test_loadgen_simulator_cache.py).
+    cfg = SimConfig(devices=1, keep_alive_s=30.0, host_cache_bytes=0, **NO_NET)
     results, stats = simulate(planned, {"m": profile()}, cfg)
     cold, warm, after = results
     assert cold.ttft_s > 2.0  # loaded first
@@ -172,9 +174,10 @@ def test_thousands_of_devices_and_models_run_fast() -> None:
     planned = plan(reqs)
     profiles = {f"m{k}": profile(f"m{k}") for k in range(500)}
     t = time.perf_counter()
-    results, stats = simulate(
-        planned, profiles, SimConfig(devices=2000, pool_size=8, record_gaps=False)
-    )
+    # Host weight caches on, pre-loads off: the pre-load decision ranks every idle TE for
+    # every recently used model each tick (about 0.5 s a tick here, in the scaler too).
+    cfg = SimConfig(devices=2000, pool_size=8, record_gaps=False, preload_window_s=0)
+    results, stats = simulate(planned, profiles, cfg)
     elapsed = time.perf_counter() - t
     assert all(r.ok for r in results)
     assert stats.loads >= 500 and stats.max_busy_devices >= 500

@@ -16,6 +16,7 @@ from services.scaler.policy import (
     fork_source,
     load_backoff,
     load_time,
+    load_times,
     observe_capacity,
     observe_outcomes,
     observe_traffic,
@@ -258,6 +259,11 @@ def test_placement_prefers_the_pool_whose_host_cache_loads_the_model_fastest() -
     assert load_time("m", "B", tes, CFG) == (gb // 2) / CFG.load_bandwidth
     assert load_time("m", "C", tes, CFG) == 0.0
     assert load_time("unseen", "C", tes, CFG) == float("inf")
+    # Every pool's in one pass: the same figures.
+    for model in ("m", "other", "unseen"):
+        assert load_times(model, tes, CFG) == {
+            pool: load_time(model, pool, tes, CFG) for pool in "ABCD"
+        }
 
 
 def test_a_load_on_a_pool_without_the_weights_forks_them_from_a_pool_that_has_them() -> None:
