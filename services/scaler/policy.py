@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from services.views import TEView
 from shared.messages.cluster import TEState
@@ -493,24 +493,17 @@ def load_time(model: str, pool_id: str, tes: Sequence[TEView], cfg: ScalerConfig
     """Tangram's ``t_load = (S − S_resident) / B`` of ``model`` on ``pool_id``'s host: S
     the model's bytes as any host's cache reports them, S_resident what this pool's cache
     holds, B ``cfg.load_bandwidth``; inf where no host has ever cached the model (unknown)."""
-    total, resident = 0, 0
-    for te in tes:
-        cached = te.cached_weights.get(model)
-        if cached is not None:
-            total = max(total, cached.total_bytes)
-            if te.pool_id == pool_id:
-                resident = max(resident, cached.resident_bytes)
-    if total == 0:
-        return math.inf
-    return max(total - resident, 0) / cfg.load_bandwidth
+    return load_times(model, tes, cfg, pools=(pool_id,))[pool_id]
 
 
-def load_times(model: str, tes: Sequence[TEView], cfg: ScalerConfig) -> dict[str, float]:
-    """``load_time`` of ``model`` on every pool of ``tes``, in one pass over them (a
-    placement weighs every idle TE's pool: one ``load_time`` each would read the whole
-    view once per idle TE)."""
+def load_times(
+    model: str, tes: Sequence[TEView], cfg: ScalerConfig, *, pools: Iterable[str] = ()
+) -> dict[str, float]:
+    """``load_time`` of ``model`` on every pool of ``tes`` and of ``pools``, in one pass
+    over ``tes`` (a placement weighs every idle TE's pool: one ``load_time`` each would
+    read the whole view once per idle TE)."""
     total = 0
-    resident: dict[str, int] = {}
+    resident = dict.fromkeys(pools, 0)
     for te in tes:
         held = resident.setdefault(te.pool_id, 0)
         cached = te.cached_weights.get(model)
@@ -560,13 +553,7 @@ def placement_order(
             warm.add(te.pool_id)
         if te.state == TEState.IDLE:
             idle_per_pool[te.pool_id] = idle_per_pool.get(te.pool_id, 0) + 1
-    times = load_times(model, tes, cfg)
-    t_load = {
-        te.pool_id: times[te.pool_id]
-        if te.pool_id in times
-        else load_time(model, te.pool_id, tes, cfg)
-        for te in idle
-    }
+    t_load = load_times(model, tes, cfg, pools={te.pool_id for te in idle})
     return sorted(
         idle,
         key=lambda te: (
