@@ -22,6 +22,7 @@ from shared.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = docker_local.Images()
+PROJECT_PREFIX = "meshserve-test-"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -39,12 +40,36 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[docker_local.Do
     except docker_local.Unavailable as e:
         pytest.skip(f"no Docker here: {e}")
     try:
+        _remove_stale_projects(d)
         t0 = time.monotonic()
         seconds = docker_local.build(d, IMAGES)
         print(f"images built in {time.monotonic() - t0:.0f} s: {seconds}")
         yield d
     finally:
         d.stop_daemon()
+
+
+def _remove_stale_projects(d: docker_local.Docker) -> None:
+    """What an earlier run that was killed before its `down` left: its containers restart
+    with the engine (`unless-stopped`) and would run beside this one."""
+    label = "label=com.docker.compose.project"
+    stale = {
+        name
+        for kind in (("ps", "-a"), ("network", "ls"), ("volume", "ls"))
+        for name in d.run(
+            *kind, "--filter", label, "--format", '{{.Label "com.docker.compose.project"}}'
+        ).stdout.split()
+        if name.startswith(PROJECT_PREFIX)
+    }
+    for project in sorted(stale):
+        print(f"removing what an earlier run left: compose project {project}")
+        only = f"{label}={project}"
+        if ids := d.run("ps", "-a", "-q", "--filter", only).stdout.split():
+            d.run("rm", "-f", "-v", *ids)
+        if ids := d.run("network", "ls", "-q", "--filter", only).stdout.split():
+            d.run("network", "rm", *ids)
+        if ids := d.run("volume", "ls", "-q", "--filter", only).stdout.split():
+            d.run("volume", "rm", "-f", *ids)
 
 
 class Compose:
@@ -126,7 +151,7 @@ class Compose:
 @pytest.fixture(scope="module")
 def compose(docker: docker_local.Docker) -> Iterator[Compose]:
     """compose.yaml up (detached) with the demo model generated into its volume."""
-    c = Compose(docker, f"meshserve-test-{uuid.uuid4().hex[:8]}", free_port())
+    c = Compose(docker, f"{PROJECT_PREFIX}{uuid.uuid4().hex[:8]}", free_port())
     try:
         t0 = time.monotonic()
         c("up", "-d", timeout=900)
