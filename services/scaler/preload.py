@@ -28,8 +28,10 @@ from collections.abc import Mapping, Sequence
 from services.scaler.policy import (
     ScalerConfig,
     ScalerState,
+    best_pool,
     fork_source,
     placement_order,
+    pool_index,
 )
 from services.views import TEView
 from shared.messages.cluster import TEState
@@ -65,29 +67,24 @@ def preloads(
         (m for m in models if 0 < now - state.memory(m).last_demand <= cfg.preload_window_s),
         key=lambda m: (-state.memory(m).last_demand, m),
     )
-    sizes: dict[str, int] = {}  # S of each model, as any host reports it (one pass)
-    for te in tes:
-        for m, weights in te.cached_weights.items():
-            sizes[m] = max(sizes.get(m, 0), weights.total_bytes)
+    index = pool_index(tes)  # once: the loop weighs every predicted model
+    room: dict[str, int] = {}  # pool -> its cache's free bytes, as its idle TEs report them
+    idle_in: dict[str, list[TEView]] = {}
+    for te in idle:
+        room[te.pool_id] = max(room.get(te.pool_id, 0), te.cache_free_bytes)
+        idle_in.setdefault(te.pool_id, []).append(te)
     for model in predicted:
-        size = sizes.get(model, 0)
+        size = index.size.get(model, 0)
         if size == 0:
             continue
-        pool = placement_order(model, idle, tes, cfg)[0].pool_id
-        held = max(
-            (
-                c.resident_bytes
-                for te in tes
-                if te.pool_id == pool and (c := te.cached_weights.get(model))
-            ),
-            default=0,
-        )
-        pool_idle = [te for te in idle if te.pool_id == pool]
-        room = max((te.cache_free_bytes for te in pool_idle), default=0)
-        if held >= size or len(pool_idle) < 2 or room < size - held:
+        pool = best_pool(model, idle_in, tes, cfg, index)
+        held = index.resident.get((model, pool), 0)
+        pool_idle = idle_in[pool]
+        if held >= size or len(pool_idle) < 2 or room[pool] < size - held:
             continue
         if now - (tried or {}).get((model, pool), -math.inf) < cfg.preload_window_s:
             continue
-        te = placement_order(model, pool_idle, tes, cfg)[-1]  # keep the best one for a load
+        # The pool's last TE in the order: the best one stays for a load.
+        te = placement_order(model, pool_idle, tes, cfg, index)[-1]
         return [Preload(te.te_id, model, pool, "predicted", fork_source(model, pool, tes))]
     return []

@@ -5,6 +5,7 @@ keep-alive unload."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from services.scaler.policy import (
     Load,
@@ -12,16 +13,17 @@ from services.scaler.policy import (
     ScalerConfig,
     ScalerState,
     Unload,
+    best_pool,
     decide,
     fork_source,
     load_backoff,
     load_time,
-    load_times,
     observe_capacity,
     observe_outcomes,
     observe_traffic,
     observe_view,
     placement_order,
+    pool_index,
 )
 from services.views import TEView
 from shared.messages.cluster import CachedWeights, TEState
@@ -259,11 +261,51 @@ def test_placement_prefers_the_pool_whose_host_cache_loads_the_model_fastest() -
     assert load_time("m", "B", tes, CFG) == (gb // 2) / CFG.load_bandwidth
     assert load_time("m", "C", tes, CFG) == 0.0
     assert load_time("unseen", "C", tes, CFG) == float("inf")
-    # Every pool's in one pass: the same figures.
+    # From an index built once: the same figures.
+    index = pool_index(tes)
     for model in ("m", "other", "unseen"):
-        assert load_times(model, tes, CFG) == {
-            pool: load_time(model, pool, tes, CFG) for pool in "ABCD"
-        }
+        for pool in "ABCDE":
+            assert load_time(model, pool, tes, CFG, index) == load_time(model, pool, tes, CFG)
+
+
+def test_best_pool_is_the_pool_of_the_first_in_placement_order() -> None:
+    """``best_pool`` ranks pools instead of sorting TEs; on random views it picks what the
+    full order puts first."""
+    rng = random.Random(7)
+    gb = 1 << 30
+    models = ["m", "n", "o"]
+    for _ in range(300):
+        tes = []
+        for i in range(rng.randint(2, 14)):
+            pool = rng.choice("ABCD")
+            recent = rng.sample(models, rng.randint(0, 2))
+            if rng.random() < 0.5:
+                t = idle(f"t{i}", pool=pool, recent=recent)
+            else:
+                t = te(
+                    f"t{i}",
+                    rng.choice([TEState.READY, TEState.LOADING]),
+                    rng.choice(models),
+                    pool=pool,
+                    recent=recent,
+                )
+            weights = {
+                m: (rng.choice([0, gb // 2, gb]), gb) for m in rng.sample(models, rng.randint(0, 2))
+            }
+            tes.append(cached(t, **weights))
+        free = [t for t in tes if t.state == TEState.IDLE]
+        if not free:
+            continue
+        index = pool_index(tes)
+        for model in models:
+            first = placement_order(model, free, tes, CFG)[0]
+            by_pool: dict[str, list[TEView]] = {}
+            for t in free:
+                by_pool.setdefault(t.pool_id, []).append(t)
+            assert best_pool(model, by_pool, tes, CFG, index) == first.pool_id
+            assert placement_order(model, free, tes, CFG, index) == placement_order(
+                model, free, tes, CFG
+            )
 
 
 def test_a_load_on_a_pool_without_the_weights_forks_them_from_a_pool_that_has_them() -> None:
