@@ -36,6 +36,15 @@ def main(argv: list[str] | None = None) -> None:
         "is fresh), or if --url answers /health with status ok; a container's health check",
     )
     health.add_argument("--url", help="a frontend's /health URL to ask instead of the file")
+    sec = sub.add_parser(
+        "infra-secrets",
+        help="write per-role NATS and Redis credentials and the servers' configurations "
+        "under DIR (compose.yaml's secrets service)",
+    )
+    sec.add_argument(
+        "dir", help="where: DIR/nats and DIR/redis for the servers, DIR/<role> for each role"
+    )
+    sec.add_argument("--owner", type=int, help="uid (and gid) to own the roles' files")
     from services import admin_cli
 
     admin_cli.add_commands(sub)
@@ -68,6 +77,16 @@ def main(argv: list[str] | None = None) -> None:
 
         capacity, where = profile_model(Path(args.model_dir), Settings.load())
         print(f"{args.model_dir}: capacity {where}: {capacity}")
+        return
+    if args.command == "infra-secrets":
+        from pathlib import Path
+
+        from services import infra_secrets
+        from shared.settings import Settings
+
+        cluster = Settings.load().cluster
+        infra_secrets.write(Path(args.dir), cluster, owner=args.owner)
+        print(f"credentials for cluster {cluster!r} in {args.dir} (one user per role)")
         return
     if args.command == "health":
         sys.exit(_health(args.url))

@@ -18,6 +18,7 @@ Redis users reach only their cluster's keys and no administrative or dangerous c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import secrets
@@ -110,8 +111,11 @@ class Credentials:
         return urlunsplit(parts._replace(netloc=netloc))
 
 
-def nats_config(creds: Credentials, cluster: str, *, port: int, store_dir: str) -> str:
-    """A nats-server configuration: loopback, JetStream, one user per role."""
+def nats_config(
+    creds: Credentials, cluster: str, *, port: int, store_dir: str, host: str = "127.0.0.1"
+) -> str:
+    """A nats-server configuration: on ``host`` (loopback unless a container's), JetStream,
+    one user per role."""
     users = [
         {"user": role, "password": creds.secrets[role], "permissions": permissions(role, cluster)}
         for role in ROLES
@@ -119,7 +123,7 @@ def nats_config(creds: Credentials, cluster: str, *, port: int, store_dir: str) 
     # nats-server reads JSON as its configuration syntax.
     return json.dumps(
         {
-            "host": "127.0.0.1",
+            "host": host,
             "port": port,
             "jetstream": {"store_dir": store_dir},
             "authorization": {"users": users},
@@ -130,10 +134,11 @@ def nats_config(creds: Credentials, cluster: str, *, port: int, store_dir: str) 
 
 def redis_acl(creds: Credentials, cluster: str) -> str:
     """A Redis ACL file: no default user; each role only its cluster's keys, no
-    administrative or dangerous command."""
+    administrative or dangerous command. Secrets appear only as their SHA-256."""
     lines = ["user default off"]
     lines += [
-        f"user {role} on >{creds.secrets[role]} ~{cluster}:* resetchannels "
+        f"user {role} on #{hashlib.sha256(creds.secrets[role].encode()).hexdigest()} "
+        f"~{cluster}:* resetchannels "
         "+@all -@admin -@dangerous"
         for role in ROLES
     ]

@@ -548,6 +548,15 @@ class Settings(BaseModel):
     redis_url: str | None = Field(
         default=None, description="Redis URL. Unset: `meshserve up` starts an embedded one."
     )
+    nats_url_file: Path | None = Field(
+        default=None,
+        description="A file holding the NATS URL (credentials included), read when nats_url "
+        "is unset: a container's secret (compose.yaml).",
+    )
+    redis_url_file: Path | None = Field(
+        default=None,
+        description="A file holding the Redis URL, read when redis_url is unset, as nats_url_file.",
+    )
     models_dir: Path = Field(
         default=Path("models"),
         validate_default=True,
@@ -577,6 +586,21 @@ class Settings(BaseModel):
     @classmethod
     def _nest_flat_names(cls, data: Any) -> Any:
         return _nest(data) if isinstance(data, Mapping) else data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _urls_from_files(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for field in ("nats_url", "redis_url"):
+            path = data.get(f"{field}_file")
+            if path and not data.get(field):
+                try:
+                    data[field] = Path(path).read_text().strip() or None
+                except OSError as e:
+                    raise ValueError(f"{field}_file: cannot read {path}: {e}") from e
+        return data
 
     # -- loading ------------------------------------------------------------------------
 

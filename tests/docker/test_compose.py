@@ -53,8 +53,9 @@ def test_every_service_is_healthy(compose: Compose) -> None:
             service,
             state,
         )
-    demo = compose.inspect(compose.container("demo-model"))["State"]
-    assert demo["Status"] == "exited" and demo["ExitCode"] == 0
+    for one_shot in ("secrets", "demo-model"):
+        state = compose.inspect(compose.container(one_shot))["State"]
+        assert state["Status"] == "exited" and state["ExitCode"] == 0, (one_shot, state)
 
 
 def test_chat_completions_through_compose(compose: Compose) -> None:
@@ -98,6 +99,48 @@ def test_killed_task_executor_restarts_and_loses_no_request(compose: Compose) ->
     assert "error" not in result, f"in-flight request failed: {result['error']!r}"
     assert result["text"] == reference
     assert _greedy(compose, 400) == reference
+
+
+ANONYMOUS = """
+import asyncio, nats, redis
+async def anonymous_nats():
+    try:
+        nc = await nats.connect("nats://nats:4222", allow_reconnect=False, connect_timeout=5)
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
+    await nc.close()
+    return "admitted"
+try:
+    redis.Redis(host="redis", socket_timeout=5).ping()
+    refused_redis = "admitted"
+except redis.exceptions.RedisError as e:
+    refused_redis = type(e).__name__
+print(asyncio.run(anonymous_nats()))
+print(refused_redis)
+"""
+
+
+def test_nats_and_redis_admit_only_the_roles(compose: Compose) -> None:
+    """The servers refuse anonymous clients; each container holds only its own role's
+    credentials (mode 0600), and the cluster serves with them (the tests above)."""
+    frontend = compose.container("frontend")
+    out = compose.d.run("exec", frontend, "python", "-c", ANONYMOUS).stdout.splitlines()
+    assert "admitted" not in out[0] and "uthoriz" in out[0], out
+    assert out[1] in ("AuthenticationError", "NoPermissionError", "ResponseError"), out
+    listing = compose.d.run("exec", frontend, "ls", "-l", "/run/meshserve").stdout
+    assert sorted(line.split()[-1] for line in listing.splitlines()[1:]) == [
+        "nats-url",
+        "redis-url",
+    ]
+    assert all(line.startswith("-rw-------") for line in listing.splitlines()[1:])
+    urls = {
+        service: compose.d.run(
+            "exec", compose.container(service), "cat", "/run/meshserve/nats-url"
+        ).stdout
+        for service in ("frontend", "task-executor")
+    }
+    assert urls["frontend"].startswith("nats://frontend:")
+    assert urls["task-executor"].startswith("nats://task_executor:")
 
 
 def test_gpu_profile_reserves_the_gpus(compose: Compose) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from shared.access import ACCESS, ROLES, Credentials, permissions, redis_acl, subject_pattern
 from shared.subjects import CATALOGUE
 
@@ -41,4 +43,6 @@ def test_credentials_go_in_urls_and_acl_lines():
     assert url == f"redis://scaler:{creds.secrets['scaler']}@127.0.0.1:6379/0"
     acl = redis_acl(creds, "c1")
     assert acl.startswith("user default off\n")
-    assert f"user scaler on >{creds.secrets['scaler']} ~c1:* " in acl
+    digest = hashlib.sha256(creds.secrets["scaler"].encode()).hexdigest()
+    assert f"user scaler on #{digest} ~c1:* " in acl
+    assert not any(secret in acl for secret in creds.secrets.values())

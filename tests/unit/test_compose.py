@@ -7,28 +7,43 @@ from pathlib import Path
 import yaml
 
 from services.cli import SERVICE_NAMES
+from shared.access import ROLES
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
 INFRA = ("nats", "redis")
+ONE_SHOT = ("secrets", "demo-model")
 
 
 def _meshserve() -> dict[str, dict]:
-    return {n: s for n, s in SERVICES.items() if n not in INFRA and n != "demo-model"}
+    return {n: s for n, s in SERVICES.items() if n not in INFRA + ONE_SHOT}
 
 
 def test_compose_runs_each_service_once_with_a_real_subcommand():
     default = [s["command"][0] for s in _meshserve().values() if "profiles" not in s]
     assert sorted(default) == sorted(SERVICE_NAMES)
-    for s in _meshserve().values():
+
+
+def test_each_service_mounts_its_own_roles_credentials_and_no_other():
+    """NATS and Redis admit one user per role (shared/access.py); a container reads its
+    role's URLs from the one secrets volume mounted into it."""
+    for name, s in _meshserve().items():
+        role = SERVICE_NAMES[s["command"][0]].split(".")[-1]
         env = s["environment"]
-        assert env["MESHSERVE_NATS_URL"].startswith("nats://nats")
-        assert env["MESHSERVE_REDIS_URL"].startswith("redis://redis")
+        assert "MESHSERVE_NATS_URL" not in env and "MESHSERVE_REDIS_URL" not in env
+        assert env["MESHSERVE_NATS_URL_FILE"] == "/run/meshserve/nats-url"
+        assert env["MESHSERVE_REDIS_URL_FILE"] == "/run/meshserve/redis-url"
+        secrets = [v for v in s["volumes"] if v.startswith("secrets-")]
+        assert secrets == [f"secrets-{role.replace('_', '-')}:/run/meshserve:ro"], name
+    written = {v.split(":")[1] for v in SERVICES["secrets"]["volumes"]}
+    assert written >= {f"/secrets/{r}" for r in ROLES} | {"/secrets/nats", "/secrets/redis"}
+    assert SERVICES["nats"]["volumes"] == ["secrets-nats:/etc/meshserve:ro"]
+    assert SERVICES["redis"]["volumes"] == ["secrets-redis:/etc/meshserve:ro"]
 
 
 def test_every_long_running_service_is_health_checked_and_restarted():
     for name, s in SERVICES.items():
-        if name == "demo-model":
+        if name in ONE_SHOT:
             assert s["restart"] == "no"
             continue
         assert s["restart"] == "unless-stopped", name

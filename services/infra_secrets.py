@@ -1,0 +1,78 @@
+"""``meshserve infra-secrets DIR``: the per-role credentials of compose.yaml's NATS and Redis,
+written where each container finds its own (the one-shot ``secrets`` service).
+
+As ``meshserve up`` does for the servers it embeds (``shared/access.py``), one user per
+service role, each with a generated secret and only its permissions. Written:
+
+- ``DIR/nats/nats.conf`` and ``DIR/redis/redis.acl``: the servers' configurations (the
+  ``secrets-nats`` and ``secrets-redis`` volumes, each mounted only into its server's
+  container; Redis's file holds SHA-256 hashes of the secrets, not the secrets);
+- ``DIR/<role>/nats-url`` and ``DIR/<role>/redis-url``: that role's URLs, credentials
+  included, mode 0600 and owned by ``--owner`` (the ``secrets-<role>`` volume, mounted only
+  into that role's containers, read through ``MESHSERVE_NATS_URL_FILE`` and
+  ``MESHSERVE_REDIS_URL_FILE``).
+
+Secrets already there are kept (``DIR/store/credentials.json``, a volume of the secrets
+service's own), so a second ``up`` does not change them under running servers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from shared.access import ROLES, Credentials, nats_config, redis_acl
+
+NATS_PORT = 4222
+
+
+def _write(path: Path, text: str, mode: int, owner: int | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    if owner is not None:
+        os.chown(tmp, owner, owner)
+    tmp.replace(path)
+
+
+def credentials(root: Path) -> Credentials:
+    """The secrets stored under ``root``, or new ones (then stored)."""
+    stored = root / "store" / "credentials.json"
+    try:
+        known = json.loads(stored.read_text())
+        if set(known) == set(ROLES):
+            return Credentials(known)
+    except (OSError, ValueError):
+        pass
+    creds = Credentials.generate()
+    _write(stored, json.dumps(dict(creds.secrets)), 0o600)
+    return creds
+
+
+def write(
+    root: Path,
+    cluster: str,
+    *,
+    nats_host: str = "nats",
+    redis_host: str = "redis",
+    owner: int | None = None,
+) -> Credentials:
+    creds = credentials(root)
+    # Read by the servers' own users (the official Redis image runs as redis): readable by
+    # any user of the one container each volume is mounted into.
+    _write(
+        root / "nats" / "nats.conf",
+        nats_config(creds, cluster, port=NATS_PORT, store_dir="/data", host="0.0.0.0"),
+        0o644,
+    )
+    _write(root / "redis" / "redis.acl", redis_acl(creds, cluster), 0o644)
+    for role in ROLES:
+        urls = {
+            "nats-url": creds.url(f"nats://{nats_host}:{NATS_PORT}", role),
+            "redis-url": creds.url(f"redis://{redis_host}:6379/0", role),
+        }
+        for name, url in urls.items():
+            _write(root / role / name, url + "\n", 0o600, owner)
+    return creds

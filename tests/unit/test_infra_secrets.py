@@ -1,0 +1,42 @@
+"""`meshserve infra-secrets`: the files compose.yaml's secrets service writes."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+from services import infra_secrets
+from shared.access import ROLES
+from shared.settings import Settings
+
+
+def test_each_role_gets_its_urls_and_the_servers_their_configurations(tmp_path: Path) -> None:
+    creds = infra_secrets.write(tmp_path, "c1")
+    for role in ROLES:
+        nats_url = (tmp_path / role / "nats-url").read_text().strip()
+        assert nats_url == creds.url("nats://nats:4222", role)
+        for name in ("nats-url", "redis-url"):
+            assert stat.S_IMODE((tmp_path / role / name).stat().st_mode) == 0o600
+        # What a service in the container reads through MESHSERVE_*_URL_FILE.
+        s = Settings.load(
+            {
+                "MESHSERVE_NATS_URL_FILE": str(tmp_path / role / "nats-url"),
+                "MESHSERVE_REDIS_URL_FILE": str(tmp_path / role / "redis-url"),
+            }
+        )
+        assert s.nats_url == nats_url
+        assert s.redis_url == creds.url("redis://redis:6379/0", role)
+    conf = json.loads((tmp_path / "nats" / "nats.conf").read_text())
+    assert conf["host"] == "0.0.0.0" and conf["jetstream"]["store_dir"] == "/data"
+    assert {u["user"] for u in conf["authorization"]["users"]} == set(ROLES)
+    acl = (tmp_path / "redis" / "redis.acl").read_text()
+    assert "user default off" in acl
+    assert not any(secret in acl for secret in creds.secrets.values())
+
+
+def test_secrets_are_kept_across_runs(tmp_path: Path) -> None:
+    first = infra_secrets.write(tmp_path, "c1")
+    assert infra_secrets.write(tmp_path, "c1") == first
+    (tmp_path / "store" / "credentials.json").write_text("{broken")
+    assert infra_secrets.write(tmp_path, "c1") != first
