@@ -207,12 +207,12 @@ class JobExecutorSettings(Section):
         description="Retry-After sent with a 503 for lack of capacity.",
     )
     max_queued_per_slot: int = Field(
-        default=0,
+        default=4,
         ge=0,
         description="Admission control: a new request is refused at once (503, Retry-After) "
         "when every ready instance of its model has this many times its batch size queued "
-        "and no instance is loading or idle (4 is a sensible value). 0, the default for now: "
-        "never refuse; requests queue until their deadline.",
+        "and no capacity is coming (no instance loading, no TE idle, pre-loading or "
+        "draining). 0: never refuse; requests queue until their deadline.",
     )
     routing: Literal["combined", "least-loaded", "round-robin"] = Field(
         default="combined",

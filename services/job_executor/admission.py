@@ -9,7 +9,8 @@ together. A job is shed when both hold:
   those this JE placed since its last report) fill ``max_queued_per_slot`` times its batch
   (``InstanceCapacity.max_num_seqs``), so a new one waits for that many batches to finish;
 - no capacity is coming: no instance of the model is loading, and no TE is idle (or only
-  pre-loading weights) for the scaler to load it on.
+  pre-loading weights, or draining: it turns idle when its last streams end) for the scaler
+  to load it on.
 
 An instance whose capacity is unknown never counts as saturated, and a model with no ready
 instance is the scale-from-zero path (``holding.next_step`` holds the job), not this one.
@@ -47,9 +48,10 @@ def shed(
     ready = [te for te in tes if te.model == model and te.state == TEState.READY]
     if not ready:
         return None
-    # Capacity coming: a TE the scaler can load the model on (idle, or only filling its
-    # host's weight cache), or an instance of the model loading.
-    if any(te.state in (TEState.IDLE, TEState.PRELOADING) for te in tes) or any(
+    # Capacity coming: a TE the scaler can load the model on (idle, only filling its host's
+    # weight cache, or draining: a scale-in just before a burst leaves TEs that turn idle as
+    # their last streams end), or an instance of the model loading.
+    if any(te.state in (TEState.IDLE, TEState.PRELOADING, TEState.DRAINING) for te in tes) or any(
         te.model == model and te.state == TEState.LOADING for te in tes
     ):
         return None

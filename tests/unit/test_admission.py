@@ -57,6 +57,9 @@ def test_capacity_coming_admits():
     full = te("a", waiting=20)
     assert verdict([full, te("i", state=TEState.IDLE)]) is None
     assert verdict([full, te("p", state=TEState.PRELOADING)]) is None
+    # A scale-in just before a burst: draining TEs turn idle as their last streams end.
+    assert verdict([full, te("d", state=TEState.DRAINING)]) is None
+    assert verdict([full, te("d", state=TEState.DRAINING, model="other")]) is None
     assert verdict([full, te("l", state=TEState.LOADING)]) is None
     assert verdict([full, te("l", state=TEState.LOADING, model="other")]) is not None
 
