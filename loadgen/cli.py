@@ -344,6 +344,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         host_cache_bytes=args.host_cache_bytes,
         preload_window_s=args.preload_window,
+        max_queued_per_slot=args.max_queued_per_slot,
     )
     calibration = None
     if args.calibrate:
@@ -405,7 +406,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(
         f"instance-seconds {stats.instance_seconds:.0f}, peak replicas of one model {peak}, "
         f"held requests {stats.held} (mean wait "
-        f"{stats.held_wait_s / max(stats.held, 1):.2f} s), timeouts {stats.timeouts}"
+        f"{stats.held_wait_s / max(stats.held, 1):.2f} s), timeouts {stats.timeouts}, "
+        f"refused by admission control {stats.shed}"
     )
     if cfg.prefix_caching:
         print(
@@ -836,6 +838,15 @@ def parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a model with a request this recent is pre-loaded into the host cache of the "
         "pool its next instance would take (the scaler's decision); 0 = off",
+    )
+    m.add_argument(
+        "--max-queued-per-slot",
+        type=int,
+        default=4,
+        metavar="N",
+        help="admission control, as the JE's MESHSERVE_MAX_QUEUED_PER_SLOT: refuse a request "
+        "at once when every ready instance has N times its batch queued and no capacity is "
+        "coming; 0 = never",
     )
     m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")

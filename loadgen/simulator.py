@@ -3,6 +3,9 @@
 The point: judge a scheduling or scaling policy on a fleet far larger than this machine, on
 real traces. The decisions come from the modules the services run, called with the same
 kind of state they see in production:
+- admission: the JE's ``services.job_executor.admission.shed`` on each new request (a 503
+  at once when every ready instance's queue is full and no capacity is coming), with the
+  JE's moving mean of output tokens;
 - placement: the JE's ``services.job_executor.holding.next_step`` (place, hold, give up)
   over the cluster view (``services.views.TEView``, stale by up to one heartbeat interval)
   plus the tasks placed since each report, as the JE does; a job nobody can take is held
@@ -68,6 +71,11 @@ from loadgen.results import Result
 from loadgen.stats import summary as latency_summary
 from loadgen.weight_cache_sim import HostCacheModel
 from services.frontend.outcomes import Outcomes
+from services.job_executor.admission import (
+    INITIAL_MEAN_OUTPUT_TOKENS,
+    mean_output_tokens,
+    shed,
+)
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
 from services.job_executor.scheduling import Request
@@ -125,6 +133,8 @@ class SimConfig:
     record_gaps: bool = True  # keep every inter-token gap (memory: 8 bytes per token)
     routing: RoutingConfig = DEFAULT_ROUTING
     prefix_caching: bool = True  # instances reuse the K/V of prompt prefixes they computed
+    # admission control (the JE's MESHSERVE_MAX_QUEUED_PER_SLOT): 0 never refuses
+    max_queued_per_slot: int = 4
     # Each node pool's host weight cache, bytes (0: off). The real default is a quarter of
     # the host's memory: here, of a 128 GiB host.
     host_cache_bytes: int = 32 << 30
@@ -165,6 +175,7 @@ class SimStats:
     unloads: int = 0
     preemptions: int = 0
     timeouts: int = 0
+    shed: int = 0  # refused at once by admission control
     max_busy_devices: int = 0
     peak_replicas: dict[str, int] = dataclasses.field(default_factory=dict)
     instance_seconds: float = 0.0  # TEs loading, serving or draining a model
@@ -267,6 +278,7 @@ class _TE:
         return min(tokens, seq.prompt - 1) // bs * bs
 
     def view(self, now: float) -> TEView:
+        ready = self.profile is not None and self.state == TEState.READY
         return TEView(
             te_id=self.te_id,
             pool_id=self.pool_id,
@@ -287,6 +299,8 @@ class _TE:
             weight_server=self.weight_server,
             cached_weights=self.host.residencies() if self.host is not None else {},
             cache_free_bytes=self.host.free_bytes() if self.host is not None else 0,
+            # what a ready TE reports, and admission sizes its queue by
+            capacity=self.profile.capacity() if ready and self.profile is not None else None,
         )
 
 
@@ -326,6 +340,8 @@ class Simulation:
         self._view: dict[str, TEView] = {te.te_id: te.view(EPOCH) for te in self.tes}
         self._by_model: dict[str, set[str]] = {}  # model -> TEs whose view names it
         self._placed: dict[str, int] = {}  # te -> prompt tokens placed since its last report
+        self._placed_jobs: dict[str, int] = {}  # te -> jobs placed since its last report
+        self._mean_output = INITIAL_MEAN_OUTPUT_TOKENS  # the JE's, for admission
         self._dirty: set[str] = set()  # TEs whose state changed since the last report
         self._held: dict[str, list[_Seq]] = {}  # model -> jobs waiting for an instance
         # The scaler: its memory, as the service keeps it; the JE's and frontend's reports.
@@ -428,6 +444,19 @@ class Simulation:
         traffic.arrivals += 1
         traffic.prompt_tokens += p.input_tokens
         traffic.max_output_tokens += p.output_tokens
+        self._mean_output = mean_output_tokens(self._mean_output, p.output_tokens)
+        verdict = shed(
+            p.model,
+            list(self._view.values()),
+            self._placed_jobs,
+            max_queued_per_slot=self.cfg.max_queued_per_slot,
+            mean_output_tokens=self._mean_output,
+        )
+        if verdict is not None:  # the JE's admission control: 503 at once
+            self._refuse(seq, "overloaded: every instance is saturated")
+            self.stats.shed += 1
+            self._schedule_scaler(self.cfg.network_s, urgent=True)
+            return
         if not self._try_place(seq):
             self._held.setdefault(p.model, []).append(seq)
             seq.held_at = self.now
@@ -471,6 +500,7 @@ class Simulation:
             return False  # its expire event fails it
         matched = cached.get(step.te_id, 0)
         self._placed[step.te_id] = self._placed.get(step.te_id, 0) + seq.prompt - matched
+        self._placed_jobs[step.te_id] = self._placed_jobs.get(step.te_id, 0) + 1
         te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
             # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
@@ -515,13 +545,17 @@ class Simulation:
         held.remove(seq)
         if not held:
             del self._held[seq.plan.model]
-        seq.result.status = 503
-        seq.result.error = "no_capacity: no instance could take the request in time"
         self.stats.timeouts += 1
         traffic = self._traffic_of(seq.plan.model)
-        traffic.misses += 1
         traffic.held -= 1
         traffic.held_prompt_tokens -= seq.plan.input_tokens
+        self._refuse(seq, "no_capacity: no instance could take the request in time")
+
+    def _refuse(self, seq: _Seq, error: str) -> None:
+        """A 503 for the request: a miss in the JE's traffic, a failure in the outcomes."""
+        seq.result.status = 503
+        seq.result.error = error
+        self._traffic_of(seq.plan.model).misses += 1
         self._outcomes.record(
             seq.plan.model,
             ok=False,
@@ -562,6 +596,7 @@ class Simulation:
         v = te.view(self.now)
         self._view[te.te_id] = v
         self._placed.pop(te.te_id, None)
+        self._placed_jobs.pop(te.te_id, None)
         if v.model is not None:
             self._by_model.setdefault(v.model, set()).add(te.te_id)
         self._dirty.discard(te.te_id)

@@ -26,6 +26,15 @@ from collections.abc import Mapping, Sequence
 from services.views import TEView
 from shared.messages.cluster import TEState
 
+# Output tokens jobs ask for, a moving mean over about the last 64 jobs: how long a queued
+# batch takes to clear (its start before any job arrived).
+INITIAL_MEAN_OUTPUT_TOKENS = 256.0
+
+
+def mean_output_tokens(mean: float, max_tokens: int) -> float:
+    """The moving mean after a job asking for ``max_tokens``."""
+    return mean + (max_tokens - mean) / 64
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Shed:

@@ -11,7 +11,11 @@ import time
 import uuid
 from collections import defaultdict
 
-from services.job_executor.admission import shed
+from services.job_executor.admission import (
+    INITIAL_MEAN_OUTPUT_TOKENS,
+    mean_output_tokens,
+    shed,
+)
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.routing import RoutingConfig, spread_of
@@ -87,8 +91,7 @@ class JobExecutor:
         self._views_of: ClusterView | None = None  # the view _views were made from
         self._inflight = 0
         self._started = time.time()
-        # Output tokens jobs ask for, a moving mean: how long a queued batch takes to clear.
-        self._mean_output_tokens = 256.0
+        self._mean_output_tokens = INITIAL_MEAN_OUTPUT_TOKENS  # admission's moving mean
 
     def _heartbeat(self) -> JEHeartbeat:
         return JEHeartbeat(
@@ -154,7 +157,9 @@ class JobExecutor:
         traffic.arrivals += 1
         traffic.prompt_tokens += len(job.prompt_token_ids)
         traffic.max_output_tokens += job.sampling.max_tokens
-        self._mean_output_tokens += (job.sampling.max_tokens - self._mean_output_tokens) / 64
+        self._mean_output_tokens = mean_output_tokens(
+            self._mean_output_tokens, job.sampling.max_tokens
+        )
         pending = PendingJob(
             model=job.model, deadline=job.deadline, exclude=frozenset(job.exclude_te_ids)
         )

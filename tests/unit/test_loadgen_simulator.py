@@ -235,3 +235,26 @@ def test_calibration_recovers_a_known_per_token_cost() -> None:
     assert fitted == pytest.approx(0.0005, rel=0.05)
     # An engine already slower than the target needs no serving cost at all.
     assert calibrate_emit_s(planned, profile(), cfg, 0.001) == 0.0
+
+
+def test_admission_control_refuses_a_burst_beyond_the_queue_bound_at_once() -> None:
+    """The JE's ``admission.shed`` in the simulator: one device, one instance (min_replicas
+    1, loaded before the burst), 2 slots. A burst of 30 beyond 1 x 2 queued is refused at
+    once with 503 (no capacity is coming: the only device serves); the rest complete. With
+    admission off none is refused and all queue."""
+    warm = [(0.0, 50, 4)]
+    burst = [(30.0 + i * 0.001, 50, 200) for i in range(30)]
+    planned = plan(trace(*warm, *burst), model="m")
+    base = dict(devices=1, pool_size=1, min_replicas=1, **NO_NET)
+
+    results, stats = simulate(planned, {"m": profile(max_num_seqs=2)}, SimConfig(**base))
+    refused = [r for r in results if r.status == 503]
+    assert stats.shed == len(refused) > 0
+    assert all(r.error.startswith("overloaded") and r.sent_s >= 30 for r in refused)
+    assert all(r.ok for r in results if r.status != 503)
+    assert sum(r.ok for r in results) >= 1 + 2 + 2  # warm-up, the batch, the queue bound
+
+    results, stats = simulate(
+        planned, {"m": profile(max_num_seqs=2)}, SimConfig(**base, max_queued_per_slot=0)
+    )
+    assert stats.shed == 0 and all(r.status != 503 or "no_capacity" in r.error for r in results)
