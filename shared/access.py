@@ -9,8 +9,9 @@ an error (``shared.store.redacted``).
 
 Subjects come from the catalogue (``shared.subjects.CATALOGUE``): ``ACCESS`` names, for
 each entry, the roles that publish and those that subscribe, and a test holds it complete.
-Every role may subscribe to ``<cluster>._INBOX.>`` (where it receives replies) and answer the
-requests it received (``allow_responses``), nothing more: a TE cannot submit jobs, publish
+Every role may subscribe to its own reply inboxes, ``<cluster>._INBOX.<role>.>`` (never
+another role's replies), and answer the requests it received (``allow_responses``), nothing
+more: a TE cannot submit jobs, publish
 a cluster view or command another TE, a frontend cannot send a TE a control message.
 Redis users reach only their cluster's keys and no administrative or dangerous command.
 """
@@ -87,7 +88,7 @@ def permissions(role: Role, cluster: str) -> dict[str, object]:
     )
     return {
         "publish": {"allow": pub},
-        "subscribe": {"allow": [*sub, f"{inbox_prefix(cluster)}.>"]},
+        "subscribe": {"allow": [*sub, f"{inbox_prefix(cluster, role)}.>"]},
         "allow_responses": True,
     }
 

@@ -68,7 +68,9 @@ class Bus:
         self.on_reconnected: list[Callable[[], None]] = []
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, cluster: str) -> Bus:
+    async def connect(cls, url: str, *, name: str, cluster: str, role: str | None = None) -> Bus:
+        """``role``: the service's role (``shared.access``), which names its reply inboxes:
+        authenticated NATS lets a role subscribe to its own only."""
         listeners: list[Bus] = []
 
         async def disconnected() -> None:
@@ -85,7 +87,7 @@ class Bus:
             url,
             name=name,
             # Reply inboxes carry the cluster name too, like every other subject.
-            inbox_prefix=inbox_prefix(cluster),
+            inbox_prefix=inbox_prefix(cluster, role),
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from shared import health
+from shared.access import SERVICE_ROLE
 from shared.bus import Bus
 from shared.logging import get_logger, setup_logging
 from shared.settings import Settings
@@ -112,7 +113,10 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
     if not settings.nats_url:
         raise SystemExit(f"{name}: MESHSERVE_NATS_URL is not set (meshserve up sets it)")
     bus = await Bus.connect(
-        settings.nats_url, name=f"{settings.cluster}-{name}", cluster=settings.cluster
+        settings.nats_url,
+        name=f"{settings.cluster}-{name}",
+        cluster=settings.cluster,
+        role=SERVICE_ROLE.get(name.split(".", 1)[0]),  # a pool's TEs: task_executor.<id>
     )
     try:
         service = await factory(settings, bus)

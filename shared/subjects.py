@@ -170,10 +170,11 @@ CATALOGUE: dict[str, SubjectSpec] = {
 }
 
 
-def inbox_prefix(cluster: str) -> str:
+def inbox_prefix(cluster: str, role: str | None = None) -> str:
     """Where a cluster's services receive replies: nats.py's inboxes, with the cluster name
-    first like every other subject."""
-    return f"{cluster}._INBOX"
+    first like every other subject, then the service's role (``shared.access``), so that
+    NATS lets each role read its own replies only."""
+    return f"{cluster}._INBOX" if role is None else f"{cluster}._INBOX.{role}"
 
 
 class Subjects:

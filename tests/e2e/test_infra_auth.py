@@ -112,6 +112,7 @@ async def test_roles_are_held_to_their_subjects(embedded):
         await te.publish(f"{c}.je.submit", b"x")  # jobs come from frontends only
         await te.publish(f"{c}.cm.view", b"x")  # the view from the cluster manager only
         await te.subscribe(f"{c}.cm.heartbeat")  # only the cluster manager reads them
+        await te.subscribe(f"{c}._INBOX.frontend.>")  # another role's replies
         await te.flush()
         await te.publish(f"{c}.cm.heartbeat", b"")  # its own: allowed
         await te.flush()
@@ -119,8 +120,9 @@ async def test_roles_are_held_to_their_subjects(embedded):
     finally:
         await te.close()
     text = " ".join(errors).lower()
-    assert text.count("permissions violation") == 3, errors
+    assert text.count("permissions violation") == 4, errors
     assert "je.submit" in text and "cm.view" in text and "subscription" in text
+    assert "_inbox.frontend" in text
 
     fe_url = urls["frontend"]["MESHSERVE_NATS_URL"]
     errors.clear()
