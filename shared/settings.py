@@ -631,6 +631,8 @@ class Settings(BaseModel):
         for leaf in leaves():
             value = leaf.get(self)
             if value is None:
+                if leaf.info.default is None:
+                    out[leaf.env] = ""  # unset in the child too, whatever it inherits
                 continue
             if isinstance(value, timedelta):
                 value = value.total_seconds()

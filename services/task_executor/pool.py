@@ -67,7 +67,8 @@ class NodePool:
     async def _keep_alive(self, slot: int) -> None:
         while not self._life.stopping:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
-            env = process_environment(self._settings.env())
+            # The pool's health file is the pool's: its TEs must not keep it fresh for it.
+            env = process_environment(self._settings.with_values(health_file=None).env())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
