@@ -19,22 +19,12 @@ service's own), so a second ``up`` does not change them under running servers.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from shared.access import ROLES, Credentials, nats_config, redis_acl
+from shared.files import write_file
 
 NATS_PORT = 4222
-
-
-def _write(path: Path, text: str, mode: int, owner: int | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.chmod(mode)
-    if owner is not None:
-        os.chown(tmp, owner, owner)
-    tmp.replace(path)
 
 
 def credentials(root: Path) -> Credentials:
@@ -47,7 +37,7 @@ def credentials(root: Path) -> Credentials:
     except (OSError, ValueError):
         pass
     creds = Credentials.generate()
-    _write(stored, json.dumps(dict(creds.secrets)), 0o600)
+    write_file(stored, json.dumps(dict(creds.secrets)))
     return creds
 
 
@@ -62,17 +52,17 @@ def write(
     creds = credentials(root)
     # Read by the servers' own users (the official Redis image runs as redis): readable by
     # any user of the one container each volume is mounted into.
-    _write(
+    write_file(
         root / "nats" / "nats.conf",
         nats_config(creds, cluster, port=NATS_PORT, store_dir="/data", host="0.0.0.0"),
-        0o644,
+        mode=0o644,
     )
-    _write(root / "redis" / "redis.acl", redis_acl(creds, cluster), 0o644)
+    write_file(root / "redis" / "redis.acl", redis_acl(creds, cluster), mode=0o644)
     for role in ROLES:
         urls = {
             "nats-url": creds.url(f"nats://{nats_host}:{NATS_PORT}", role),
             "redis-url": creds.url(f"redis://{redis_host}:6379/0", role),
         }
         for name, url in urls.items():
-            _write(root / role / name, url + "\n", 0o600, owner)
+            write_file(root / role / name, url + "\n", owner=owner)
     return creds

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from shared.access import Credentials, nats_config, redis_acl
+from shared.files import write_file
 
 
 def die_with_parent() -> None:
@@ -83,7 +84,7 @@ class EmbeddedServer:
             # The secrets go in files only this user reads, never on a command line.
             conf = d / "nats.conf"
             creds, cluster = self._access
-            _private(conf, nats_config(creds, cluster, port=self.port, store_dir=str(d / "js")))
+            write_file(conf, nats_config(creds, cluster, port=self.port, store_dir=str(d / "js")))
             return [nats_server_binary(), "-c", str(conf)]
         if self.kind == "nats":
             # fmt: off
@@ -100,7 +101,7 @@ class EmbeddedServer:
         # fmt: on
         if self._access is not None:
             acl = d / "users.acl"
-            _private(acl, redis_acl(*self._access))
+            write_file(acl, redis_acl(*self._access))
             argv += ["--aclfile", str(acl)]
         return argv
 
@@ -166,9 +167,3 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _private(path: Path, text: str) -> None:
-    path.touch(mode=0o600)
-    path.chmod(0o600)
-    path.write_text(text)

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from shared.errors import BadRequest
+from shared.files import write_file
 from shared.settings import Settings
 from shared.store import Store
 from shared.subjects import Keys
@@ -136,12 +137,7 @@ def admin_key(settings: Settings) -> str | None:
 def write_admin_key(path: Path) -> str:
     """Make a new admin key and write it where only this user can read it."""
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.touch(mode=0o600)
-    tmp.chmod(0o600)
-    tmp.write_text(secret + "\n")
-    tmp.replace(path)
+    write_file(path, secret + "\n")
     return secret
 
 
