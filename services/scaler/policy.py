@@ -535,7 +535,10 @@ def load_time(
     the model's bytes as any host's cache reports them, S_resident what this pool's cache
     holds, B ``cfg.load_bandwidth``; inf where no host has ever cached the model (unknown).
     ``index``: ``pool_index(tes)``, where the caller has it."""
-    idx = index or pool_index(tes)
+    return _load_time(model, pool_id, cfg, index or pool_index(tes))
+
+
+def _load_time(model: str, pool_id: str, cfg: ScalerConfig, idx: PoolIndex) -> float:
     total = idx.size.get(model, 0)
     if total == 0:
         return math.inf
@@ -543,13 +546,13 @@ def load_time(
 
 
 def _pool_rank(
-    model: str, pool: str, tes: Sequence[TEView], cfg: ScalerConfig, idx: PoolIndex
+    model: str, pool: str, cfg: ScalerConfig, idx: PoolIndex
 ) -> tuple[int, float, bool, int]:
     """How good ``pool`` is for a new instance of ``model``, smallest best: the first four
     criteria of ``placement_order``."""
     return (
         idx.serving.get((model, pool), 0),
-        load_time(model, pool, tes, cfg, idx),
+        _load_time(model, pool, cfg, idx),
         (model, pool) not in idx.warm,
         -idx.idle.get(pool, 0),
     )
@@ -589,22 +592,18 @@ def placement_order(
     ``index``: ``pool_index(tes)``, where the caller has it."""
     cfg = cfg or ScalerConfig()
     idx = index or pool_index(tes)
-    rank = {pool: _pool_rank(model, pool, tes, cfg, idx) for pool in {te.pool_id for te in idle}}
+    rank = {pool: _pool_rank(model, pool, cfg, idx) for pool in {te.pool_id for te in idle}}
     return sorted(idle, key=lambda te: (rank[te.pool_id], model not in te.recent_models, te.te_id))
 
 
 def best_pool(
-    model: str,
-    idle_by_pool: Mapping[str, Sequence[TEView]],
-    tes: Sequence[TEView],
-    cfg: ScalerConfig,
-    index: PoolIndex,
+    model: str, idle_by_pool: Mapping[str, Sequence[TEView]], cfg: ScalerConfig, index: PoolIndex
 ) -> str:
     """The pool of ``placement_order(model, idle, ...)[0]`` (``idle_by_pool``: those TEs by
     pool) without ordering every idle TE: the pools ranked, and only the best-ranked pools'
     TEs compared (a pre-load weighs every recently used model each tick; at 2,000 TEs and
     500 models sorting each model's TEs took the whole tick)."""
-    rank = {pool: _pool_rank(model, pool, tes, cfg, index) for pool in idle_by_pool}
+    rank = {pool: _pool_rank(model, pool, cfg, index) for pool in idle_by_pool}
     top = min(rank.values())
     return min(
         (te for pool, r in rank.items() if r == top for te in idle_by_pool[pool]),

@@ -77,7 +77,7 @@ def preloads(
         size = index.size.get(model, 0)
         if size == 0:
             continue
-        pool = best_pool(model, idle_in, tes, cfg, index)
+        pool = best_pool(model, idle_in, cfg, index)
         held = index.resident.get((model, pool), 0)
         pool_idle = idle_in[pool]
         if held >= size or len(pool_idle) < 2 or room[pool] < size - held:

@@ -302,7 +302,7 @@ def test_best_pool_is_the_pool_of_the_first_in_placement_order() -> None:
             by_pool: dict[str, list[TEView]] = {}
             for t in free:
                 by_pool.setdefault(t.pool_id, []).append(t)
-            assert best_pool(model, by_pool, tes, CFG, index) == first.pool_id
+            assert best_pool(model, by_pool, CFG, index) == first.pool_id
             assert placement_order(model, free, tes, CFG, index) == placement_order(
                 model, free, tes, CFG
             )
