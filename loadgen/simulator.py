@@ -278,7 +278,7 @@ class _TE:
         return min(tokens, seq.prompt - 1) // bs * bs
 
     def view(self, now: float) -> TEView:
-        ready = self.profile is not None and self.state == TEState.READY
+        profile = self.profile if self.state == TEState.READY else None
         return TEView(
             te_id=self.te_id,
             pool_id=self.pool_id,
@@ -300,7 +300,7 @@ class _TE:
             cached_weights=self.host.residencies() if self.host is not None else {},
             cache_free_bytes=self.host.free_bytes() if self.host is not None else 0,
             # what a ready TE reports, and admission sizes its queue by
-            capacity=self.profile.capacity() if ready and self.profile is not None else None,
+            capacity=profile.capacity() if profile is not None else None,
         )
 
 
@@ -447,7 +447,7 @@ class Simulation:
         self._mean_output = mean_output_tokens(self._mean_output, p.output_tokens)
         verdict = shed(
             p.model,
-            list(self._view.values()),
+            self._view.values(),
             self._placed_jobs,
             max_queued_per_slot=self.cfg.max_queued_per_slot,
             mean_output_tokens=self._mean_output,

@@ -21,7 +21,7 @@ slot, one full batch of ``mean_output_tokens`` per ``max_num_seqs`` queued seque
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping
 
 from services.views import TEView
 from shared.messages.cluster import TEState
@@ -45,7 +45,7 @@ class Shed:
 
 def shed(
     model: str,
-    tes: Sequence[TEView],
+    tes: Collection[TEView],
     jobs_placed_since_report: Mapping[str, int],
     *,
     max_queued_per_slot: int,
