@@ -99,15 +99,7 @@ class Compose:
         return r
 
     def logs(self, tail: int = 60) -> str:
-        argv = [*self.d.compose, "-p", self.project, "-f", str(ROOT / "compose.yaml")]
-        r = subprocess.run(
-            [*argv, "logs", "--no-color", "--tail", str(tail)],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=ROOT,
-            timeout=60,
-        )
+        r = self("logs", "--no-color", "--tail", str(tail), check=False, timeout=60)
         return r.stdout[-12000:] + r.stderr[-2000:]
 
     def container(self, service: str) -> str:

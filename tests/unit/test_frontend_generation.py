@@ -212,6 +212,11 @@ def _generation(
     return gen, tes
 
 
+async def _tokens(gen: Generation) -> list[int]:
+    """Every token the generation streams (chunks a reader is behind on coalesce: flat)."""
+    return [t async for ids in gen.tokens() for t in ids]
+
+
 def _te_chunk(te_id: str, attempt: int, seq: int, ids: list[int], done: int) -> TokenChunk:
     return TokenChunk(
         request_id="r",
@@ -275,10 +280,7 @@ async def test_a_job_executor_lost_after_its_answer_does_not_move_the_stream():
     jobs = _Jobs(answer)
     gen, tes = _generation(jobs, liveness)
 
-    async def read() -> list[int]:  # chunks a reader is behind on coalesce: tokens, flat
-        return [t async for ids in gen.tokens() for t in ids]
-
-    out = await asyncio.wait_for(read(), 2)
+    out = await asyncio.wait_for(_tokens(gen), 2)
     assert out == [7, 8]
     assert [j.attempt for j in jobs.jobs] == [0] and tes.cancelled == []
 
@@ -305,11 +307,8 @@ async def test_an_offer_no_job_executor_says_it_took_moves_on_after_a_liveness_d
     settings = Settings(liveness_timeout=timedelta(seconds=0.2))
     gen, _ = _generation(jobs, Liveness(grace_s=30), settings)
 
-    async def read() -> list[int]:  # chunks a reader is behind on coalesce: tokens, flat
-        return [t async for ids in gen.tokens() for t in ids]
-
     t0 = time.monotonic()
-    assert await asyncio.wait_for(read(), 2) == [7, 8]
+    assert await asyncio.wait_for(_tokens(gen), 2) == [7, 8]
     assert 0.2 <= time.monotonic() - t0 < 1
     assert [j.attempt for j in jobs.jobs] == [0, 1]
 
@@ -331,8 +330,5 @@ async def test_offers_nobody_serves_do_not_use_up_attempts():
     settings = Settings(liveness_timeout=timedelta(seconds=0.3))
     gen, _ = _generation(jobs, Liveness(grace_s=30), settings)
 
-    async def read() -> list[int]:  # chunks a reader is behind on coalesce: tokens, flat
-        return [t async for ids in gen.tokens() for t in ids]
-
-    assert await asyncio.wait_for(read(), 3) == [7, 8]
+    assert await asyncio.wait_for(_tokens(gen), 3) == [7, 8]
     assert [j.attempt for j in jobs.jobs] == [0] * 5
