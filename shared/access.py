@@ -11,8 +11,8 @@ Subjects come from the catalogue (``shared.subjects.CATALOGUE``): ``ACCESS`` nam
 each entry, the roles that publish and those that subscribe, and a test holds it complete.
 Every role may subscribe to its own reply inboxes, ``<cluster>._INBOX.<role>.>`` (never
 another role's replies), and answer the requests it received (``allow_responses``), nothing
-more: a TE cannot submit jobs, publish
-a cluster view or command another TE, a frontend cannot send a TE a control message.
+more: a TE cannot submit jobs, publish a cluster view or command another TE, a frontend
+cannot send a TE a control message.
 Redis users reach only their cluster's keys and no administrative or dangerous command.
 """
 
