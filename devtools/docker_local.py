@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +66,6 @@ class Docker:
     docker: str
     compose: list[str]
     daemon: subprocess.Popen[bytes] | None = None  # dockerd, when this module started it
-    installed: list[str] = field(default_factory=list)
 
     def run(
         self, *args: str, check: bool = True, timeout: float = 600, **kw: object
@@ -134,7 +133,6 @@ def engine(*, install: bool = True, log_dir: Path | None = None) -> Docker:
     """A Docker engine that answers: the one running, or (``install``, as root with apt)
     Debian's docker.io and docker-compose installed and dockerd started. Raises Unavailable
     with the reason otherwise."""
-    installed: list[str] = []
     missing = [
         pkg
         for pkg, exe in (("docker.io", "dockerd"), ("docker-compose", "docker-compose"))
@@ -146,8 +144,6 @@ def engine(*, install: bool = True, log_dir: Path | None = None) -> Docker:
             if not install:
                 raise Unavailable(f"no Docker engine answers and {', '.join(missing)} is missing")
             _apt_install(missing)
-            installed += missing
-            missing = []
     docker = shutil.which("docker")
     if docker is None:
         raise Unavailable("no docker command after installing docker.io")
@@ -171,15 +167,12 @@ def engine(*, install: bool = True, log_dir: Path | None = None) -> Docker:
                 raise Unavailable(f"dockerd did not start; its log: {log}")
             time.sleep(0.5)
     compose = _compose(docker)
-    if compose is None and "docker-compose" in missing:
-        if not install:
-            raise Unavailable("no docker compose plugin and no docker-compose")
+    if compose is None and install:
         _apt_install(["docker-compose"])
-        installed.append("docker-compose")
         compose = _compose(docker)
     if compose is None:
         raise Unavailable("no docker compose plugin and no docker-compose")
-    return Docker(docker=docker, compose=compose, daemon=daemon, installed=installed)
+    return Docker(docker=docker, compose=compose, daemon=daemon)
 
 
 def _compose(docker: str) -> list[str] | None:
