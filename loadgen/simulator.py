@@ -8,7 +8,8 @@ kind of state they see in production:
   JE's moving mean of output tokens;
 - placement: the JE's ``services.job_executor.holding.next_step`` (place, hold, give up)
   over the cluster view (``services.views.TEView``, stale by up to one heartbeat interval)
-  plus the tasks placed since each report, as the JE does; a job nobody can take is held
+  corrected by the JE's ``ledger.PlacementLedger`` (each placement counted until the TE
+  says it ended, as the JE does; here the notices arrive at once); a job nobody can take is held
   and placed on the view that shows an instance ready, and fails after the placement
   timeout as a 503 would;
 - scaling: ``services.scaler.policy`` — ``observe_traffic`` (the JE's reports every
@@ -77,6 +78,7 @@ from services.job_executor.admission import (
     shed,
 )
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
+from services.job_executor.ledger import PlacementLedger
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
 from services.job_executor.scheduling import Request
 from services.scaler.policy import (
@@ -102,13 +104,14 @@ from services.task_executor.engines.torch_engine.scheduler import (
 )
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView
-from shared.messages.cluster import TEState
+from shared.messages.cluster import JobShare, TEState
 from shared.messages.scaling import ModelTraffic
 from shared.slo import SLO
 
 # Policies compare times with unix-like clocks (a demand at 0.0 means "never"): the
 # simulated clock starts far from zero.
 EPOCH = 1_000_000.0
+JE_ID = "je-sim"  # the one simulated job executor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -240,6 +243,7 @@ class _Seq:
     matched: int = 0  # the cached prefix the router expected where it placed it
     placed: bool = False  # routed once (a later placement is a retry: not counted again)
     admitted: bool = False  # admitted to an engine once (a later one recomputes)
+    placement: int = 0  # its TE's number for it (TaskAccepted.seq)
 
     @property
     def num_tokens(self) -> int:
@@ -267,6 +271,7 @@ class _TE:
     weight_server: str = ""  # its pool's weight server ("" without a host cache)
     weights: str = ""  # where the weights of its load or pre-load come from
     preloading: str | None = None  # the model it pre-loads
+    placements: int = 0  # tasks it took (TaskAccepted.seq of the last)
 
     def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
         """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
@@ -301,6 +306,18 @@ class _TE:
             cache_free_bytes=self.host.free_bytes() if self.host is not None else 0,
             # what a ready TE reports, and admission sizes its queue by
             capacity=profile.capacity() if profile is not None else None,
+            shares={JE_ID: self.share()} if self.running or self.waiting else {},
+            placements=self.placements,
+        )
+
+    def share(self) -> JobShare:
+        """Its work, all placed by the one simulated JE (``TEHeartbeat.shares``)."""
+        seqs = list(itertools.chain(self.waiting, self.running))
+        return JobShare(
+            sequences=len(seqs),
+            decoding=sum(1 for s in seqs if s.generated),
+            prefill_tokens=sum(s.prompt - s.matched for s in seqs if not s.generated),
+            oldest=min((s.placement for s in seqs), default=0),
         )
 
 
@@ -339,8 +356,7 @@ class Simulation:
         # What the policies see: the last report of each TE, refreshed every interval.
         self._view: dict[str, TEView] = {te.te_id: te.view(EPOCH) for te in self.tes}
         self._by_model: dict[str, set[str]] = {}  # model -> TEs whose view names it
-        self._placed: dict[str, int] = {}  # te -> prompt tokens placed since its last report
-        self._placed_jobs: dict[str, int] = {}  # te -> jobs placed since its last report
+        self._ledger = PlacementLedger(JE_ID)  # the JE's count of what the views do not show
         self._mean_output = INITIAL_MEAN_OUTPUT_TOKENS  # the JE's, for admission
         self._dirty: set[str] = set()  # TEs whose state changed since the last report
         self._held: dict[str, list[_Seq]] = {}  # model -> jobs waiting for an instance
@@ -448,7 +464,7 @@ class Simulation:
         verdict = shed(
             p.model,
             self._view.values(),
-            self._placed_jobs,
+            self._ledger.unreported,
             max_queued_per_slot=self.cfg.max_queued_per_slot,
             mean_output_tokens=self._mean_output,
         )
@@ -490,7 +506,12 @@ class Simulation:
             spread=spread_of(self.cfg.routing, self._round_robin, seq.plan.key),
         )
         step = next_step(
-            seq.job, tes, self._placed, now=self.now, request=request, routing=self.cfg.routing
+            seq.job,
+            tes,
+            self._ledger.unreported,
+            now=self.now,
+            request=request,
+            routing=self.cfg.routing,
         )
         if isinstance(step, Hold):
             if step.urgent:
@@ -499,13 +520,17 @@ class Simulation:
         if isinstance(step, GiveUp):
             return False  # its expire event fails it
         matched = cached.get(step.te_id, 0)
-        self._placed[step.te_id] = self._placed.get(step.te_id, 0) + seq.prompt - matched
-        self._placed_jobs[step.te_id] = self._placed_jobs.get(step.te_id, 0) + 1
+        key = seq.plan.key
+        self._ledger.placed(step.te_id, key, seq.prompt - matched)
         te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
             # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
+            self._ledger.ended(key, te.te_id)
             seq.job = dataclasses.replace(seq.job, refused=seq.job.refused | {te.te_id})
             return self._try_place(seq)
+        te.placements += 1
+        seq.placement = te.placements
+        self._ledger.accepted(key, te.placements)
         if seq.held_at is not None:
             self.stats.held_wait_s += self.now - seq.held_at
             traffic = self._traffic_of(model)
@@ -573,7 +598,7 @@ class Simulation:
 
     def _deliver_reports(self) -> None:
         models = list(self._traffic.values())
-        self._scaler = observe_traffic(self._scaler, "je-sim", models, now=self.now, cfg=self._scfg)
+        self._scaler = observe_traffic(self._scaler, JE_ID, models, now=self.now, cfg=self._scfg)
         self._traffic = {
             m.model: ModelTraffic(
                 model=m.model, held=m.held, held_prompt_tokens=m.held_prompt_tokens
@@ -589,14 +614,13 @@ class Simulation:
     # -- cluster view -------------------------------------------------------------------------
 
     def _report(self, te: _TE) -> None:
-        """A TE's heartbeat reaches the view (and resets the JE's placed-since count)."""
+        """A TE's heartbeat reaches the view (and the JE's ledger)."""
         old = self._view[te.te_id]
         if old.model is not None and old.model != te.model:
             self._by_model[old.model].discard(te.te_id)
         v = te.view(self.now)
         self._view[te.te_id] = v
-        self._placed.pop(te.te_id, None)
-        self._placed_jobs.pop(te.te_id, None)
+        self._ledger.report(v)
         if v.model is not None:
             self._by_model.setdefault(v.model, set()).add(te.te_id)
         self._dirty.discard(te.te_id)
@@ -866,6 +890,8 @@ class Simulation:
             if not s.generated and te.cache is not None and s.keys:
                 te.cache.insert(s.keys, s.plan.block_size)  # its prompt's blocks stay
             s.generated += 1
+            if s.generated == 1 and s.plan.output_tokens > 1:  # the TE tells the JE
+                self._ledger.prefilled(s.plan.key, te.te_id)
             r = s.result
             if r.ttft_s is None:
                 r.ttft_s = arrive - EPOCH - r.sent_s
@@ -874,6 +900,7 @@ class Simulation:
                 r.gaps_s.append(arrive - s.last_token_at)
             s.last_token_at = arrive
             if s.generated >= s.plan.output_tokens:
+                self._ledger.ended(s.plan.key, te.te_id)
                 te.running.remove(s)
                 te.free_blocks += s.blocks - s.shared_blocks
                 s.blocks = s.shared_blocks = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from shared.messages.cluster import CachedWeights, TEHeartbeat, TEState
+from shared.messages.cluster import CachedWeights, JobShare, TEHeartbeat, TEState
 from shared.messages.scaling import InstanceCapacity
 
 
@@ -34,6 +34,9 @@ class TEView:
     cache_free_bytes: int = 0  # room left in its host's weight cache
     weight_relay: str = ""  # its host's weight server's multicast address
     relay_address: str = ""  # where it receives a multicast
+    # its work by the job executor that placed it, and the placements it had taken then
+    shares: Mapping[str, JobShare] = dataclasses.field(default_factory=dict)
+    placements: int = 0
 
     @property
     def load(self) -> int:
@@ -65,4 +68,6 @@ def te_view(hb: TEHeartbeat) -> TEView:
         cache_free_bytes=hb.cache_free_bytes,
         weight_relay=hb.weight_relay,
         relay_address=hb.relay_address,
+        shares=hb.shares,
+        placements=hb.placements,
     )

@@ -29,7 +29,7 @@ from shared.messages.scaling import (
     TrafficReport,
     UnloadModel,
 )
-from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
+from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskProgress, TokenChunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,16 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "job executor, frontend (cancel)",
         "one TE",
         "Place a task on a TE, or cancel one.",
+    ),
+    "task_progress": SubjectSpec(
+        "{cluster}.je.{je_id}.progress",
+        "publish",
+        (TaskProgress,),
+        (),
+        "TEs",
+        "the job executor that placed the tasks",
+        "Tasks that produced their first token or ended, batched per engine iteration: the "
+        "JE counts each TE's queue by placement, not by heartbeat.",
     ),
     "te_control": SubjectSpec(
         "{cluster}.te.{te_id}.control",
@@ -191,6 +201,9 @@ class Subjects:
 
     def te_task(self, te_id: str) -> str:
         return self._fill("te_task", te_id=te_id)
+
+    def task_progress(self, je_id: str) -> str:
+        return self._fill("task_progress", je_id=je_id)
 
     def te_control(self, te_id: str) -> str:
         return self._fill("te_control", te_id=te_id)

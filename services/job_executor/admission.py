@@ -5,9 +5,11 @@ A TE accepts every task it is given and queues those its batch has no room for, 
 this a burst beyond the cluster's capacity makes every request slower until they time out
 together. A job is shed when both hold:
 
-- every ready instance of its model is saturated: the sequences queued on it (waiting, plus
-  those this JE placed since its last report) fill ``max_queued_per_slot`` times its batch
-  (``InstanceCapacity.max_num_seqs``), so a new one waits for that many batches to finish;
+- every ready instance of its model is saturated: the sequences on it beyond one batch
+  (``InstanceCapacity.max_num_seqs``) fill ``max_queued_per_slot`` batches, so a new one
+  waits for that many batches to finish. The sequences are the TE's last report corrected
+  by what this JE placed there and heard of since, each placement by its id
+  (``ledger``): exact at any request rate, so a sequential client is never refused;
 - no capacity is coming: no instance of the model is loading, and no TE is idle (or only
   pre-loading weights, or draining: it turns idle when its last streams end) for the scaler
   to load it on.
@@ -23,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
+from services.job_executor import ledger
 from services.views import TEView
-from shared.messages.cluster import TEState
+from shared.messages.cluster import JobShare, TEState
 
 # Output tokens jobs ask for, a moving mean over about the last 64 jobs: how long a queued
 # batch takes to clear (its start before any job arrived).
@@ -46,7 +49,7 @@ class Shed:
 def shed(
     model: str,
     tes: Collection[TEView],
-    jobs_placed_since_report: Mapping[str, int],
+    unreported: Mapping[str, JobShare],
     *,
     max_queued_per_slot: int,
     mean_output_tokens: float,
@@ -69,11 +72,10 @@ def shed(
         cap = te.capacity
         if cap is None:
             return None
-        queued = te.waiting + jobs_placed_since_report.get(te.te_id, 0)
-        free = max(0, cap.max_num_seqs - te.running)
-        if queued - free < max_queued_per_slot * cap.max_num_seqs:
+        queued = ledger.sequences(te, unreported) - cap.max_num_seqs  # beyond one batch
+        if queued < max_queued_per_slot * cap.max_num_seqs:
             return None
-        batches = (queued - free) / cap.max_num_seqs
+        batches = queued / cap.max_num_seqs
         waits.append((batches * mean_output_tokens * cap.step_s(), queued))
     wait, queued = min(waits)
     return Shed(retry_after_s=max(1.0, wait), queued=queued, instances=len(ready))

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig
 from services.job_executor.scheduling import NO_REQUEST, Decision, Request, pick_te
 from services.views import TEView
+from shared.messages.cluster import JobShare
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,14 +48,14 @@ Step = PlaceOn | Hold | GiveUp
 def next_step(
     job: PendingJob,
     tes: Sequence[TEView],
-    placed_since_report: Mapping[str, int],  # prompt tokens placed per TE since its report
+    unreported: Mapping[str, JobShare],  # per TE, this JE's work its report does not show
     *,
     now: float,
     request: Request = NO_REQUEST,
     routing: RoutingConfig = DEFAULT_ROUTING,
 ) -> Step:
     def pick(exclude: frozenset[str]) -> Decision:
-        return pick_te(job.model, tes, placed_since_report, exclude, request, routing)
+        return pick_te(job.model, tes, unreported, exclude, request, routing)
 
     decision = pick(job.refused | job.exclude)
     if decision.te_id is None and job.exclude:

@@ -2,9 +2,9 @@
 
 Among ready TEs of the job's model, the routing policy (``routing.route``) chooses from each
 one's load and the prompt tokens it already holds. Load is outstanding work in tokens: the
-prompt tokens the TE last reported queued for prefill, plus those this JE placed on it since
-that report (each placement's prompt after the prefix the TE holds), plus
-DECODE_COST_TOKENS for each sequence it decodes. A count of requests would treat a
+prompt tokens queued on the TE for prefill (each placement's prompt after the prefix the TE
+holds), plus DECODE_COST_TOKENS for each sequence it decodes, as its last report counted
+them corrected by what this JE placed there and heard of since (``ledger``). A count of requests would treat a
 4,000-token prompt like a 40-token one and queue short prompts behind long prefills. PD
 pairs (DeepServe's first branch) come with disaggregation."""
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
+from services.job_executor import ledger
 from services.job_executor.routing import DEFAULT_ROUTING, Candidate, RoutingConfig, route
 from services.views import TEView
-from shared.messages.cluster import TEState
+from shared.messages.cluster import JobShare, TEState
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,19 +43,18 @@ NO_REQUEST = Request()
 DECODE_COST_TOKENS = 32
 
 
-def te_load(te: TEView, placed_since_report: Mapping[str, int]) -> int:
-    """Outstanding work in tokens. ``placed_since_report``: prompt tokens placed per TE."""
-    return (
-        te.queued_prompt_tokens
-        + placed_since_report.get(te.te_id, 0)
-        + DECODE_COST_TOKENS * te.running
+def te_load(te: TEView, unreported: Mapping[str, JobShare]) -> int:
+    """Outstanding work in tokens. ``unreported``: per TE, what its report does not show
+    (``ledger.PlacementLedger.unreported``)."""
+    return ledger.prefill_tokens(te, unreported) + DECODE_COST_TOKENS * ledger.decoding(
+        te, unreported
     )
 
 
 def pick_te(
     model: str,
     tes: Sequence[TEView],
-    placed_since_report: Mapping[str, int],
+    unreported: Mapping[str, JobShare],
     exclude: Collection[str] = (),
     request: Request = NO_REQUEST,
     config: RoutingConfig = DEFAULT_ROUTING,
@@ -70,7 +70,7 @@ def pick_te(
     candidates = [
         Candidate(
             te.te_id,
-            te_load(te, placed_since_report),
+            te_load(te, unreported),
             request.cached_tokens.get(te.te_id, 0),
         )
         for te in ready

@@ -9,7 +9,6 @@ import os
 import socket
 import time
 import uuid
-from collections import defaultdict
 
 from services.job_executor.admission import (
     INITIAL_MEAN_OUTPUT_TOKENS,
@@ -18,6 +17,7 @@ from services.job_executor.admission import (
 )
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
+from services.job_executor.ledger import PlacementLedger
 from services.job_executor.routing import RoutingConfig, spread_of
 from services.job_executor.scheduling import Request, te_load
 from services.views import TEView, te_view
@@ -38,7 +38,7 @@ from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import ModelTraffic, TrafficReport
-from shared.messages.tasks import ChatTask
+from shared.messages.tasks import ChatTask, TaskProgress, attempt_key
 from shared.native import Toolchain
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -82,8 +82,8 @@ class JobExecutor:
             self._heartbeat,
             settings.membership.heartbeat_interval.total_seconds(),
         )
-        # te_id -> (unix time, prefill tokens) of placements not yet in that TE's load report
-        self._placed: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        # Each placement on each TE until the TE says it ended: what TE reports do not show.
+        self._ledger = PlacementLedger(self.je_id)
         self._traffic: dict[str, ModelTraffic] = {}  # since the last report, and held now
         self._report_now = asyncio.Event()
         self._urgent = False
@@ -103,17 +103,24 @@ class JobExecutor:
         )
 
     def _on_view(self, view: ClusterView) -> None:
-        reported = {te.te_id: te.sent_at for te in view.tes}
-        for te_id in list(self._placed):
-            at = reported.get(te_id)
-            if at is None:
-                del self._placed[te_id]
-            else:
-                self._placed[te_id] = [(t, n) for t, n in self._placed[te_id] if t > at]
+        tes = self._te_views(view)
+        for te in tes:
+            self._ledger.report(te)
+        self._ledger.keep_only({te.te_id for te in tes})
+
+    async def _on_progress(self, msg: TaskProgress) -> None:
+        for key in msg.prefilled:
+            self._ledger.prefilled(key, msg.te_id)
+        for key in msg.ended:
+            self._ledger.ended(key, msg.te_id)
 
     async def run(self) -> None:
         await self._feed.start(self._life)
         await self._view.start(self._life)
+        # Before taking jobs: the notices of the tasks it places must not be missed.
+        await self._bus.subscribe(
+            self._subjects.task_progress(self.je_id), {TaskProgress: self._on_progress}
+        )
         sub = await self._bus.subscribe(
             self._subjects.job_submit(), {ChatJob: self._on_job}, queue="je", concurrent=True
         )
@@ -179,7 +186,7 @@ class JobExecutor:
                 if failure := self._load_failure(job.model, view):
                     self._report_soon(urgent=True)  # the scaler retries, with backoff
                     raise Internal(f"The model `{job.model}` failed to load: {failure}")
-                placed = {te: sum(n for _, n in ps) for te, ps in self._placed.items()}
+                unreported = self._ledger.unreported
                 tes = self._te_views(view)
                 if job.attempt == 0:  # an accepted request that moves is never shed
                     self._admit(job, tes)
@@ -192,7 +199,12 @@ class JobExecutor:
                     spread=spread,
                 )
                 step = next_step(
-                    pending, tes, placed, now=time.time(), request=request, routing=self._routing
+                    pending,
+                    tes,
+                    unreported,
+                    now=time.time(),
+                    request=request,
+                    routing=self._routing,
                 )
                 if isinstance(step, PlaceOn):
                     matched = request.cached_tokens.get(step.te_id, 0)
@@ -202,18 +214,19 @@ class JobExecutor:
                         prompt_tokens=request.prompt_tokens,
                         cached={te: request.cached_tokens.get(te, 0) for te in candidates},
                         load={
-                            te.te_id: te_load(te, placed) for te in tes if te.te_id in candidates
+                            te.te_id: te_load(te, unreported)
+                            for te in tes
+                            if te.te_id in candidates
                         },
                     )
                     # Its prefill work there (the prompt tokens after the prefix it holds),
                     # counted before the answer so that jobs placed meanwhile see it.
-                    work = (time.time(), len(job.prompt_token_ids) - matched)
-                    self._placed[step.te_id].append(work)
+                    key = attempt_key(job.request_id, job.attempt)
+                    self._ledger.placed(step.te_id, key, len(job.prompt_token_ids) - matched)
                     try:
-                        await self._tes.place(step.te_id, self._task(job, matched))
+                        taken = await self._tes.place(step.te_id, self._task(job, matched))
                     except (Refused, PeerUnreachable) as e:
-                        with contextlib.suppress(ValueError):
-                            self._placed[step.te_id].remove(work)
+                        self._ledger.ended(key, step.te_id)
                         if isinstance(e, PeerUnreachable):
                             # No answer in time: it may still have taken the task, so cancel
                             # it there before trying elsewhere.
@@ -226,12 +239,7 @@ class JobExecutor:
                             pending, refused=pending.refused | {step.te_id}
                         )
                         continue
-                    # Stamped again with the answer's time: a TE report sent before the TE had
-                    # the task must not retire it (_on_view).
-                    entries = self._placed[step.te_id]
-                    with contextlib.suppress(ValueError):
-                        entries.remove(work)
-                    entries.append((time.time(), work[1]))
+                    self._ledger.accepted(key, taken.seq)
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     log.info(
                         "job placed",
@@ -286,7 +294,7 @@ class JobExecutor:
         verdict = shed(
             job.model,
             tes,
-            {te: len(ps) for te, ps in self._placed.items()},
+            self._ledger.unreported,
             max_queued_per_slot=je.max_queued_per_slot,
             mean_output_tokens=self._mean_output_tokens,
         )
@@ -358,8 +366,7 @@ class JobExecutor:
             except MeshserveError as e:
                 log.warning("traffic report failed", error=str(e))
 
-    @staticmethod
-    def _task(job: ChatJob, matched_tokens: int) -> ChatTask:
+    def _task(self, job: ChatJob, matched_tokens: int) -> ChatTask:
         return ChatTask(
             request_id=job.request_id,
             model=job.model,
@@ -369,6 +376,7 @@ class JobExecutor:
             deadline=job.deadline,
             attempt=job.attempt,
             matched_tokens=matched_tokens,
+            je_id=self.je_id,
         )
 
 

@@ -53,7 +53,7 @@ from shared.errors import (
 )
 from shared.kv_index_store import KvIndexStore, apply_events
 from shared.logging import get_logger
-from shared.messages.cluster import MemberDown, TEHeartbeat, TEState
+from shared.messages.cluster import JobShare, MemberDown, TEHeartbeat, TEState
 from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import (
     ControlAck,
@@ -63,7 +63,7 @@ from shared.messages.scaling import (
     PreloadModel,
     UnloadModel,
 )
-from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TokenChunk
+from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskProgress, TokenChunk
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.store import Store
@@ -114,6 +114,8 @@ class _Stream:
     reply_to: str
     prompt_tokens: int
     prefill_tokens: int  # of those, the ones not expected in the prefix cache (queued work)
+    je_id: str = ""  # the job executor that placed it (told when it prefilled and ended)
+    placement: int = 0  # this TE's number for the placement (TaskAccepted.seq)
     seq: int = 0
     generated: int = 0
     accepted_at: float = 0.0  # time.monotonic()
@@ -168,6 +170,9 @@ class TaskExecutor:
         self._streams: dict[str, _Stream] = {}  # by attempt key
         self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
         self._placements = 0
+        # Tasks that prefilled or ended since the last notice, by the JE that placed them.
+        self._progress: dict[str, TaskProgress] = {}
+        self._progress_due = asyncio.Event()
         # Accepted, not yet handed to the engine (between iterations), by attempt key.
         self._adds: dict[str, EngineRequest] = {}
         self._aborts: set[str] = set()  # engine ids
@@ -231,7 +236,26 @@ class TaskExecutor:
             hb.queued_prompt_tokens = sum(
                 stream.prefill_tokens for stream in self._streams.values() if not stream.generated
             )
+            hb.shares = self._shares()
+            hb.placements = self._placements
         return hb
+
+    def _shares(self) -> dict[str, JobShare]:
+        """The streams by the JE that placed them (``TEHeartbeat.shares``)."""
+        counts: dict[str, list[int]] = {}
+        for stream in self._streams.values():
+            c = counts.setdefault(stream.je_id, [0, 0, 0, stream.placement])
+            c[0] += 1
+            if stream.generated:
+                c[1] += 1
+            else:
+                c[2] += stream.prefill_tokens
+            c[3] = min(c[3], stream.placement)
+        return {
+            je: JobShare(sequences=n, decoding=d, prefill_tokens=t, oldest=o)
+            for je, (n, d, t, o) in counts.items()
+            if je
+        }
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -255,6 +279,7 @@ class TaskExecutor:
         self._hb.start(self._life)
         loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
         self._life.spawn(self._kv_publisher(), name="kv event publisher")
+        self._life.spawn(self._progress_publisher(), name="task progress publisher")
         if self._settings.host_cache.bytes != 0:
             self._life.spawn(self._host_cache_watch(), name="host cache watch")
         self.ready.set()
@@ -511,11 +536,15 @@ class TaskExecutor:
                 param="messages",
                 code="context_length_exceeded",
             )
-        accepted = TaskAccepted(request_id=task.request_id, te_id=self.te_id, attempt=task.attempt)
-        if task.key in self._streams:
+        if (known := self._streams.get(task.key)) is not None:
             # The same task again while it is still ours (a placement whose answer was lost
             # or late, retried): it is running or queued already.
-            return accepted
+            return TaskAccepted(
+                request_id=task.request_id,
+                te_id=self.te_id,
+                attempt=task.attempt,
+                seq=known.placement,
+            )
         # A task placed again after a cancel (the JE cancels and retries when the TE answered
         # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
         # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
@@ -528,6 +557,8 @@ class TaskExecutor:
             reply_to=task.reply_to,
             prompt_tokens=n,
             prefill_tokens=n - min(max(task.matched_tokens, 0), n - 1),
+            je_id=task.je_id,
+            placement=self._placements,
             accepted_at=time.monotonic(),
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
@@ -538,7 +569,9 @@ class TaskExecutor:
         self._idle.clear()
         self._work.set()
         log.debug("task accepted", attempt=task.attempt, prompt_tokens=n)
-        return accepted
+        return TaskAccepted(
+            request_id=task.request_id, te_id=self.te_id, attempt=task.attempt, seq=stream.placement
+        )
 
     async def _on_cancel(self, msg: CancelTask) -> None:
         if (stream := self._close_stream(msg.key)) is not None:
@@ -567,7 +600,31 @@ class TaskExecutor:
         stream = self._streams.pop(key, None)
         if stream is not None:
             del self._engine_streams[stream.engine_id]
+            self._progress_of(stream).ended.append(stream.key)
         return stream
+
+    def _progress_of(self, stream: _Stream) -> TaskProgress:
+        """The notice its JE gets next (``_progress_publisher``)."""
+        note = self._progress.get(stream.je_id)
+        if note is None:
+            note = self._progress[stream.je_id] = TaskProgress(te_id=self.te_id)
+        self._progress_due.set()
+        return note
+
+    async def _progress_publisher(self) -> None:
+        """Notices leave as soon as the loop is free, one per JE for all that happened
+        meanwhile (an iteration's tokens, a cancel)."""
+        while True:
+            await self._progress_due.wait()
+            self._progress_due.clear()
+            notes, self._progress = self._progress, {}
+            for je_id, note in notes.items():
+                if not je_id:  # placed by a JE that does not count (none in service)
+                    continue
+                try:
+                    await self._bus.publish(self._subjects.task_progress(je_id), note)
+                except PeerUnreachable as e:  # its heartbeat share corrects the count
+                    log.warning("task progress publish failed", je=je_id, error=str(e))
 
     async def _engine_loop(self) -> None:
         while not self._closing:
@@ -788,10 +845,13 @@ class TaskExecutor:
             stream = self._engine_streams.get(out.request_id)
             if stream is None:
                 continue  # cancelled (the task may run again as another copy: not this one)
-            if not stream.generated and out.new_token_ids and self._ready_at:
-                # The first task's first token after a load: the end of the scale-up.
-                first = time.monotonic() - stream.accepted_at
-                self._load_steps.setdefault("te_first_token", first)
+            if not stream.generated and out.new_token_ids:
+                if self._ready_at:
+                    # The first task's first token after a load: the end of the scale-up.
+                    first = time.monotonic() - stream.accepted_at
+                    self._load_steps.setdefault("te_first_token", first)
+                if not out.finished:
+                    self._progress_of(stream).prefilled.append(stream.key)
             stream.generated += len(out.new_token_ids)
             self._generated_tokens += len(out.new_token_ids)
             chunk = TokenChunk(

@@ -43,6 +43,15 @@ class CachedWeights(msgspec.Struct, frozen=True):
     total_bytes: int
 
 
+class JobShare(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The part of a TE's work that one job executor placed, as the TE counts it."""
+
+    sequences: int = 0  # accepted, not ended (queued, prefilling or decoding)
+    decoding: int = 0  # of those, past their first token
+    prefill_tokens: int = 0  # prompt tokens of the others, less the prefix expected cached
+    oldest: int = 0  # the TE's number (TaskAccepted.seq) of the oldest it holds; 0: none
+
+
 class TEHeartbeat(Message):
     te_id: str
     pool_id: str
@@ -83,6 +92,10 @@ class TEHeartbeat(Message):
     cache_free_bytes: int = 0  # room left in its host's weight cache (0: none, or no cache)
     weight_relay: str = ""  # host:port where its host's weight server sends multicasts from
     relay_address: str = ""  # host:port where this TE receives a multicast
+    # its work by the job executor that placed it (JobShare), and how many placements it had
+    # taken when it counted it (TaskAccepted.seq of the last)
+    shares: dict[str, JobShare] = msgspec.field(default_factory=dict)
+    placements: int = 0
 
 
 class JEHeartbeat(Message):

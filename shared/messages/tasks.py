@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import msgspec
+
 from shared.messages.api import ErrorReply, SamplingParams
 from shared.messages.base import Message
 
@@ -36,6 +38,9 @@ class ChatTask(Message):
     # Leading prompt tokens the router's prompt index says this TE holds: the TE counts the
     # rest as its queued prefill work until the engine starts the prompt.
     matched_tokens: int = 0
+    # The job executor that placed it: the TE tells it when the task starts decoding and when
+    # it ends (TaskProgress), and reports its share of the TE's load (TEHeartbeat.shares).
+    je_id: str = ""
 
     @property
     def key(self) -> str:
@@ -46,6 +51,20 @@ class TaskAccepted(Message):
     request_id: str
     te_id: str
     attempt: int = 0
+    # The TE's number for this placement (1, 2, ...): TEHeartbeat.placements says which
+    # placements a heartbeat's figures had seen.
+    seq: int = 0
+
+
+class TaskProgress(Message):
+    """A TE tells the job executor that placed some tasks (by attempt key) that they produced
+    their first token (their prompt is done) or ended (finished, failed, cancelled or handed
+    back). The JE's count of each TE's work (``services/job_executor/ledger.py``) is exact by
+    these, at any request rate, instead of waiting for the TE's next heartbeat."""
+
+    te_id: str
+    prefilled: list[str] = msgspec.field(default_factory=list)
+    ended: list[str] = msgspec.field(default_factory=list)
 
 
 class CancelTask(Message):

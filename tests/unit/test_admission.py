@@ -7,7 +7,7 @@ import msgspec
 
 from services.job_executor.admission import shed
 from services.views import TEView
-from shared.messages.cluster import TEState
+from shared.messages.cluster import JobShare, TEState
 from shared.messages.scaling import InstanceCapacity
 
 CAP = InstanceCapacity(
@@ -48,9 +48,14 @@ def test_one_instance_with_room_admits():
     assert verdict([te("a", waiting=8, running=2)]) is None  # free slots take two of them
 
 
-def test_placements_not_yet_reported_count():
+def test_the_ledger_corrects_the_report_both_ways():
+    # Placed since the report: they count. Ended since the report: they no longer do.
     assert verdict([te("a", waiting=6)]) is None
-    assert verdict([te("a", waiting=6)], placed={"a": 2}) is not None
+    assert verdict([te("a", waiting=6)], placed={"a": JobShare(sequences=2)}) is not None
+    assert verdict([te("a", waiting=8)]) is not None
+    assert verdict([te("a", waiting=8)], placed={"a": JobShare(sequences=-1)}) is None
+    # A report of a TE that has since run dry: never below nothing.
+    assert verdict([te("a", waiting=8)], placed={"a": JobShare(sequences=-100)}) is None
 
 
 def test_capacity_coming_admits():

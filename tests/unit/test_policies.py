@@ -6,7 +6,7 @@ from services.cluster_manager.membership import expired, identity
 from services.job_executor.holding import GiveUp, Hold, PendingJob, PlaceOn, next_step
 from services.job_executor.scheduling import pick_te
 from services.views import TEView, te_view
-from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.cluster import JobShare, TEHeartbeat, TEState
 
 
 def te(te_id, state=TEState.READY, model="m", running=0, waiting=0, pool="p1") -> TEView:
@@ -36,8 +36,13 @@ class TestPickTE:
     def test_counts_placements_the_te_has_not_reported_yet(self):
         # Prompt tokens placed since the TE's report count like tokens it reported queued.
         tes = [te("a", running=1), te("b", running=0)]
-        assert pick_te("m", tes, {"b": 20}).te_id == "b"
-        assert pick_te("m", tes, {"b": 100}).te_id == "a"
+        assert pick_te("m", tes, {"b": JobShare(prefill_tokens=20)}).te_id == "b"
+        assert pick_te("m", tes, {"b": JobShare(prefill_tokens=100)}).te_id == "a"
+        # Started decoding since: its prompt is no longer queued work, its decode is.
+        started = {"b": JobShare(prefill_tokens=-100, decoding=1)}
+        b = dataclasses.replace(te("b"), queued_prompt_tokens=100)
+        assert pick_te("m", [te("a", running=2), b], {}).te_id == "a"  # 64 tokens < 100
+        assert pick_te("m", [te("a", running=2), b], started).te_id == "b"  # 64 > 32
 
     def test_load_is_tokens_not_requests(self):
         long = dataclasses.replace(te("a", waiting=1), queued_prompt_tokens=4000)
