@@ -277,6 +277,8 @@ class Generation:
     arrived_at: float | None = None
     held_s: float | None = None  # how long JEs held the job for capacity (None: never held)
     routed: JobAccepted | None = None  # the first placement: where routing sent it, and why
+    accepted_at: float | None = None  # when the first placement's answer came (monotonic)
+    te_s: float = 0.0  # the first chunk's TokenChunk.te_s
     on_attempt: Callable[[int, str], None] | None = None
     _placed: tuple[str, int] | None = None  # (te_id, attempt) of the attempt now streaming
 
@@ -294,7 +296,7 @@ class Generation:
                     continue
                 self._placed = (accepted.te_id, n)
                 if self.routed is None:
-                    self.routed = accepted
+                    self.routed, self.accepted_at = accepted, time.monotonic()
                 attempt.placed_on = accepted.te_id
                 attempt.depend_on(accepted.te_id)  # no longer on the JE that placed it
                 if self.on_attempt:
@@ -464,7 +466,7 @@ class Generation:
                 self.arrived_at = arrived
                 self.last_token_at = time.monotonic()
                 if self.first_token_at is None:
-                    self.first_token_at = self.last_token_at
+                    self.first_token_at, self.te_s = self.last_token_at, chunk.te_s
                 self.generated.extend(ids)
                 self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
                 yield ids

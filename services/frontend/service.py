@@ -72,6 +72,7 @@ from shared.tenancy import TenantStore
 log = get_logger(__name__)
 
 MAX_BODY = web.AppKey("max_body_bytes", int)
+ARRIVED = "meshserve.arrived"  # a request's key: when the frontend began on it (monotonic)
 OPENAPI = web.AppKey("openapi_json", bytes)
 
 REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
@@ -116,6 +117,16 @@ ROUTED_TOKENS = Counter(
     "matched on the chosen TE (matched) and on the ready TE holding the most (best: what an "
     "oracle router would reuse), and those the chosen TE's prefix cache actually held (cached)",
     ["model", "kind"],
+)
+PHASE = Histogram(
+    "meshserve_request_phase_seconds",
+    "Where a request's time to first token goes: in the frontend before the job is submitted "
+    "(parse, auth, validation, tokenization, limits: frontend_in), job submitted to placed "
+    "(placement; of it, the job executor's own time: je), placed to first token at the "
+    "frontend (first_token; of it, the TE's own time from the task accepted to the token "
+    "sent: te), first token to its bytes handed to the client (frontend_out)",
+    ["phase"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
 )
 SHED = Counter(
     "meshserve_shed_requests",
@@ -166,6 +177,7 @@ def _error_response(err: MeshserveError) -> web.Response:
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every failure leaves as an OpenAI-style JSON body, never as a stack trace."""
+    request[ARRIVED] = time.monotonic()
     endpoint = (
         request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
     )
@@ -580,9 +592,10 @@ class Frontend:
         try:
             if req.is_stream:
                 return await self._stream(
-                    request, req, gen, pieces, stops, lease, rid, created, chat=chat
+                    request, req, gen, pieces, stops, lease, rid, created, t0, chat=chat
                 )
             text = "".join([p async for p in pieces])
+            _phases(request[ARRIVED], t0, gen)
         finally:
             await pieces.aclose()
             await gen.cancel()
@@ -661,6 +674,7 @@ class Frontend:
         lease: Lease,
         rid: str,
         created: int,
+        started: float,
         *,
         chat: bool,
     ) -> web.StreamResponse:
@@ -705,6 +719,7 @@ class Frontend:
                     )
                 if first:
                     await out.write(chunk(first))
+                    _phases(request[ARRIVED], started, gen)
                 if not done:
                     async for text in pieces:
                         if gen.arrived_at is not None:
@@ -738,6 +753,20 @@ class Frontend:
                         )
                 raise
         return resp
+
+
+def _phases(arrived: float, submitted: float, gen: Generation) -> None:
+    """``PHASE``: a request's first token, handed to the client now, by where it went."""
+    if gen.accepted_at is None or gen.first_token_at is None or gen.held_s is not None:
+        return  # held for capacity: a scale-up, not serving overhead
+    now = time.monotonic()
+    PHASE.labels("frontend_in").observe(submitted - arrived)
+    PHASE.labels("placement").observe(gen.accepted_at - submitted)
+    if gen.routed is not None:
+        PHASE.labels("je").observe(gen.routed.je_s)
+    PHASE.labels("first_token").observe(gen.first_token_at - gen.accepted_at)
+    PHASE.labels("te").observe(gen.te_s)
+    PHASE.labels("frontend_out").observe(now - gen.first_token_at)
 
 
 async def create(settings: Settings, bus: Bus) -> Frontend:

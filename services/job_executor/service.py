@@ -143,6 +143,7 @@ class JobExecutor:
         self._life.request_stop()
 
     async def _on_job(self, job: ChatJob) -> JobAccepted:
+        t0 = time.monotonic()
         self._inflight += 1
         try:
             # First of all, tell the frontend who has the job: should this JE die before it
@@ -153,7 +154,9 @@ class JobExecutor:
                     JobTaken(request_id=job.request_id, je_id=self.je_id, attempt=job.attempt),
                     request_id=job.request_id,
                 )
-            return await self._place(job)
+            accepted = await self._place(job)
+            accepted.je_s = time.monotonic() - t0
+            return accepted
         finally:
             self._inflight -= 1
 

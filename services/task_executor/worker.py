@@ -864,6 +864,7 @@ class TaskExecutor:
                 completion_tokens=stream.generated,
                 cached_tokens=out.num_cached_tokens,
                 te_id=self.te_id,
+                te_s=0.0 if stream.seq else time.monotonic() - stream.accepted_at,
             )
             stream.seq += 1
             if out.finished:

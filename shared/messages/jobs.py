@@ -35,6 +35,7 @@ class JobAccepted(Message):
     matched_tokens: int = 0  # leading prompt tokens the prompt index says the TE holds
     best_matched_tokens: int = 0  # the most any ready TE of the model held (an oracle's hit)
     routing: str = ""  # the routing branch that chose the TE (routing.route)
+    je_s: float = 0.0  # the JE's time on it: the job received to the TE's answer
 
 
 class JobTaken(Message):

@@ -93,6 +93,7 @@ class TokenChunk(Message):
     te_id: str = ""  # the sender: a frontend drops chunks of a TE its attempt did not land on
     attempt: int = 0
     failure: ErrorReply | None = None
+    te_s: float = 0.0  # on an attempt's first chunk: the TE's time, task accepted to sent
 
     @property
     def key(self) -> str:
