@@ -13,7 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
-from shared import health
+from shared import health, heap
 from shared.access import SERVICE_ROLE
 from shared.bus import Bus
 from shared.logging import get_logger, setup_logging
@@ -133,6 +133,7 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         log.info("service started", cluster=settings.cluster)
+        heap.settle()  # what it built to start lives as long as it does
         alive = None
         if path := settings.membership.health_file:
             interval = settings.membership.heartbeat_interval.total_seconds()

@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import gc
 import importlib
 import math
 import os
@@ -40,6 +39,7 @@ from services.task_executor.engines.factory import (
 from services.task_executor.engines.process import EngineProcessDied
 from services.task_executor.weight_cache import relay
 from services.task_executor.weight_cache.index import CacheState, budget_bytes, read_state
+from shared import heap
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import (
@@ -397,6 +397,7 @@ class TaskExecutor:
         else:
             self.engine, self._features = engine, features
             self._kv_block_size = features.kv_events.block_size if features.kv_events else 0
+            heap.settle()  # the model lives as long as it is loaded: out of the collector's way
             self.state = TEState.READY
             self._last_active = self._ready_at = time.time()
             earlier = [m for m in self._recent_models if m != cmd.model]
@@ -505,7 +506,8 @@ class TaskExecutor:
         self._features = EngineFeatures()
         self._capacity = None
         self._choice = engine_choice(self._settings)
-        gc.collect()
+        heap.unsettle()  # the model's reference cycles, if any, go now
+        heap.settle()
         log.info("model unloaded", model=self.model, reason=cmd.reason)
         self.state, self.model = TEState.IDLE, None
         self._hb.beat_now()

@@ -60,6 +60,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     schedule,
     tpot_slack,
 )
+from services.task_executor.engines.torch_engine.threads import IntraOpThreads
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from services.task_executor.weight_cache.store import CacheSession, HostWeightCache, Received
 from shared.block_hash import chain_hashes, extend_chain
@@ -385,6 +386,10 @@ class TorchEngine:
                 device=torch_device,
             )
         self._torch_device = torch_device
+        # On a CPU: one intra-op thread for iterations too short to split (threads.py).
+        self._threads = (
+            IntraOpThreads(torch.get_num_threads()) if torch_device.type == "cpu" else None
+        )
         self.block_size = block_size
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill = chunked_prefill
@@ -459,7 +464,13 @@ class TorchEngine:
         scheduled = self._schedule()
         if not scheduled:
             return []
-        return self._advance(scheduled, self._forward(scheduled))
+        if self._threads is None:
+            return self._advance(scheduled, self._forward(scheduled))
+        t0 = time.perf_counter()
+        outputs = self._advance(scheduled, self._forward(scheduled))
+        if (threads := self._threads.took(time.perf_counter() - t0)) is not None:
+            torch.set_num_threads(threads)
+        return outputs
 
     def _swap_in_stored_weights(self) -> None:
         """Once the host cache holds what this load built, the cache's pages replace the
