@@ -4,10 +4,11 @@ model, in one run.
   scripts/bench-overhead [--requests 300] [--warmup 10] [--servers vllm,meshserve,meshserve-auth]
                          [--model demo] [--out bench-results/overhead.json]
 
-Each server in turn (never two at once: the host has two cores) gets ``--warmup`` requests,
-then ``--requests`` sequential /v1/completions requests of one output token (the same
-token-id prompt of 32 tokens, greedy), streamed, then as many not streamed, from one
-keep-alive connection: an evaluation harness's traffic. TTFT is the time to the first SSE
+Every server is started, then each gets ``--warmup`` requests and ``--requests`` sequential
+/v1/completions requests of one output token (the same token-id prompt of 32 tokens,
+greedy), streamed and not, from one keep-alive connection (an evaluation harness's
+traffic), in ``--rounds`` blocks taken in turn, so that every server meets the host as it
+was (one request at a time on the whole host: an idle server waits on its sockets). TTFT is the time to the first SSE
 event (streamed) or to the whole answer (not streamed); the table gives p50/p90/p99 and the
 ratio to vLLM's. Servers:
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -43,6 +45,7 @@ import aiohttp
 from bench.common import RESULTS, Col, Table, ensure_model, models_dir, write_result
 from bench.vs_vllm import (
     MODEL_ID,
+    Server,
     meshserve_url,
     say,
     start_meshserve,
@@ -92,39 +95,73 @@ def phase_sums(base: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-async def run_server(url: str, args: argparse.Namespace, key: str, metrics: str | None) -> dict:
-    result: dict = {}
+@dataclasses.dataclass
+class Target:
+    name: str
+    server: Server
+    url: str
+    key: str = "unused"
+    metrics: str | None = None  # meshserve's base URL, for its phase histogram
+    times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    errors: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    phases: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
+
+
+async def run_block(session: aiohttp.ClientSession, t: Target, stream: bool, n: int) -> None:
+    mode = "stream" if stream else "plain"
+    before = phase_sums(t.metrics) if t.metrics else {}
+    for _ in range(n):
+        try:
+            t.times.setdefault(mode, []).append(await one(session, t.url, stream, t.key))
+        except RuntimeError as e:
+            t.errors.setdefault(mode, []).append(str(e))
+    after = phase_sums(t.metrics) if t.metrics else {}
+    sums = t.phases.setdefault(mode, {})
+    for name in PHASES:
+        s1, c1 = after.get(name, (0.0, 0.0))
+        s0, c0 = before.get(name, (0.0, 0.0))
+        total = sums.setdefault(name, [0.0, 0.0])
+        total[0] += s1 - s0
+        total[1] += c1 - c0
+
+
+async def run_all(targets: Sequence[Target], args: argparse.Namespace) -> None:
+    """Warm every server up, then ``--rounds`` rounds: each server in turn gets its share of
+    the requests, streamed then not, so that every server sees the host as it was."""
     timeout = aiohttp.ClientTimeout(total=300)
-    connector = aiohttp.TCPConnector(limit=1)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        for stream in (True, False):
-            mode = "stream" if stream else "plain"
-            for _ in range(args.warmup):
-                await one(session, url, stream, key)
-            before = phase_sums(metrics) if metrics else {}
-            times, errors = [], []
-            for _ in range(args.requests):
-                try:
-                    times.append(await one(session, url, stream, key))
-                except RuntimeError as e:
-                    errors.append(str(e))
-            after = phase_sums(metrics) if metrics else {}
-            phases = {}
-            for name in PHASES:
-                s1, c1 = after.get(name, (0.0, 0.0))
-                s0, c0 = before.get(name, (0.0, 0.0))
-                if c1 > c0:
-                    phases[name] = round(1000 * (s1 - s0) / (c1 - c0), 3)
-            result[mode] = {
-                "requests": args.requests,
-                "failed": len(errors),
-                "errors": sorted(set(errors))[:5],
-                "ttft_ms": {f"p{p}": round(1000 * percentile(times, p), 2) for p in (50, 90, 99)},
-                "ttft_ms_mean": round(1000 * statistics.fmean(times), 2) if times else None,
-                "phases_ms_mean": phases,
-            }
-            say(f"{mode}: {result[mode]['ttft_ms']} failed {len(errors)}")
-    return result
+    sessions = {
+        t.name: aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=1))
+        for t in targets
+    }
+    try:
+        for t in targets:
+            for stream in (True, False):
+                for _ in range(args.warmup):
+                    await one(sessions[t.name], t.url, stream, t.key)
+        per_round = max(1, args.requests // args.rounds)
+        for r in range(args.rounds):
+            for t in targets if r % 2 == 0 else list(reversed(targets)):
+                for stream in (True, False):
+                    await run_block(sessions[t.name], t, stream, per_round)
+            say(f"round {r + 1}/{args.rounds} done")
+    finally:
+        for s in sessions.values():
+            await s.close()
+
+
+def summary(t: Target, mode: str) -> dict:
+    times, errors = t.times.get(mode, []), t.errors.get(mode, [])
+    phases = {
+        name: round(1000 * s / c, 3) for name, (s, c) in t.phases.get(mode, {}).items() if c > 0
+    }
+    return {
+        "requests": len(times) + len(errors),
+        "failed": len(errors),
+        "errors": sorted(set(errors))[:5],
+        "ttft_ms": {f"p{p}": round(1000 * percentile(times, p), 2) for p in (50, 90, 99)},
+        "ttft_ms_mean": round(1000 * statistics.fmean(times), 2) if times else None,
+        "phases_ms_mean": phases,
+    }
 
 
 def create_tenant_key(base: str) -> str:
@@ -139,33 +176,29 @@ def create_tenant_key(base: str) -> str:
         return json.loads(r.read())["key"]
 
 
-def measure(name: str, model_dir: Path, args: argparse.Namespace, tmp: Path) -> dict:
-    logs = args.out.parent / "overhead-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    key, metrics = "unused", None
+def start(name: str, model_dir: Path, args: argparse.Namespace, tmp: Path, logs: Path) -> Target:
+    say(f"{name}: starting")
     if name == "vllm":
         py, _ = ensure_vllm(DEFAULT_VENV, skip_install=False, log_dir=logs)
         server, url = start_vllm(py, model_dir, logs, [], args.dtype)
-        try:
-            wait_for_model(server, url, 900)
-            return asyncio.run(run_server(url, args, key, None))
-        finally:
-            server.stop(30)
-    extra = (
-        {"MESHSERVE_AUTH": "on", "MESHSERVE_ADMIN_KEY": ADMIN_KEY} if name.endswith("auth") else {}
-    )
+        target = Target(name, server, url)
+        wait_for_model(server, url, 900)
+        return target
+    auth = name.endswith("auth")
+    extra = {"MESHSERVE_AUTH": "on", "MESHSERVE_ADMIN_KEY": ADMIN_KEY} if auth else {}
     sub = tmp / name
     sub.mkdir()
     server, _ = start_meshserve("torch", model_dir, sub, logs, args.dtype, extra)
+    target = Target(name, server, "")
     try:
-        url = meshserve_url(server, 300)
-        base = url.removesuffix("/v1")
-        metrics = base
-        if extra:
-            key = create_tenant_key(base)
-        return asyncio.run(run_server(url, args, key, metrics))
-    finally:
+        target.url = meshserve_url(server, 300)
+        target.metrics = target.url.removesuffix("/v1")
+        if auth:
+            target.key = create_tenant_key(target.metrics)
+    except Exception:
         server.stop(30)
+        raise
+    return target
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=6, help="blocks each server's requests come in")
     p.add_argument("--servers", default=",".join(SERVERS))
     p.add_argument("--model", default="demo")
     p.add_argument("--dtype", default="bfloat16")
@@ -185,11 +219,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := set(servers) - set(SERVERS):
         p.error(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
     model_dir = ensure_model(args.model, models_dir())
-    results: dict[str, dict] = {}
+    logs = args.out.parent / "overhead-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    targets: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        for name in servers:
-            say(f"{name}: starting")
-            results[name] = measure(name, model_dir, args, Path(tmp))
+        try:
+            for name in servers:
+                targets.append(start(name, model_dir, args, Path(tmp), logs))
+            asyncio.run(run_all(targets, args))
+        finally:
+            for t in targets:
+                t.server.stop(30)
+    results = {t.name: {mode: summary(t, mode) for mode in ("stream", "plain")} for t in targets}
     rows = []
     for name, res in results.items():
         for mode, r in res.items():
