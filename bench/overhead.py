@@ -8,7 +8,10 @@ Every server is started, then each gets ``--warmup`` requests and ``--requests``
 /v1/completions requests of one output token (the same token-id prompt of 32 tokens,
 greedy), streamed and not, from one keep-alive connection (an evaluation harness's
 traffic), in ``--rounds`` blocks taken in turn, so that every server meets the host as it
-was (one request at a time on the whole host: an idle server waits on its sockets). TTFT is the time to the first SSE
+was (one request at a time on the whole host: an idle server waits on its sockets), each
+block after ``--pause`` seconds of quiet (a server just measured may leave its OpenMP
+threads spinning: the first request of the next block took 170-190 ms without it). The JSON
+keeps each block's slowest request and where in the block it came. TTFT is the time to the first SSE
 event (streamed) or to the whole answer (not streamed); the table gives p50/p90/p99 and the
 ratio to vLLM's. Servers:
 
@@ -105,16 +108,22 @@ class Target:
     times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     errors: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     phases: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
+    blocks: list[dict] = dataclasses.field(default_factory=list)
 
 
 async def run_block(session: aiohttp.ClientSession, t: Target, stream: bool, n: int) -> None:
     mode = "stream" if stream else "plain"
     before = phase_sums(t.metrics) if t.metrics else {}
+    block = []
     for _ in range(n):
         try:
-            t.times.setdefault(mode, []).append(await one(session, t.url, stream, t.key))
+            block.append(await one(session, t.url, stream, t.key))
         except RuntimeError as e:
             t.errors.setdefault(mode, []).append(str(e))
+    t.times.setdefault(mode, []).extend(block)
+    if block:  # where in the block its slowest request was: a stall at its start, or spread
+        slowest = max(range(len(block)), key=block.__getitem__)
+        t.blocks.append({"mode": mode, "max_ms": round(1000 * block[slowest], 2), "at": slowest})
     after = phase_sums(t.metrics) if t.metrics else {}
     sums = t.phases.setdefault(mode, {})
     for name in PHASES:
@@ -142,6 +151,9 @@ async def run_all(targets: Sequence[Target], args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for t in targets if r % 2 == 0 else list(reversed(targets)):
                 for stream in (True, False):
+                    # The server before may leave its OpenMP threads spinning for a while
+                    # (Intel OpenMP: 200 ms), on the cores this one needs.
+                    await asyncio.sleep(args.pause)
                     await run_block(sessions[t.name], t, stream, per_round)
             say(f"round {r + 1}/{args.rounds} done")
     finally:
@@ -210,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=6, help="blocks each server's requests come in")
+    p.add_argument("--pause", type=float, default=1.0, help="seconds of quiet before each block")
     p.add_argument("--servers", default=",".join(SERVERS))
     p.add_argument("--model", default="demo")
     p.add_argument("--dtype", default="bfloat16")
@@ -231,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for t in targets:
                 t.server.stop(30)
     results = {t.name: {mode: summary(t, mode) for mode in ("stream", "plain")} for t in targets}
+    blocks = {t.name: t.blocks for t in targets}
     rows = []
     for name, res in results.items():
         for mode, r in res.items():
@@ -278,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "argv": sys.argv[1:],
             "pid": os.getpid(),
             "results": results,
+            "blocks": blocks,
         },
     )
     return 1 if any(r["failed"] for res in results.values() for r in res.values()) else 0
