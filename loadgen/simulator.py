@@ -61,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -98,7 +99,9 @@ from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
+    enqueue,
     pacing,
+    queue_due,
     schedule,
     tpot_slack,
 )
@@ -244,6 +247,7 @@ class _Seq:
     placed: bool = False  # routed once (a later placement is a retry: not counted again)
     admitted: bool = False  # admitted to an engine once (a later one recomputes)
     placement: int = 0  # its TE's number for it (TaskAccepted.seq)
+    due: float = math.inf  # when its first token is due at its TE (the TTFT target)
 
     @property
     def num_tokens(self) -> int:
@@ -369,7 +373,13 @@ class Simulation:
         self._outcomes = Outcomes(cfg.slo)
         # As a TE paces its engine: with the capacity it measured and the SLO's TPOT.
         self._pacing = {
-            m: pacing(p.capacity(), tpot_s=cfg.slo.tpot_s, ceiling=p.max_prefill_tokens)
+            m: pacing(
+                p.capacity(),
+                tpot_s=cfg.slo.tpot_s,
+                ceiling=p.max_prefill_tokens,
+                ttft_s=cfg.slo.ttft_s,
+                ttft_per_token_s=cfg.slo.ttft_per_input_token_s,
+            )
             for m, p in profiles.items()
             if p.paced
         }
@@ -544,7 +554,10 @@ class Simulation:
             self.stats.prompt_tokens += seq.plan.input_tokens
             self.stats.matched_tokens += matched
             self.stats.oracle_tokens += max(cached.values(), default=0)
-        te.waiting.append(seq)
+        # In deadline order, as the engine queues.
+        paced = self._pacing.get(model)
+        seq.due = self.now + paced.ttft_limit_s(seq.prompt) if paced else math.inf
+        enqueue(te.waiting, seq, lambda s: queue_due(s.due, started=s.generated > 0))
         te.last_active = self.now
         self._dirty.add(te.te_id)
         self._kick(te, delay=2 * self.cfg.network_s)
@@ -800,6 +813,12 @@ class Simulation:
         self._start_iteration(te)
         self._maybe_unloaded(te)
 
+    def _ttft_left(self, s: _Seq) -> float:
+        """As the engine's ``_ttft_left``: -inf once it produced tokens, inf without a target."""
+        if s.generated:
+            return -math.inf
+        return s.due - self.now if s.due != math.inf else math.inf
+
     def _start_iteration(self, te: _TE) -> None:
         prof = te.profile
         if prof is None or not (te.running or te.waiting):
@@ -817,6 +836,7 @@ class Simulation:
                     if paced is not None and s.generated
                     else None
                 ),
+                ttft_left_s=self._ttft_left(s),
             )
             for s in te.running
         ]
@@ -825,7 +845,14 @@ class Simulation:
         head = list(itertools.islice(te.waiting, prof.max_num_seqs))
         hits = {s: te.cached_prefix(s) for s in head}
         waiting = [
-            SeqView(str(id(s)), s.prompt, hits[s] // bs, num_cached_tokens=hits[s]) for s in head
+            SeqView(
+                str(id(s)),
+                s.prompt,
+                hits[s] // bs,
+                num_cached_tokens=hits[s],
+                ttft_left_s=self._ttft_left(s),
+            )
+            for s in head
         ]
         sched = SchedulerConfig(
             block_size=bs,

@@ -438,8 +438,13 @@ class TaskExecutor:
             features = bind_features(engine)
             capacity = cmd.capacity or self._measure_capacity(engine, Path(cmd.path))
             if features.prefill_pacing is not None and capacity is not None:
-                tpot = self._settings.scaler.slo_tpot.total_seconds()
-                features.prefill_pacing.pace_prefill(capacity, tpot)
+                slo = self._settings.scaler.slo()
+                features.prefill_pacing.pace_prefill(
+                    capacity,
+                    slo.tpot_s,
+                    ttft_s=slo.ttft_s,
+                    ttft_per_token_s=slo.ttft_per_input_token_s,
+                )
         except Exception:
             engine.close()
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -632,3 +633,84 @@ def test_config_reads_the_transformers_4_layout(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="rope"):
         load_model_config(tmp_path)
+
+
+# --- prompts by deadline ------------------------------------------------------------------
+
+
+def test_a_prompt_due_sooner_takes_the_budget_before_a_long_one_mid_way() -> None:
+    cfg = dataclasses.replace(CHUNKED, max_prefill_tokens=10)
+    # A long prompt mid-way (due in 30 s) and a short one just queued (due in 2 s).
+    running = [SeqView("long", 40, 3, 10, ttft_left_s=30.0)]
+    d = schedule(running, [SeqView("short", 6, ttft_left_s=2.0)], free_blocks=100, config=cfg)
+    assert d.prefill == ("short",) and d.cache_len == {"short": 6, "long": 14}
+    # Due later than the long one: it waits for what the long one leaves (nothing).
+    d = schedule(running, [SeqView("later", 6, ttft_left_s=60.0)], free_blocks=100, config=cfg)
+    assert d.prefill == () and d.cache_len == {"long": 20}
+    # Without deadlines, as before: the running prompt first.
+    d = schedule([SeqView("long", 40, 3, 10)], [SeqView("w", 6)], free_blocks=100, config=cfg)
+    assert d.prefill == () and d.cache_len == {"long": 20}
+
+
+def test_a_prompt_about_to_miss_its_deadline_spends_the_decodes_banked_slack() -> None:
+    cfg = dataclasses.replace(CHUNKED, max_prefill_tokens=10, pacing=PACE)
+    dec = SeqView("dec", 1000, 250, 999, tpot_slack_s=1.0)
+    normal = prefill_budget(PACE, [1000], 3000, 1.0)  # (0.8 s - 51 ms) / 0.8 ms
+    spent = prefill_budget(PACE, [1000], 3000, 1.0, urgent=True)  # (1 s - 51 ms) / 0.8 ms
+    assert spent > normal
+    # Time enough: the usual budget. 3,000 tokens in chunks of `normal` take 4 iterations of
+    # about 0.8 s.
+    relaxed = SeqView("p", 3000, ttft_left_s=60.0)
+    d = schedule([dec], [relaxed], free_blocks=10_000, config=cfg)
+    assert d.cache_len["p"] == normal
+    # Due in 2 s: at that budget it would be late, so it takes the whole slack.
+    hurried = SeqView("p", 3000, ttft_left_s=2.0)
+    d = schedule([dec], [hurried], free_blocks=10_000, config=cfg)
+    assert d.cache_len["p"] == spent
+    # Already late: spending the decodes' slack would not save it.
+    late = SeqView("p", 3000, ttft_left_s=-1.0)
+    assert schedule([dec], [late], free_blocks=10_000, config=cfg).cache_len["p"] == normal
+
+
+def test_the_queue_is_in_deadline_order_with_preempted_requests_first() -> None:
+    from services.task_executor.engines.torch_engine.scheduler import enqueue, queue_due
+
+    queue: list[tuple[str, float, bool]] = []
+
+    def due(item: tuple[str, float, bool]) -> float:
+        return queue_due(item[1], started=item[2])
+
+    for item in [("a", 5.0, False), ("b", 3.0, False), ("c", 5.0, False), ("p", 9.0, True)]:
+        enqueue(queue, item, due)
+    assert [name for name, _, _ in queue] == ["p", "b", "a", "c"]  # ties in arrival order
+    assert PACE.ttft_limit_s(10_000) == math.inf  # no SLO given: no deadline
+    slo = dataclasses.replace(PACE, ttft_s=2.0, ttft_per_token_s=1 / 512)
+    assert slo.ttft_limit_s(100) == 2.0 and slo.ttft_limit_s(2048) == 4.0
+
+
+def test_an_engine_with_a_ttft_target_prefills_the_prompt_due_first(
+    model_dir: Path, monkeypatch
+) -> None:
+    from shared.messages.scaling import InstanceCapacity
+
+    engine = _engine(model_dir, max_prefill_tokens=None)
+    cap = InstanceCapacity(
+        prefill_s=2e-3,
+        prefill_attention_s=0,
+        decode_s=0.01,
+        decode_step_s=0.04,
+        decode_context_s=0,
+        max_num_seqs=4,
+    )
+    clock = [100.0]
+    monkeypatch.setattr(
+        "services.task_executor.engines.torch_engine.engine.time.monotonic", lambda: clock[0]
+    )
+    # 2 s for any prompt, or 1/16 s a token: a 64-token prompt is due in 4 s.
+    engine.pace_prefill(cap, 0.25, ttft_s=2.0, ttft_per_token_s=1 / 16)
+    engine.add_request(EngineRequest("long", list(range(3, 67)), greedy(2)))
+    clock[0] += 0.5
+    engine.add_request(EngineRequest("short", [3, 4, 5, 6], greedy(2)))  # due at 102.5 < 104
+    assert [r.request_id for r in engine._waiting] == ["short", "long"]
+    firsts = [o.request_id for o in engine.step() if o.new_token_ids]
+    assert firsts[0] == "short"

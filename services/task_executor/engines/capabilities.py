@@ -83,9 +83,17 @@ class PrefillPacing(Protocol):
     """``prefill_pacing``: each iteration's prompt tokens are sized from the engine's measured
     costs, so running decodes keep a TPOT target and prompts take the rest."""
 
-    def pace_prefill(self, capacity: InstanceCapacity, tpot_s: float) -> None:
+    def pace_prefill(
+        self,
+        capacity: InstanceCapacity,
+        tpot_s: float,
+        *,
+        ttft_s: float = 0.0,
+        ttft_per_token_s: float = 0.0,
+    ) -> None:
         """From now on, pace with these costs (the instance's measured capacity) and keep
-        iterations with decodes under ``tpot_s``."""
+        iterations with decodes under ``tpot_s``; with ``ttft_s``, prompts go by the deadline
+        of their TTFT target, ``max(ttft_s, tokens * ttft_per_token_s)`` after arrival."""
         ...
 
 

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,7 +57,9 @@ from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
     blocks_needed,
+    enqueue,
     pacing,
+    queue_due,
     schedule,
     tpot_slack,
 )
@@ -113,6 +116,7 @@ class _Request:
     # early; if its token is thrown away, the recomputation reuses it).
     uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
     first_token_at: float | None = None  # monotonic seconds its first output token came out
+    due: float = math.inf  # monotonic seconds its first token is due (its TTFT target)
 
     @property
     def num_output(self) -> int:
@@ -481,15 +485,28 @@ class TorchEngine:
         self._weights_stored = None
         self.weights.swap(replacements)
 
-    def pace_prefill(self, capacity: InstanceCapacity, tpot_s: float) -> None:
+    def pace_prefill(
+        self,
+        capacity: InstanceCapacity,
+        tpot_s: float,
+        *,
+        ttft_s: float = 0.0,
+        ttft_per_token_s: float = 0.0,
+    ) -> None:
         """Size each iteration's prompt tokens from now on by ``scheduler.prefill_budget``:
-        this instance's measured costs, the decodes' TPOT target ``tpot_s``."""
+        this instance's measured costs, the decodes' TPOT target ``tpot_s``; with ``ttft_s``,
+        prompts go by the deadline of their TTFT target (``scheduler.schedule``)."""
         if not self.capabilities.prefill_pacing:
             raise CapabilityError("pacing needs chunked prefill and no fixed max_prefill_tokens")
         ceiling = self.prefill_budget.paced_tokens
-        self._sched = dataclasses.replace(
-            self._sched, pacing=pacing(capacity, tpot_s=tpot_s, ceiling=ceiling)
+        paced = pacing(
+            capacity,
+            tpot_s=tpot_s,
+            ceiling=ceiling,
+            ttft_s=ttft_s,
+            ttft_per_token_s=ttft_per_token_s,
         )
+        self._sched = dataclasses.replace(self._sched, pacing=paced)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -933,7 +950,9 @@ class TorchEngine:
         if self.prefix_cache.enabled:
             req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size)
         self._requests[req.request_id] = req
-        self._waiting.append(req)
+        if (paced := self._sched.pacing) is not None:
+            req.due = time.monotonic() + paced.ttft_limit_s(req.prompt_len)
+        enqueue(self._waiting, req, lambda r: queue_due(r.due, started=r.num_output > 0))
 
     def _reusable_hashes(self, req: _Request) -> list[int]:
         """Hashes of the blocks a waiting request may take from the cache: all its full blocks,
@@ -956,17 +975,35 @@ class TorchEngine:
             len(req.blocks),
             n - 1 if ahead else req.num_computed,
             tpot_slack_s=slack,
+            ttft_left_s=self._ttft_left(req),
         )
+
+    @staticmethod
+    def _ttft_left(req: _Request) -> float:
+        """Seconds until the request's first token is due: -inf for one that has produced
+        tokens (preempted, its prompt recomputed: before any new prompt), inf without a
+        deadline."""
+        if req.first_token_at is not None:
+            return -math.inf
+        return req.due - time.monotonic() if req.due != math.inf else math.inf
 
     def _waiting_view(self, req: _Request) -> SeqView:
         found, in_use = self.prefix_cache.probe(self._reusable_hashes(req))
         n = len(req.token_ids)
+        left = self._ttft_left(req)
         if req.imported_kv is not None:
-            return SeqView(req.request_id, n, in_use, num_cached_tokens=req.imported_kv.shape[2])
+            cached_kv = req.imported_kv.shape[2]
+            return SeqView(req.request_id, n, in_use, num_cached_tokens=cached_kv, ttft_left_s=left)
         cached = found * self._sched.block_size
         # A fully cached sequence still computes its last token, into a copy of the last block.
         copy = int(cached >= n)
-        return SeqView(req.request_id, n, in_use - copy, num_cached_tokens=min(cached, n - 1))
+        return SeqView(
+            req.request_id,
+            n,
+            in_use - copy,
+            num_cached_tokens=min(cached, n - 1),
+            ttft_left_s=left,
+        )
 
     def _admit(self, req: _Request) -> None:
         """Give a request joining the batch its cached blocks (and its imported KV)."""

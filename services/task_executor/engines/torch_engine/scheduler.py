@@ -18,6 +18,12 @@ Policy (close to vLLM's default):
   the running requests keep decoding beside it (Sarathi-Serve's stall-free batching). Decode
   tokens are not counted in the budget.
 - Nothing joins in an iteration that preempts: the cache is already short.
+- Prompts go by deadline (``SeqView.ttft_left_s``, the time until the request's first token
+  is due by the SLO: earliest deadline first), running prompts mid-way and waiting ones
+  alike: a short prompt that arrives while a long one is being prefilled in chunks takes
+  the budget before the long one's next chunk when its first token is due sooner. The
+  engine queues waiting requests in deadline order. Without deadlines (no SLO known) the
+  order is the old one: running prompts, then the queue.
 - With pacing (``Pacing``, from the engine's measured costs), the budget is not fixed: while
   no request is decoding, ``ceiling`` tokens, so a burst of prompts prefills in chunks as large
   as the engine runs at its full rate; while some decode, the most prompt tokens whose
@@ -25,16 +31,23 @@ Policy (close to vLLM's default):
   tokens), at least ``floor`` (``prefill_budget``). A request that has been decoding faster
   than its target has slack (``tpot_slack``), and a prompt may spend it: at light load, where
   decodes run far under the target, prompts prefill at nearly the full rate; at heavy load
-  they take what keeps every decode within its SLO.
+  they take what keeps every decode within its SLO. A prompt that would miss its deadline
+  at that budget (its iterations to go, each as long as the decodes allow, outlast its time
+  left) is *urgent*: its iteration may spend all the decodes' banked slack, not
+  PACING_MARGIN of it, and take the prompt whole where that fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
+from typing import TypeVar
 
 from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from shared.messages.scaling import InstanceCapacity
+
+T = TypeVar("T")
 
 # An iteration beside decodes aims at this share of their TPOT target: the rest is the serving
 # path's (sampling, streaming, the host's other processes) and the cost model's error.
@@ -57,6 +70,10 @@ class SeqView:
     # Decoding: how much longer than now the next iteration may end before this request's mean
     # time between tokens passes the TPOT target (tpot_slack); None: not known (its target).
     tpot_slack_s: float | None = None
+    # A prompt (waiting, or running mid-way): seconds until its first token is due (its TTFT
+    # target from its arrival; negative: late); inf: no deadline known; -inf: it has produced
+    # tokens already (preempted, recomputed: before any new prompt).
+    ttft_left_s: float = math.inf
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,10 +91,28 @@ class Pacing:
     prefill_attention_s: float  # per prompt token, per token of its prompt
     floor: int  # prompt tokens an iteration always may compute: prompts never starve
     ceiling: int  # prompt tokens of an iteration with nothing decoding
+    # The TTFT target of a prompt of n tokens: max(ttft_s, n * ttft_per_token_s) from its
+    # arrival (shared.slo); ttft_s 0: none (prompts in arrival order).
+    ttft_s: float = 0.0
+    ttft_per_token_s: float = 0.0
+
+    def ttft_limit_s(self, prompt_tokens: int) -> float:
+        """How long after its arrival a prompt's first token is due (inf: no target)."""
+        if self.ttft_s <= 0:
+            return math.inf
+        return max(self.ttft_s, prompt_tokens * self.ttft_per_token_s)
 
 
-def pacing(capacity: InstanceCapacity, *, tpot_s: float, ceiling: int) -> Pacing:
-    """The pacing an engine with this measured capacity keeps for a TPOT target."""
+def pacing(
+    capacity: InstanceCapacity,
+    *,
+    tpot_s: float,
+    ceiling: int,
+    ttft_s: float = 0.0,
+    ttft_per_token_s: float = 0.0,
+) -> Pacing:
+    """The pacing an engine with this measured capacity keeps for a TPOT target (and, with
+    ``ttft_s``, the TTFT target that orders its prompts)."""
     return Pacing(
         tpot_s=tpot_s,
         step_s=capacity.step_s(),
@@ -86,6 +121,8 @@ def pacing(capacity: InstanceCapacity, *, tpot_s: float, ceiling: int) -> Pacing
         prefill_attention_s=capacity.prefill_attention_s,
         floor=min(PACING_FLOOR, ceiling),
         ceiling=ceiling,
+        ttft_s=ttft_s,
+        ttft_per_token_s=ttft_per_token_s,
     )
 
 
@@ -101,17 +138,35 @@ def prefill_budget(
     decode_contexts: Sequence[int],
     prompt_len: int,
     slack_s: float | None = None,
+    *,
+    urgent: bool = False,
 ) -> int:
     """Prompt tokens the next iteration may compute (``Pacing`` says how). ``slack_s``: the
     least TPOT slack among the decoding requests (None: the target itself, as for a request
-    that has just started)."""
+    that has just started). ``urgent``: for a prompt about to miss its deadline, the whole
+    slack, not PACING_MARGIN of it."""
     if not decode_contexts:
         return pacing.ceiling
-    allowed = PACING_MARGIN * (pacing.tpot_s if slack_s is None else slack_s)
+    allowed = (1.0 if urgent else PACING_MARGIN) * (pacing.tpot_s if slack_s is None else slack_s)
     spare = allowed - pacing.step_s - pacing.decode_context_s * sum(decode_contexts)
     per_token = pacing.prefill_s + pacing.prefill_attention_s * prompt_len
     fits = int(spare / per_token) if per_token > 0 else pacing.ceiling
     return max(pacing.floor, min(pacing.ceiling, fits))
+
+
+def urgent(pacing: Pacing, prompt: SeqView, budget: int, decode_contexts: Sequence[int]) -> bool:
+    """Whether ``prompt`` misses its deadline at ``budget`` tokens an iteration: the
+    iterations it still needs, each as long as it is (a decode step, the decodes' contexts,
+    the chunk), outlast its time left. A prompt already late is not urgent: spending the
+    decodes' slack no longer saves its TTFT."""
+    left = prompt.ttft_left_s
+    if not 0 < left < math.inf or budget <= 0:
+        return False
+    rest = prompt.num_tokens - prompt.num_cached_tokens
+    chunk = min(rest, budget)
+    per_token = pacing.prefill_s + pacing.prefill_attention_s * prompt.num_tokens
+    iteration = pacing.step_s + pacing.decode_context_s * sum(decode_contexts) + chunk * per_token
+    return math.ceil(rest / budget) * iteration > left
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,6 +193,22 @@ class SchedulerDecision:
         return not self.running and not self.prefill
 
 
+def queue_due(due: float, *, started: bool) -> float:
+    """A waiting request's place in the queue: its deadline; one that has produced tokens
+    (preempted, to be recomputed) goes before any new one."""
+    return -math.inf if started else due
+
+
+def enqueue(queue: MutableSequence[T], item: T, due: Callable[[T], float]) -> None:
+    """Put ``item`` into ``queue`` (in ``due`` order) behind every request due no later: in
+    arrival order among equals. From the back: new requests are mostly due last."""
+    mine = due(item)
+    i = len(queue)
+    while i > 0 and due(queue[i - 1]) > mine:
+        i -= 1
+    queue.insert(i, item)
+
+
 def blocks_needed(seq: SeqView, block_size: int, num_tokens: int | None = None) -> int:
     """Free blocks ``seq`` takes to hold ``num_tokens`` (default: all its tokens)."""
     n = seq.num_tokens if num_tokens is None else num_tokens
@@ -150,24 +221,36 @@ def schedule(
     free_blocks: int,
     config: SchedulerConfig,
 ) -> SchedulerDecision:
-    """``running`` oldest first; ``waiting`` in the order they should join."""
+    """``running`` oldest first; ``waiting`` in the order they should join (by deadline)."""
     bs, budget, chunked = config.block_size, config.max_prefill_tokens, config.chunked_prefill
+    prompts = [s for s in running if chunked and s.num_tokens - s.num_cached_tokens > 1]
+    # Prompt work by deadline: the running prompts mid-way and the head of the queue (stable:
+    # without deadlines, running prompts first, then the queue, as they always went).
+    head = list(waiting[: max(0, config.max_num_seqs - len(running))])
+    by_deadline = sorted([*prompts, *head], key=lambda s: s.ttft_left_s)
     if chunked and config.pacing is not None:
         decoding = [s for s in running if s.num_tokens - s.num_cached_tokens == 1]
-        prompts = [s for s in running if s.num_tokens - s.num_cached_tokens > 1]
-        first = prompts[0] if prompts else waiting[0] if waiting else None
+        contexts = [s.num_tokens for s in decoding]
+        first = by_deadline[0] if by_deadline else None
         slacks = [s.tpot_slack_s for s in decoding if s.tpot_slack_s is not None]
-        budget = prefill_budget(
-            config.pacing,
-            [s.num_tokens for s in decoding],
-            first.num_tokens if first else 0,
-            min(slacks, default=None),
-        )
+        slack = min(slacks, default=None)
+        length = first.num_tokens if first else 0
+        budget = prefill_budget(config.pacing, contexts, length, slack)
+        if first is not None and urgent(config.pacing, first, budget, contexts):
+            budget = prefill_budget(config.pacing, contexts, length, slack, urgent=True)
+    # What each running prompt computes now: what the budget leaves after the prompts due
+    # before it (waiting ones reserve theirs; the queue below spends it).
+    chunk_of: dict[str, int] = {}
+    left = budget
+    for seq in by_deadline:
+        take = min(seq.num_tokens - seq.num_cached_tokens, max(left, 0))
+        chunk_of[seq.request_id] = take
+        left -= take
     cache_len: dict[str, int] = {}
     for seq in running:
         end = seq.num_tokens
         if chunked and seq.num_tokens - seq.num_cached_tokens > 1:  # a prompt, mid-way
-            take = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            take = chunk_of[seq.request_id]
             budget -= take
             end = seq.num_cached_tokens + take
         cache_len[seq.request_id] = end
