@@ -694,6 +694,8 @@ def bench_one(
                 window_s=args.window,
                 max_context=args.max_context,
                 out_dir=log_dir / f"trace-{name}",
+                prompt_scale=args.prompt_scale,
+                replays=args.replays,
             )
             server.snapshot()
             return {"startup_s": round(startup_s, 1), "loads": result}
@@ -788,6 +790,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --trace: name=requests/s pairs, each a replay of the window thinned to it",
     )
     p.add_argument("--window", type=float, default=600, help="with --trace: seconds of trace")
+    p.add_argument(
+        "--prompt-scale",
+        type=float,
+        default=1.0,
+        help="with --trace: every prompt this many times longer (before clipping)",
+    )
+    p.add_argument(
+        "--replays",
+        type=int,
+        default=1,
+        help="with --trace: each load replayed this many times in a row (the same requests: "
+        "the first after the model's first load against the later ones)",
+    )
     p.add_argument(
         "--max-context", type=int, default=4096, help="with --trace: prompts clipped to this"
     )

@@ -60,16 +60,21 @@ def replay_loads(
     max_context: int,
     out_dir: Path,
     seed: int = 0,
+    prompt_scale: float = 1.0,
+    replays: int = 1,
 ) -> dict[str, Any]:
-    """Each load replayed against ``url`` in turn; per load, loadgen's summary."""
+    """Each load replayed against ``url`` in turn (``replays`` times in a row, the same
+    requests: ``light``, ``light#2``, ...); per replay, loadgen's summary."""
     rate = trace_rate(trace)
     results: dict[str, Any] = {}
-    for name, target in loads.items():
+    runs = [(n if r == 0 else f"{n}#{r + 1}", t) for n, t in loads.items() for r in range(replays)]
+    for name, target in runs:
         scale = target / rate
         run_dir = out_dir / name
         argv = [sys.executable, "-m", "loadgen.cli", "replay", str(trace), "--url", url]
         argv += ["--model", model, "--tokenizer", str(tokenizer), "--prompt-format", "ids"]
         argv += ["--max-context", str(max_context), "--rate-scale", f"{scale:.6g}"]
+        argv += ["--prompt-scale", f"{prompt_scale:g}"]
         argv += ["--duration", str(window_s), "--seed", str(seed), "--no-plots", "--quiet"]
         argv += ["--out", str(run_dir)]
         out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
