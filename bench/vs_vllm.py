@@ -800,8 +800,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--replays",
         type=int,
         default=1,
-        help="with --trace: each load replayed this many times in a row (the same requests: "
-        "the first after the model's first load against the later ones)",
+        help="with --trace: each load replayed this many times in a row (the same arrivals and "
+        "lengths, other prompt tokens: the first after the model's first load against the "
+        "later ones, none served from the prefix cache)",
     )
     p.add_argument(
         "--max-context", type=int, default=4096, help="with --trace: prompts clipped to this"

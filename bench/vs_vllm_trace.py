@@ -63,12 +63,18 @@ def replay_loads(
     prompt_scale: float = 1.0,
     replays: int = 1,
 ) -> dict[str, Any]:
-    """Each load replayed against ``url`` in turn (``replays`` times in a row, the same
-    requests: ``light``, ``light#2``, ...); per replay, loadgen's summary."""
+    """Each load replayed against ``url`` in turn (``replays`` times in a row: ``light``,
+    ``light#2``, ...; the same arrivals and lengths, prompts of other tokens, so that a later
+    replay finds none of its prompts in the prefix cache: the second of the same tokens ran at
+    a tenth of the first's TTFT, both servers); per replay, loadgen's summary."""
     rate = trace_rate(trace)
     results: dict[str, Any] = {}
-    runs = [(n if r == 0 else f"{n}#{r + 1}", t) for n, t in loads.items() for r in range(replays)]
-    for name, target in runs:
+    runs = [
+        (n if r == 0 else f"{n}#{r + 1}", t, seed + r)
+        for n, t in loads.items()
+        for r in range(replays)
+    ]
+    for name, target, run_seed in runs:
         scale = target / rate
         run_dir = out_dir / name
         argv = [sys.executable, "-m", "loadgen.cli", "replay", str(trace), "--url", url]
@@ -76,6 +82,7 @@ def replay_loads(
         argv += ["--max-context", str(max_context), "--rate-scale", f"{scale:.6g}"]
         argv += ["--prompt-scale", f"{prompt_scale:g}"]
         argv += ["--duration", str(window_s), "--seed", str(seed), "--no-plots", "--quiet"]
+        argv += ["--prompt-seed", str(run_seed)]
         argv += ["--out", str(run_dir)]
         out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
         if out.returncode != 0:

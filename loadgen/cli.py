@@ -169,7 +169,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     pools = _pools(
         _tokenizer_paths(args.tokenizer or [], served),
-        args.seed,
+        args.seed if args.prompt_seed is None else args.prompt_seed,
         need_text=args.prompt_format == "text",
     )
     if args.prompt_format == "ids" and not all(pools[m].exact for m in served):
@@ -623,6 +623,12 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, help="only the first N requests")
     p.add_argument("--max-output-tokens", type=int, help="cap every output length")
     p.add_argument("--seed", type=int, default=0, help="prompt content and rate scaling")
+    p.add_argument(
+        "--prompt-seed",
+        type=int,
+        default=None,
+        help="prompt content only (default: --seed): the same requests with other tokens",
+    )
 
 
 def _slo_options(p: argparse.ArgumentParser) -> None:
