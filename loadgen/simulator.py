@@ -288,6 +288,7 @@ class _TE:
 
     def view(self, now: float) -> TEView:
         profile = self.profile if self.state == TEState.READY else None
+        share = self.share()
         return TEView(
             te_id=self.te_id,
             pool_id=self.pool_id,
@@ -296,12 +297,8 @@ class _TE:
             running=len(self.running),
             waiting=len(self.waiting),
             # as a TE counts it: prompts not started or still prefilling, less the prefix the
-            # router expected cached
-            queued_prompt_tokens=sum(
-                s.prompt - s.matched
-                for s in itertools.chain(self.waiting, self.running)
-                if not s.generated
-            ),
+            # router expected cached (all of them placed by the one JE)
+            queued_prompt_tokens=share.prefill_tokens,
             last_active=self.last_active,
             reported_at=now,
             recent_models=self.recent_models,
@@ -310,7 +307,7 @@ class _TE:
             cache_free_bytes=self.host.free_bytes() if self.host is not None else 0,
             # what a ready TE reports, and admission sizes its queue by
             capacity=profile.capacity() if profile is not None else None,
-            shares={JE_ID: self.share()} if self.running or self.waiting else {},
+            shares={JE_ID: share} if share.sequences else {},
             placements=self.placements,
         )
 
