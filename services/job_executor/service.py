@@ -38,7 +38,7 @@ from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import ModelTraffic, TrafficReport
-from shared.messages.tasks import ChatTask, TaskProgress, attempt_key
+from shared.messages.tasks import ChatTask, TaskProgress
 from shared.native import Toolchain
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -224,10 +224,11 @@ class JobExecutor:
                     )
                     # Its prefill work there (the prompt tokens after the prefix it holds),
                     # counted before the answer so that jobs placed meanwhile see it.
-                    key = attempt_key(job.request_id, job.attempt)
+                    task = self._task(job, matched)
+                    key = task.key
                     self._ledger.placed(step.te_id, key, len(job.prompt_token_ids) - matched)
                     try:
-                        taken = await self._tes.place(step.te_id, self._task(job, matched))
+                        taken = await self._tes.place(step.te_id, task)
                     except (Refused, PeerUnreachable) as e:
                         self._ledger.ended(key, step.te_id)
                         if isinstance(e, PeerUnreachable):
