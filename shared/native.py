@@ -4,20 +4,24 @@ A library is keyed by its sources (and the headers they include), the flags, the
 version and the CPU's feature flags, so a cache directory shared by processes, checkouts or
 hosts of different CPUs never hands one a library built for another. Each flag set is tried
 in order (the first that compiles wins); compiling happens beside the target and is renamed
-into place, so processes building at once never load half a library. Loaded with ctypes by
+into place, so a process never loads half a library. One process compiles a library at a
+time (a lock file beside it): the pool's other TEs, starting at once on a fresh host, wait
+for it and load its result instead of each running a compiler on the same cores. Loaded with ctypes by
 the caller. ``Toolchain`` says which compiler and which cache: a service builds it from its
 settings (``CC``, ``MESHSERVE_KERNEL_CACHE``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +65,18 @@ def _compiler_version(cc: str) -> str:
     return out.stdout
 
 
+@contextlib.contextmanager
+def _compiling(target: Path) -> Iterator[None]:
+    """Held while ``target`` is compiled: an exclusive lock on a file beside it (released by
+    the kernel if the holder dies)."""
+    with open(target.with_suffix(".lock"), "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(
     name: str,
     sources: Sequence[Path],
@@ -87,15 +103,18 @@ def build(
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *flags, *map(str, sources), "-o", tmp, *libs]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if out.returncode == 0:
-            os.replace(tmp, target)
-            log.info("compiled %s -> %s", ", ".join(p.name for p in sources), target)
-            return target
-        os.unlink(tmp)
+        with _compiling(target):
+            if target.exists():  # another process compiled it while this one waited
+                return target
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            cmd = [cc, *flags, *map(str, sources), "-o", tmp, *libs]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if out.returncode == 0:
+                os.replace(tmp, target)
+                log.info("compiled %s -> %s", ", ".join(p.name for p in sources), target)
+                return target
+            os.unlink(tmp)
         errors.append(f"{' '.join(cmd)}: {out.stderr.strip()[-2000:]}")
     names = ", ".join(p.name for p in sources)
     raise RuntimeError(f"could not compile {names}:\n" + "\n".join(errors))
