@@ -409,6 +409,8 @@ class TaskExecutor:
                 steps={k: round(v, 3) for k, v in steps.items()},
                 device=engine.device,
             )
+            self._work.set()  # the loop asks the new engine for work: none yet lets its
+            # background work go (the torch engine's store of a first load's weights)
         self._hb.beat_now()
 
     def _build_engine(

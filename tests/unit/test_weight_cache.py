@@ -60,6 +60,7 @@ def _load(model_dir: Path, cache: HostWeightCache | None, dtype: str = "bfloat16
         **kw,  # type: ignore[arg-type]
     )
     if cache is not None:
+        assert not engine.has_work()  # as a TE asks once loaded: the store may go
         assert cache.wait_stored(60)
     return engine, report
 
@@ -297,3 +298,32 @@ def test_an_engine_that_cannot_swap_keeps_its_own_weights_and_still_stores(
     own = engine.weights.layers[0].down
     assert _outputs(engine) == _outputs(_load(model_dir, None)[0])
     assert engine.weights.layers[0].down is own
+
+
+def test_a_first_load_stores_its_weights_only_while_the_engine_is_idle(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The store after a first load never shares the cores with requests: it writes while
+    the engine has none, holds no lock of the cache's while it waits, and finishes in the
+    first pause."""
+    cache = HostWeightCache(tmp_path / "cache", 1 << 30)
+    engine = TorchEngine(
+        model_dir,
+        device="cpu",
+        dtype="bfloat16",
+        block_size=4,
+        num_kv_blocks=64,
+        weight_cache=cache,
+    )
+    # Requests before the engine was ever idle (a cold start's first): the store waits.
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(EngineRequest(rid, prompt, greedy(200)))
+    assert not cache.wait_stored(0.5)
+    assert not any(cache.tensors_dir.iterdir())
+    with cache.locked():  # free for other TEs' loads meanwhile
+        pass
+    while engine.has_work():  # True: the engine was never idle, the store never wrote
+        assert not any(cache.tensors_dir.iterdir()) and not cache.wait_stored(0)
+        engine.step()
+    assert cache.wait_stored(60) and cache.used_bytes() > 0  # in the first pause
+    assert _outputs(engine) == _outputs(_load(model_dir, None)[0])

@@ -39,6 +39,7 @@ def _engine(model_dir: Path, cache: HostWeightCache | None, **kw: object) -> Tor
         weight_cache=cache, model_name="tiny", **kw,
     )  # fmt: skip
     if cache is not None:
+        assert not engine.has_work()  # as a TE asks once loaded: the store may go
         assert cache.wait_stored(60)
     return engine
 

@@ -333,17 +333,23 @@ class CacheSession:
         self.report.fetched_bytes += image.numel()
         return tensor_file.from_image(image)
 
-    def finish(self, alpha: float = 1.0, *, swap: bool = True) -> LoadReport:
+    def finish(
+        self, alpha: float = 1.0, *, swap: bool = True, idle: threading.Event | None = None
+    ) -> LoadReport:
         """The load is done: what it built is stored on a thread of its own, off the load's
         critical path (on this project's VMs, tmpfs takes about 0.4 GB/s of new pages), and
         the load's uses go into the index. With ``swap``, ``replacements`` then says which of
         the load's own tensors the cache now holds; without (an engine that will not swap:
-        its weights are copies on a GPU), the session lets go of what it built once stored."""
+        its weights are copies on a GPU), the session lets go of what it built once stored.
+        ``idle``: set while the engine that loaded has no requests; the store writes only
+        then (``tensor_file.WRITE_SLICE`` at a time, holding no lock while it waits), so the
+        first requests after a first load never share the cores, the memory bandwidth or the
+        GIL with it. Under unbroken traffic it waits for the first pause."""
         with self.cache._lock:
             self.cache._storing = [s for s in self.cache._storing if not s._stored.is_set()]
             self.cache._storing.append(self)
         threading.Thread(
-            target=self._store_all, args=(alpha, swap), name="host-cache-store"
+            target=self._store_all, args=(alpha, swap, idle), name="host-cache-store"
         ).start()
         return self.report
 
@@ -361,14 +367,15 @@ class CacheSession:
         self._built.clear()
         return out
 
-    def _store_all(self, alpha: float, swap: bool) -> None:
+    def _store_all(self, alpha: float, swap: bool, idle: threading.Event | None) -> None:
         t0 = time.monotonic()
-        # Behind the engine's own threads: the first requests run while this writes.
+        # Behind the engine's own threads, should it get requests while a slice is written.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        pace = idle.wait if idle is not None else None
         try:
             for key, built in self._built.items():
-                mapped = self._store(key, built)
+                mapped = self._store(key, built, pace)
                 if mapped is not None and swap:
                     self._replacements[id(built)] = mapped
             if not swap:
@@ -380,29 +387,49 @@ class CacheSession:
             self.report.add_phase("store_after_load", time.monotonic() - t0)
             self._stored.set()
 
-    def _store(self, key: str, built: torch.Tensor) -> torch.Tensor | None:
+    def _store(
+        self, key: str, built: torch.Tensor, pace: Callable[[], object] | None
+    ) -> torch.Tensor | None:
+        """``built`` into the cache as ``key`` (unless there already), then mapped from it.
+        Written to a temporary name outside the directory's lock (``pace`` may hold it back
+        for as long as the engine is busy; other TEs map and store meanwhile), then renamed
+        into place under the lock, with room made for it there."""
         cache = self.cache
         path = cache.path(key)
         size = tensor_file.HEADER_BYTES + tensor_file.nbytes(built)
+        if pace is not None:
+            pace()
         with cache.locked() as index:
-            if not path.exists():
-                if not cache._make_room(index, size, self.report):
-                    self.report.uncached_bytes += size
-                    log.info(
-                        "host cache full (budget %d bytes): %s stays private",
-                        cache.budget_bytes,
-                        key,
-                    )
-                    return None
-                tmp = path.with_name(f".{key}.{os.getpid()}.tmp")
-                try:
-                    tensor_file.write(tmp, built)
-                    tmp.replace(path)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                self.report.stored_bytes += size
+            if not path.exists() and not self._room(index, key, size):
+                return None
+        if not path.exists():
+            tmp = path.with_name(f".{key}.{threading.get_ident()}.{os.getpid()}.tmp")
+            try:
+                tensor_file.write(tmp, built, pace)
+                with cache.locked() as index:
+                    if path.exists():  # stored by another TE while this one wrote
+                        tmp.unlink()
+                    elif not self._room(index, key, size):
+                        tmp.unlink()
+                        return None
+                    else:
+                        tmp.replace(path)
+                        self.report.stored_bytes += size
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         return _map(path)  # None only if evicted already: then the TE's own copy serves
+
+    def _room(self, index: _Index, key: str, size: int) -> bool:
+        """Under the lock: room for ``size`` more bytes made; False (logged, counted) when
+        the budget cannot hold them: the entry stays the TE's own."""
+        if self.cache._make_room(index, size, self.report):
+            return True
+        self.report.uncached_bytes += size
+        log.info(
+            "host cache full (budget %d bytes): %s stays private", self.cache.budget_bytes, key
+        )
+        return False
 
     def _record(self, alpha: float) -> None:
         """This load's uses into the index (and the model's manifest)."""
@@ -470,7 +497,7 @@ def _tensor_buffer(size: int) -> memoryview:
 
 
 def _remove_orphans(directory: Path) -> None:
-    """Half-written files (``.KEY.PID.tmp``) of processes that died while storing."""
+    """Half-written files (``.KEY[.THREAD].PID.tmp``) of processes that died while storing."""
     for tmp in directory.glob(".*.tmp"):
         pid = tmp.name.split(".")[-2]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():

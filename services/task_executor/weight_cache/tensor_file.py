@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,14 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def write(path: Path, t: torch.Tensor) -> int:
+WRITE_SLICE = 32 << 20  # bytes written between two calls of ``write``'s ``pace``
+
+
+def write(path: Path, t: torch.Tensor, pace: Callable[[], object] | None = None) -> int:
     """``t`` (a CPU tensor, plain or oneDNN-packed) into a new file at ``path`` (which must
-    not exist: the caller writes a temporary name and renames). Returns the data bytes."""
+    not exist: the caller writes a temporary name and renames). Returns the data bytes.
+    ``pace``: called before each ``WRITE_SLICE`` bytes, and may block (a store after a load
+    waits there while the engine has requests: ``CacheSession.finish``)."""
     name = str(t.dtype).removeprefix("torch.")
     if name not in _DTYPES or t.device.type != "cpu":
         raise TensorFileError(f"cannot store a {t.dtype} tensor on {t.device}")
@@ -69,8 +75,11 @@ def write(path: Path, t: torch.Tensor) -> int:
         os.write(fd, header.ljust(HEADER_BYTES, b"\0"))
         view = memoryview(data).cast("B")
         done = 0
+        step = WRITE_SLICE if pace is not None else 1 << 30
         while done < n:
-            done += os.write(fd, view[done : done + (1 << 30)])
+            if pace is not None:
+                pace()
+            done += os.write(fd, view[done : done + step])
     finally:
         os.close(fd)
     return n

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -424,11 +425,15 @@ class TorchEngine:
         )
         self._ahead: _Ahead | None = None
         self.overlap = OverlapStats()
+        # Set once asked for work with none waiting or running (``has_work``), until the next
+        # request: the weights this load built are stored into the host cache only then
+        # (``CacheSession.finish``), after the capacity probes and between requests.
+        self._idle = threading.Event()
         if self._weights_stored is not None:
             # Swapped in between steps where the engine's weights are the host's own: on CPU,
             # with forwards on the calling thread (``step``).
             swap = torch_device.type == "cpu" and self._launcher is None
-            self._weights_stored.finish(swap=swap)
+            self._weights_stored.finish(swap=swap, idle=self._idle)
             if not swap:
                 self._weights_stored = None
         report.add_phase("engine_init", time.monotonic() - t_init)
@@ -458,12 +463,20 @@ class TorchEngine:
         self._release(req)
 
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        """Also lets the engine's background work go when there is none (``_idle``): the
+        TE asks once a load is done and after every step."""
+        if self._running or self._waiting:
+            return True
+        self._idle.set()
+        return False
+
+    def step(self) -> Sequence[EngineOutput]:
+        outputs = self._step_overlapped() if self._launcher is not None else self._step_inline()
+        self.has_work()  # idle now, if this step finished the last request
+        return outputs
 
     @torch.inference_mode()
-    def step(self) -> Sequence[EngineOutput]:
-        if self._launcher is not None:
-            return self._step_overlapped()
+    def _step_inline(self) -> Sequence[EngineOutput]:
         self._swap_in_stored_weights()  # between forwards: none is running
         scheduled = self._schedule()
         if not scheduled:
@@ -529,6 +542,7 @@ class TorchEngine:
         self._waiting.clear()
         self._requests.clear()
         self._retained.clear()
+        self._idle.set()  # a store still waiting finishes: the next load maps it
         self.prefix_cache.clear()
         self._final_events = self.prefix_cache.drain_events()
         del self.runner, self.cache, self.weights, self.prefix_cache
@@ -786,6 +800,7 @@ class TorchEngine:
     # iterations after which requests would be admitted or preempted (the ahead iteration
     # would be thrown away).
 
+    @torch.inference_mode()
     def _step_overlapped(self) -> list[EngineOutput]:
         self._check_open()
         ahead, self._ahead = self._ahead, None
@@ -947,6 +962,7 @@ class TorchEngine:
         )
 
     def _enqueue(self, req: _Request) -> None:
+        self._idle.clear()  # before anything else: a slice being stored finishes, no more
         if self.prefix_cache.enabled:
             req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size)
         self._requests[req.request_id] = req
