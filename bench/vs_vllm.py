@@ -684,7 +684,8 @@ def bench_one(
         startup_s = time.monotonic() - server.started
         say(f"{name} is up at {url} after {startup_s:.0f}s")
         if args.trace is not None:
-            asyncio.run(warm_up_alone(url, w))
+            if not args.cold:
+                asyncio.run(warm_up_alone(url, w))
             result = replay_loads(
                 url,
                 MODEL_ID,
@@ -803,6 +804,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --trace: each load replayed this many times in a row (the same arrivals and "
         "lengths, other prompt tokens: the first after the model's first load against the "
         "later ones, none served from the prefix cache)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="with --trace: no warm-up; the first replay starts on a server that has served "
+        "nothing (meshserve's first request loads the model; with empty host caches, the "
+        "first minutes on a fresh host)",
     )
     p.add_argument(
         "--max-context", type=int, default=4096, help="with --trace: prompts clipped to this"
