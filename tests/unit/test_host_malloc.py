@@ -11,8 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# The probe imports the engine first, as a TE does before any forward. In a process that has
+# imported torch alone, 64 MiB tensors page-fault in full each time even with the thresholds
+# set (the heap's top cannot grow in place there, and glibc falls back to mmap).
 PROBE = """
 import resource, sys, torch
+import services.task_executor.engines.torch_engine.engine
 from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
 if sys.argv[1] == "on":
     assert keep_large_allocations()
