@@ -86,7 +86,7 @@ from bench.common import (
 from bench.long_context import bench_long_context
 from services.task_executor.engines.base import Engine
 from services.task_executor.engines.torch_engine import TorchEngine
-from services.task_executor.engines.torch_engine.kv_cache import blocks_for
+from services.task_executor.engines.torch_engine.scheduler import blocks_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_SIZE = 16

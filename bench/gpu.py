@@ -50,7 +50,7 @@ from bench.engine import BLOCK_SIZE, PREFIX_TABLE, bench_prefix_cache
 from services.task_executor.engines.base import Engine, EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.config import load_model_config
-from services.task_executor.engines.torch_engine.kv_cache import blocks_for
+from services.task_executor.engines.torch_engine.scheduler import blocks_for
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from shared.messages.api import SamplingParams
 

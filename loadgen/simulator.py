@@ -80,8 +80,8 @@ from services.job_executor.admission import (
 )
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
 from services.job_executor.ledger import PlacementLedger
+from services.job_executor.placement import Request
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
-from services.job_executor.scheduling import Request
 from services.scaler.policy import (
     Load,
     ModelPolicy,
@@ -95,10 +95,10 @@ from services.scaler.policy import (
     observe_view,
 )
 from services.scaler.preload import preloads
-from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
+    blocks_for,
     enqueue,
     pacing,
     queue_due,

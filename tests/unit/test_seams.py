@@ -75,3 +75,30 @@ def test_the_readme_performance_section_fits_on_a_screen():
     section = text[start : end if end > 0 else None].strip().splitlines()
     assert len(section) <= 40, len(section)
     assert "docs/benchmarks.md" in "\n".join(section)
+
+
+def test_the_simulator_runs_without_importing_torch(tmp_path: Path) -> None:
+    """`meshserve-loadgen simulate` calls the services' pure decisions (and the torch engine's
+    scheduler): none of them may pull in torch or the engine."""
+    import subprocess
+    import sys
+
+    from tests.shared_traces import azure_slice
+
+    code = (
+        "import sys\n"
+        "from loadgen.cli import main\n"
+        "try:\n"
+        f"    main(['simulate', {str(azure_slice())!r}, '--max-requests', '100', "
+        f"'--out', {str(tmp_path / 'sim')!r}])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'safetensors', 'transformers', 'openvino', 'vllm') "
+        "or m.endswith(('torch_engine.engine', 'weight_cache.store'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

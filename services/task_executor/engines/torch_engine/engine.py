@@ -39,7 +39,7 @@ from services.task_executor.engines.torch_engine import linear, sampling
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
-from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache, blocks_for
+from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
 from services.task_executor.engines.torch_engine.model import (
     ForwardBatch,
@@ -57,6 +57,7 @@ from services.task_executor.engines.torch_engine.prefix_cache import PrefixCache
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
+    blocks_for,
     blocks_needed,
     enqueue,
     pacing,

@@ -81,10 +81,6 @@ class BlockAllocator:
         return self._ref_count[block]
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
-
-
 class PagedKVCache:
     """Per layer, K and V as ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 

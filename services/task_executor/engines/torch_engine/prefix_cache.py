@@ -23,11 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.task_executor.engines.torch_engine.kv_cache import (
-    NoFreeBlocksError,
-    PagedKVCache,
-    blocks_for,
-)
+from services.task_executor.engines.torch_engine.kv_cache import NoFreeBlocksError, PagedKVCache
+from services.task_executor.engines.torch_engine.scheduler import blocks_for
 from shared.block_hash import chain_hashes
 from shared.messages.kv import (
     DEVICE,
@@ -143,10 +140,6 @@ class PrefixCache:
     def num_free(self) -> int:
         """Blocks ``allocate`` can hand out: unused ones and evictable cached ones."""
         return self._alloc.num_free + len(self._evictable)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._block_of)
 
     def ref_count(self, block: int) -> int:
         """Owners of ``block`` other than the cache itself (requests and pins)."""

@@ -44,8 +44,13 @@ import math
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import TypeVar
 
-from services.task_executor.engines.torch_engine.kv_cache import blocks_for
 from shared.messages.scaling import InstanceCapacity
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
 
 T = TypeVar("T")
 
