@@ -165,7 +165,7 @@ def reset_text(ms: float) -> str:
 
 
 @dataclasses.dataclass
-class Decision:
+class LimitCheck:
     admitted: bool
     wait_ms: dict[str, int]  # limit -> ms until it would admit this request (0: it would)
     requests_left: float
@@ -268,7 +268,7 @@ class Limiter:
             UNENFORCED.inc()
             return Lease(None, tenant, rid, limits)
         ok, wreq, wtok, wconc, req_left, tok_left, in_flight = raw
-        decision = Decision(
+        decision = LimitCheck(
             admitted=bool(ok),
             wait_ms={"requests": int(wreq), "tokens": int(wtok), "concurrency": int(wconc)},
             requests_left=float(req_left),
@@ -286,7 +286,7 @@ class Limiter:
 
     @staticmethod
     def _refusal(
-        tenant: str, limits: EffectiveLimits, d: Decision, headers: dict[str, str]
+        tenant: str, limits: EffectiveLimits, d: LimitCheck, headers: dict[str, str]
     ) -> RateLimited:
         which = max(d.wait_ms, key=lambda k: d.wait_ms[k])
         REFUSED.labels(tenant, which).inc()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from services.job_executor.placement import NO_REQUEST, Placement, Request, pick_te
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig
-from services.job_executor.scheduling import NO_REQUEST, Decision, Request, pick_te
 from services.views import TEView
 from shared.messages.cluster import JobShare
 
@@ -54,7 +54,7 @@ def next_step(
     request: Request = NO_REQUEST,
     routing: RoutingConfig = DEFAULT_ROUTING,
 ) -> Step:
-    def pick(exclude: frozenset[str]) -> Decision:
+    def pick(exclude: frozenset[str]) -> Placement:
         return pick_te(job.model, tes, unreported, exclude, request, routing)
 
     decision = pick(job.refused | job.exclude)

@@ -6,7 +6,7 @@ A TE reports its load every heartbeat, split by the JE that placed each task
 than the report does: those it placed since, and those the TE has told it
 (``TaskProgress``) produced their first token or ended. ``unreported`` is, per TE, this
 JE's share now less its share in the TE's last report; a TE's load as the policies read it
-is the report plus that (``scheduling.te_load``, ``admission.outstanding``). So a client
+is the report plus that (``placement.te_load``, ``admission.outstanding``). So a client
 that sends one request after another, however fast, is counted as the one request it has
 in flight, not as every request since the last heartbeat.
 

@@ -20,7 +20,7 @@ from shared.messages.cluster import JobShare, TEState
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
+class Placement:
     te_id: str | None  # None: nothing can take the job now
     scale_up: bool = False  # no instance is ready or coming: the scaler must add one
     branch: str = ""  # the routing policy's reason
@@ -58,7 +58,7 @@ def pick_te(
     exclude: Collection[str] = (),
     request: Request = NO_REQUEST,
     config: RoutingConfig = DEFAULT_ROUTING,
-) -> Decision:
+) -> Placement:
     ready = [
         te
         for te in tes
@@ -66,7 +66,7 @@ def pick_te(
     ]
     if not ready:
         loading = any(te.model == model and te.state == TEState.LOADING for te in tes)
-        return Decision(te_id=None, scale_up=not loading)
+        return Placement(te_id=None, scale_up=not loading)
     candidates = [
         Candidate(
             te.te_id,
@@ -76,4 +76,4 @@ def pick_te(
         for te in ready
     ]
     chosen = route(candidates, request.prompt_tokens, config, request.spread)
-    return Decision(te_id=chosen.te_id, branch=chosen.branch)
+    return Placement(te_id=chosen.te_id, branch=chosen.branch)

@@ -4,7 +4,7 @@
 
 - every candidate has a *load* (outstanding work in tokens: prompt tokens queued for
   prefill, less the prefixes the router expected cached, plus a decode cost per running
-  sequence, ``scheduling.te_load``) and a *cached* count (leading prompt tokens it already
+  sequence, ``placement.te_load``) and a *cached* count (leading prompt tokens it already
   holds, from the prompt index);
 - its *cost* is the work a request would wait for there: the prompt tokens it would still
   prefill plus the load (Dynamo's KV router);

@@ -18,8 +18,8 @@ from services.job_executor.admission import (
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
+from services.job_executor.placement import Request, te_load
 from services.job_executor.routing import RoutingConfig, spread_of
-from services.job_executor.scheduling import Request, te_load
 from services.views import TEView, te_view
 from shared import block_hash
 from shared.bus import Bus

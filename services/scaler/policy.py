@@ -70,6 +70,9 @@ class ScalerConfig:
     backoff_base_s: float = 2.0  # wait after a model's first failed load, doubled per failure
     backoff_max_s: float = 60.0
     pending_timeout_s: float = 300.0  # a load not seen ready or failed by then is lost
+    # A load whose TE still shows idle (and not failed) this long after it was sent never
+    # took (the command was lost, or the TE restarted).
+    load_lost_s: float = 5.0
     held_ttl_s: float = 5.0  # a JE's held count is forgotten when it stops reporting
     load_bandwidth: float = 1.0e9  # bytes/s a load reads and packs what its host cache lacks
     preload_window_s: float = 600.0  # demand this recent predicts a load (preload.py; 0: off)
@@ -276,7 +279,11 @@ def observe_view(
         elif (
             te is None
             or now - p.since > cfg.pending_timeout_s
-            or (te.state == TEState.IDLE and te.failed_model != p.model and now - p.since > 5.0)
+            or (
+                te.state == TEState.IDLE
+                and te.failed_model != p.model
+                and now - p.since > cfg.load_lost_s
+            )
         ):
             # The TE is gone, or the command never took: free the slot for a new decision.
             settled.append(LoadSettled(te_id, p.model, p.pool_id, False, p.since, p.reason, "lost"))
@@ -626,7 +633,7 @@ def _not_below(mem: ModelMemory) -> ModelMemory:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
+class ScaleDecision:
     actions: list[Action]
     state: ScalerState
     targets: dict[str, Target]
@@ -639,7 +646,7 @@ def decide(
     models: Sequence[str],
     now: float,
     cfg: ScalerConfig,
-) -> Decision:
+) -> ScaleDecision:
     """Loads and unloads for every known model (``models``: those in the registry)."""
     actions: list[Action] = []
     targets: dict[str, Target] = {}
@@ -741,13 +748,14 @@ def decide(
             reserved = {te_id: m for te_id, m in reserved.items() if m != model}
         memories[model] = mem
     reserved = {te_id: m for te_id, m in reserved.items() if m in targets}
-    for te_id, model, reason in reclaim(short, targets, by_model, reserved, new_draining):
+    reclaimed, reserved = reclaim(short, targets, by_model, reserved, new_draining)
+    for te_id, model, reason in reclaimed:
         actions.append(Unload(te_id, model, reason))
         new_draining[te_id] = model
     state = dataclasses.replace(
         state, models=memories, pending=new_pending, draining=new_draining, reserved=reserved
     )
-    return Decision(actions=plan_multicasts(actions, view), state=state, targets=targets)
+    return ScaleDecision(actions=plan_multicasts(actions, view), state=state, targets=targets)
 
 
 def plan_multicasts(actions: Sequence[Action], tes: Sequence[TEView]) -> list[Action]:
@@ -781,17 +789,19 @@ def reclaim(
     short: Mapping[str, int],
     targets: Mapping[str, Target],
     by_model: Mapping[str, Sequence[TEView]],
-    reserved: dict[str, str],
+    reserved: Mapping[str, str],
     draining: Mapping[str, str],
-) -> list[tuple[str, str, str]]:
+) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
     """When every TE holds a model, a model that wants more instances than it has (``short``)
     takes them from models that have more than they want: the surplus that scale-in would
     remove once the stable window has passed, removed now for a model with work waiting.
     Starved models (no instance at all) first, then the largest shortfall. The victim is the
     least busy surplus instance (a starved model with no surplus left takes one from the model
-    with the most instances, if it has two or more); it drains and is ``reserved`` for the model it was taken for
-    (updated in place). Instances already being freed for a model count against its
-    shortfall. Returns (TE, its model, reason) to unload."""
+    with the most instances, if it has two or more); it drains and is reserved for the model
+    it was taken for. Instances already being freed for a model (``reserved``: TE -> model)
+    count against its shortfall. Returns (TE, its model, reason) to unload, and the
+    reservations with the new ones added."""
+    reserved = dict(reserved)
     freeing: dict[str, int] = {}
     for model in reserved.values():
         freeing[model] = freeing.get(model, 0) + 1
@@ -836,4 +846,4 @@ def reclaim(
                 te = kept[rich][0]
                 surplus = [x for x in surplus if x.te_id != te.te_id]
                 take(te, model)
-    return out
+    return out, reserved

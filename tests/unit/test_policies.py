@@ -4,7 +4,7 @@ import dataclasses
 
 from services.cluster_manager.membership import expired, identity
 from services.job_executor.holding import GiveUp, Hold, PendingJob, PlaceOn, next_step
-from services.job_executor.scheduling import pick_te
+from services.job_executor.placement import pick_te
 from services.views import TEView, te_view
 from shared.messages.cluster import JobShare, TEHeartbeat, TEState
 
