@@ -7,9 +7,8 @@ by its hash in Redis and remembered for ``auth.key_cache`` (a revocation reaches
 frontend over NATS and drops it at once). A tenant's record (models, limits) is re-read at
 most once a second. If Redis is unreachable, keys and records already known keep working.
 
-Objects owned by tenants (files, fine-tuning jobs, fine-tuned models) go through
-``Principal.owns``: another tenant's object is ``NotFound`` (404), never a 403, so nobody
-learns that it exists.
+An object a tenant owns is checked with ``Principal.check_owner``: another tenant's object
+is ``NotFound`` (404), never a 403, so nobody learns that it exists.
 """
 
 from __future__ import annotations

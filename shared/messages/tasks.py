@@ -11,13 +11,13 @@ from shared.messages.base import Message
 
 
 class TaskMode(enum.StrEnum):
-    """What part of a job a task runs. Only colocated exists in the skeleton; prefill and
-    decode arrive with PD disaggregation, stage with layer-range pipelines."""
+    """What part of a job a task runs: all of it (colocated), or, with PD disaggregation, its
+    prefill or its decode. A TE refuses a mode its engine does not declare
+    (``EngineCapabilities.modes``)."""
 
     COLOCATED = "colocated"
     PREFILL = "prefill"
     DECODE = "decode"
-    STAGE = "stage"
 
 
 def attempt_key(request_id: str, attempt: int) -> str:

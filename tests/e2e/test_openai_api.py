@@ -257,7 +257,7 @@ def test_request_survives_the_death_of_its_task_executor(cluster_up, client):
 
 
 def test_scale_to_zero_after_keep_alive_and_back(cluster_up, client):
-    greedy(client, max_tokens=4)
+    before = greedy(client, max_tokens=4)
     deadline = time.time() + 30
     while time.time() < deadline:
         if all(te["model"] is None for te in health(cluster_up.url)["task_executors"]):
@@ -265,5 +265,8 @@ def test_scale_to_zero_after_keep_alive_and_back(cluster_up, client):
         time.sleep(0.5)
     else:
         pytest.fail("the model was not unloaded after its keep-alive (4 s)")
-    r = greedy(client, max_tokens=4)  # scales from zero again
-    assert r.usage.completion_tokens > 0
+    after = greedy(client, max_tokens=4)  # scales from zero again
+    # Loaded again (some TE holds it) and the same greedy reply as before the unload.
+    assert any(te["model"] == "demo" for te in health(cluster_up.url)["task_executors"])
+    assert after.usage.completion_tokens == before.usage.completion_tokens > 0
+    assert after.choices[0].message.content == before.choices[0].message.content

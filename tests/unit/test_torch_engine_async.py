@@ -8,6 +8,8 @@ launches (CUDA's, where kernels are asynchronous; on CPU they run at once)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,11 +202,30 @@ def _seeded(model_dir: Path, on: bool) -> TorchEngine:
 
 def test_close_waits_for_a_launch_ahead(model_dir: Path, launcher: str) -> None:
     engine = _engine(model_dir, True)
+    assert engine._launcher is not None
+    launch_ahead = engine._launcher.launch_ahead
+    launched: list[float] = []
+    ended: list[float] = []
+
+    def slow_ahead(run: Callable[[], torch.Tensor]) -> overlap.Launch:
+        def slow() -> torch.Tensor:
+            time.sleep(0.3)  # still running when close is called
+            out = run()
+            ended.append(time.monotonic())
+            return out
+
+        launched.append(time.monotonic())
+        return launch_ahead(slow)
+
+    engine._launcher.launch_ahead = slow_ahead  # type: ignore[method-assign]
     engine.add_request(EngineRequest("a", [5, 17, 42], greedy(30)))
     for _ in range(3):
         engine.step()
-    assert engine._ahead is not None
+    assert engine._ahead is not None and launched
     engine.close()
+    closed = time.monotonic()
+    # Every iteration launched had ended when close returned (the KV cache it writes is freed).
+    assert len(ended) == len(launched) and max(ended) <= closed
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()
 
