@@ -20,6 +20,7 @@ from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
 from services.job_executor.placement import Request, te_load
 from services.job_executor.routing import RoutingConfig, spread_of
+from services.job_executor.traffic import TrafficLedger
 from services.views import TEView, te_view
 from shared import block_hash
 from shared.bus import Bus
@@ -37,7 +38,7 @@ from shared.kv_index_store import KvIndexStore
 from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
-from shared.messages.scaling import ModelTraffic, TrafficReport
+from shared.messages.scaling import TrafficReport
 from shared.messages.tasks import ChatTask, TaskProgress
 from shared.native import Toolchain
 from shared.runner import Lifecycle
@@ -84,7 +85,7 @@ class JobExecutor:
         )
         # Each placement on each TE until the TE says it ended: what TE reports do not show.
         self._ledger = PlacementLedger(self.je_id)
-        self._traffic: dict[str, ModelTraffic] = {}  # since the last report, and held now
+        self._traffic = TrafficLedger()  # since the last report, and held now
         self._report_now = asyncio.Event()
         self._urgent = False
         self._views: list[TEView] = []
@@ -162,11 +163,7 @@ class JobExecutor:
 
     async def _place(self, job: ChatJob) -> JobAccepted:
         log.debug("job received", model=job.model, attempt=job.attempt)
-        # The reporter swaps the counters out: take them anew at each change.
-        traffic = self._traffic_of(job.model)
-        traffic.arrivals += 1
-        traffic.prompt_tokens += len(job.prompt_token_ids)
-        traffic.max_output_tokens += job.sampling.max_tokens
+        self._traffic.arrived(job.model, len(job.prompt_token_ids), job.sampling.max_tokens)
         self._mean_output_tokens = mean_output_tokens(
             self._mean_output_tokens, job.sampling.max_tokens
         )
@@ -262,7 +259,7 @@ class JobExecutor:
                         routing=step.branch,
                     )
                 if isinstance(step, GiveUp) or self._life.stopping:
-                    self._traffic_of(job.model).misses += 1
+                    self._traffic.missed(job.model)
                     self._report_soon(urgent=True)
                     raise NoCapacity(
                         f"No instance of model `{job.model}` could take the request in time; "
@@ -271,9 +268,7 @@ class JobExecutor:
                     )
                 if not held:
                     held = True
-                    traffic = self._traffic_of(job.model)
-                    traffic.held += 1
-                    traffic.held_prompt_tokens += len(job.prompt_token_ids)
+                    self._traffic.held(job.model, len(job.prompt_token_ids))
                     with contextlib.suppress(MeshserveError):
                         await self._bus.publish(
                             job.reply_to,
@@ -288,9 +283,7 @@ class JobExecutor:
                 pending = dataclasses.replace(pending, refused=frozenset())
         finally:
             if held:
-                traffic = self._traffic_of(job.model)
-                traffic.held -= 1
-                traffic.held_prompt_tokens -= len(job.prompt_token_ids)
+                self._traffic.released(job.model, len(job.prompt_token_ids))
 
     def _admit(self, job: ChatJob, tes: list[TEView]) -> None:
         """Refuse the job now if the cluster cannot serve it in time (``admission``)."""
@@ -304,7 +297,7 @@ class JobExecutor:
         )
         if verdict is None:
             return
-        self._traffic_of(job.model).misses += 1
+        self._traffic.missed(job.model)
         self._report_soon(urgent=True)
         log.info("job shed", model=job.model, queued=verdict.queued, instances=verdict.instances)
         raise NoCapacity(
@@ -333,12 +326,6 @@ class JobExecutor:
 
     # -- traffic reports ---------------------------------------------------------------------
 
-    def _traffic_of(self, model: str) -> ModelTraffic:
-        t = self._traffic.get(model)
-        if t is None:
-            t = self._traffic[model] = ModelTraffic(model=model)
-        return t
-
     def _report_soon(self, *, urgent: bool = False) -> None:
         self._urgent |= urgent
         self._report_now.set()
@@ -352,19 +339,12 @@ class JobExecutor:
             if self._urgent:
                 await asyncio.sleep(URGENT_MIN_S)
             self._report_now.clear()
-            models = list(self._traffic.values())
-            if not models:
+            if not self._traffic:
                 continue
-            report = TrafficReport(je_id=self.je_id, models=models, urgent=self._urgent)
+            report = TrafficReport(
+                je_id=self.je_id, models=self._traffic.report(), urgent=self._urgent
+            )
             self._urgent = False
-            # Arrivals and misses are counted per report; held jobs are a gauge and stay.
-            self._traffic = {
-                m.model: ModelTraffic(
-                    model=m.model, held=m.held, held_prompt_tokens=m.held_prompt_tokens
-                )
-                for m in models
-                if m.held
-            }
             try:
                 await self._scaler.traffic(report)
             except MeshserveError as e:
