@@ -82,19 +82,18 @@ from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
 from services.job_executor.ledger import PlacementLedger
 from services.job_executor.placement import Request
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
+from services.job_executor.traffic import TrafficLedger
+from services.scaler.config import scaler_config
 from services.scaler.policy import (
     Load,
-    ModelPolicy,
     ScalerConfig,
     ScalerState,
     Unload,
-    decide,
     observe_capacity,
     observe_outcomes,
     observe_traffic,
-    observe_view,
 )
-from services.scaler.preload import preloads
+from services.scaler.tick import tick
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
@@ -106,9 +105,9 @@ from services.task_executor.engines.torch_engine.scheduler import (
     tpot_slack,
 )
 from services.task_executor.weight_cache.eviction import EvictionConfig
-from services.views import TEView
+from services.views import TEView, queued_prompt_tokens, remember_model
 from shared.messages.cluster import JobShare, TEState
-from shared.messages.scaling import ModelTraffic
+from shared.settings import ModelScaling, Settings
 from shared.slo import SLO
 
 # Policies compare times with unix-like clocks (a demand at 0.0 means "never"): the
@@ -148,20 +147,34 @@ class SimConfig:
     cache_horizon_s: float = 600.0  # MESHSERVE_HOST_CACHE_HORIZON: eviction's look ahead
     fork_bandwidth: float = 1.25e9  # bytes/s a fork receives from another pool (10 Gb/s)
     preload_window_s: float = 600.0  # MESHSERVE_PRELOAD_WINDOW (0: no pre-loads)
+    slo_target: float = 0.95  # MESHSERVE_SLO_TARGET
+    # MESHSERVE_MODEL_SCALING: per-model bounds over the defaults above
+    model_scaling: Mapping[str, ModelScaling] = dataclasses.field(default_factory=dict)
+
+    def settings(self) -> Settings:
+        """The simulated cluster's settings, as far as they decide anything: the scaler
+        service builds its policy's configuration from these (``scaler_config``)."""
+        return Settings.load(
+            {},
+            scaler={
+                "keep_alive": self.keep_alive_s,
+                "min_replicas": self.min_replicas,
+                "max_replicas": self.max_replicas,
+                "target_utilization": self.target_utilization,
+                "model_scaling": dict(self.model_scaling),
+                "stable_window": self.stable_window_s,
+                "panic_window": self.panic_window_s,
+                "preload_window": self.preload_window_s,
+                "slo_ttft": self.slo.ttft_s,
+                "slo_ttft_per_token": self.slo.ttft_per_input_token_s,
+                "slo_tpot": self.slo.tpot_s,
+                "slo_target": self.slo_target,
+            },
+            host_cache={"load_bandwidth": self.load_bandwidth},
+        )
 
     def scaler_config(self) -> ScalerConfig:
-        return ScalerConfig(
-            default=ModelPolicy(
-                min_replicas=self.min_replicas,
-                max_replicas=self.max_replicas,
-                target_utilization=self.target_utilization,
-                keep_alive_s=self.keep_alive_s,
-            ),
-            stable_window_s=self.stable_window_s,
-            panic_window_s=self.panic_window_s,
-            load_bandwidth=self.load_bandwidth,
-            preload_window_s=self.preload_window_s,
-        )
+        return scaler_config(self.settings())
 
     def eviction_config(self) -> EvictionConfig:
         """As ``HostWeightCache.from_settings`` builds it."""
@@ -298,7 +311,7 @@ class _TE:
             waiting=len(self.waiting),
             # as a TE counts it: prompts not started or still prefilling, less the prefix the
             # router expected cached (all of them placed by the one JE)
-            queued_prompt_tokens=share.prefill_tokens,
+            queued_prompt_tokens=queued_prompt_tokens({JE_ID: share}),
             last_active=self.last_active,
             reported_at=now,
             recent_models=self.recent_models,
@@ -366,7 +379,7 @@ class Simulation:
         self._scaler = ScalerState()
         for model in sorted({p.model for p in planned}):
             self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())
-        self._traffic: dict[str, ModelTraffic] = {}
+        self._traffic = TrafficLedger()  # the JE's, since its last report
         self._outcomes = Outcomes(cfg.slo)
         # As a TE paces its engine: with the capacity it measured and the SLO's TPOT.
         self._pacing = {
@@ -463,10 +476,8 @@ class Simulation:
         if self.cfg.prefix_caching and p.hash_ids and p.block_size:
             seq.keys = chain_keys(p.hash_ids[: p.input_tokens // p.block_size])
         seq.job = PendingJob(model=p.model, deadline=self.now + self.cfg.placement_timeout_s)
-        traffic = self._traffic_of(p.model)
-        traffic.arrivals += 1
-        traffic.prompt_tokens += p.input_tokens
-        traffic.max_output_tokens += p.output_tokens
+        self._traffic.arrived(p.model, p.input_tokens, p.output_tokens)
+        self._reports_due = True
         self._mean_output = mean_output_tokens(self._mean_output, p.output_tokens)
         verdict = shed(
             p.model,
@@ -483,18 +494,10 @@ class Simulation:
         if not self._try_place(seq):
             self._held.setdefault(p.model, []).append(seq)
             seq.held_at = self.now
-            traffic = self._traffic_of(p.model)  # an urgent report may have sent the other
-            traffic.held += 1
-            traffic.held_prompt_tokens += p.input_tokens
+            self._traffic.held(p.model, p.input_tokens)
+            self._reports_due = True
             self.stats.held += 1
             self._at(seq.job.deadline, "expire", seq)
-
-    def _traffic_of(self, model: str) -> ModelTraffic:
-        t = self._traffic.get(model)
-        if t is None:
-            t = self._traffic[model] = ModelTraffic(model=model)
-        self._reports_due = True
-        return t
 
     def _try_place(self, seq: _Seq) -> bool:
         """The JE's step (``holding.next_step``) on the view it has."""
@@ -540,9 +543,8 @@ class Simulation:
         self._ledger.accepted(key, te.placements)
         if seq.held_at is not None:
             self.stats.held_wait_s += self.now - seq.held_at
-            traffic = self._traffic_of(model)
-            traffic.held -= 1
-            traffic.held_prompt_tokens -= seq.plan.input_tokens
+            self._traffic.released(model, seq.plan.input_tokens)
+            self._reports_due = True
             seq.held_at = None
         self.stats.routed[step.branch] = self.stats.routed.get(step.branch, 0) + 1
         seq.matched = matched
@@ -581,16 +583,16 @@ class Simulation:
         if not held:
             del self._held[seq.plan.model]
         self.stats.timeouts += 1
-        traffic = self._traffic_of(seq.plan.model)
-        traffic.held -= 1
-        traffic.held_prompt_tokens -= seq.plan.input_tokens
+        self._traffic.released(seq.plan.model, seq.plan.input_tokens)
+        self._reports_due = True
         self._refuse(seq, "no_capacity: no instance could take the request in time")
 
     def _refuse(self, seq: _Seq, error: str) -> None:
         """A 503 for the request: a miss in the JE's traffic, a failure in the outcomes."""
         seq.result.status = 503
         seq.result.error = error
-        self._traffic_of(seq.plan.model).misses += 1
+        self._traffic.missed(seq.plan.model)
+        self._reports_due = True
         self._outcomes.record(
             seq.plan.model,
             ok=False,
@@ -607,15 +609,8 @@ class Simulation:
         self._at(self.now + self.cfg.report_s, "report")
 
     def _deliver_reports(self) -> None:
-        models = list(self._traffic.values())
+        models = self._traffic.report()
         self._scaler = observe_traffic(self._scaler, JE_ID, models, now=self.now, cfg=self._scfg)
-        self._traffic = {
-            m.model: ModelTraffic(
-                model=m.model, held=m.held, held_prompt_tokens=m.held_prompt_tokens
-            )
-            for m in models
-            if m.held
-        }
         if outcomes := self._outcomes.take():
             self._scaler = observe_outcomes(self._scaler, outcomes, now=self.now, cfg=self._scfg)
         self._reports_due = bool(self._traffic)
@@ -669,9 +664,15 @@ class Simulation:
             return  # superseded by an earlier tick
         self._scaler_at = None
         views = list(self._view.values())
-        self._scaler, _ = observe_view(self._scaler, views, now=self.now, cfg=self._scfg)
-        decision = decide(self._scaler, views, models=self._models, now=self.now, cfg=self._scfg)
-        self._scaler = decision.state
+        step = tick(
+            self._scaler,
+            views,
+            models=self._models,
+            now=self.now,
+            cfg=self._scfg,
+            tried=self._preloaded,
+        )
+        self._scaler, decision = step.state, step.decision
         for action in decision.actions:
             te = self._by_id[action.te_id]
             if isinstance(action, Load) and te.state == TEState.IDLE:
@@ -697,16 +698,7 @@ class Simulation:
                 self._maybe_unloaded(te)
         for model, t in decision.targets.items():
             self.stats.peak_replicas[model] = max(self.stats.peak_replicas.get(model, 0), t.current)
-        # As the scaler service does: on the views the decision saw, less the TEs it took.
-        taken = {a.te_id for a in decision.actions}
-        for p in preloads(
-            self._scaler,
-            [v for v in views if v.te_id not in taken],
-            models=self._models,
-            now=self.now,
-            cfg=self._scfg,
-            tried=self._preloaded,
-        ):
+        for p in step.preloads:
             self._preloaded[p.model, p.pool_id] = self.now
             self._preload(self._by_id[p.te_id], p.model, p.weights_from)
         if self._held or self._busy() or self._reports_due:
@@ -790,7 +782,7 @@ class Simulation:
         if self.cfg.prefix_caching:
             te.cache = PrefixLRU(te.profile.kv_blocks * te.profile.block_size)
         te.last_active = self.now
-        te.recent_models = (te.model, *(m for m in te.recent_models if m != te.model))[:8]
+        te.recent_models = remember_model(te.recent_models, te.model)
         self._ready[te.model] = self._ready.get(te.model, 0) + 1
         self._into_host_cache(te, te.model)
         self._state_changed(te)

@@ -7,10 +7,24 @@ nothing else, so the simulator never forges a heartbeat."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from shared.messages.cluster import CachedWeights, JobShare, TEHeartbeat, TEState
 from shared.messages.scaling import InstanceCapacity
+
+RECENT_MODELS = 8  # models a TE remembers loading (their files are likely in page cache)
+
+
+def remember_model(recent: Sequence[str], model: str) -> tuple[str, ...]:
+    """A TE's recent models (most recent first, ``TEView.recent_models``) once it loaded
+    ``model``."""
+    return (model, *(m for m in recent if m != model))[:RECENT_MODELS]
+
+
+def queued_prompt_tokens(shares: Mapping[str, JobShare]) -> int:
+    """A TE's prompt tokens accepted and not yet prefilled (less the prefix each placement
+    expected cached): every job executor's share of them (``TEView.queued_prompt_tokens``)."""
+    return sum(share.prefill_tokens for share in shares.values())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

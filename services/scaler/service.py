@@ -10,21 +10,18 @@ from collections.abc import Sequence
 
 import msgspec
 
+from services.scaler.config import scaler_config
 from services.scaler.policy import (
     Load,
     LoadSettled,
-    ModelPolicy,
-    ScalerConfig,
     ScalerState,
     Unload,
     UnloadSettled,
-    decide,
     observe_capacity,
     observe_outcomes,
     observe_traffic,
-    observe_view,
 )
-from services.scaler.preload import preloads
+from services.scaler.tick import tick
 from services.views import TEView, te_view
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient, ViewWatcher
@@ -53,36 +50,6 @@ TICK_S = 0.5
 # persistence loses them, and a scaler started then would measure every model again).
 CAPACITY_CHECK_S = 5.0
 FIRST_TOKEN_WAIT_S = 10.0  # a scale-up's event waits this long for the first token
-
-
-def scaler_config(settings: Settings) -> ScalerConfig:
-    s = settings.scaler
-    default = ModelPolicy(
-        min_replicas=s.min_replicas,
-        max_replicas=s.max_replicas,
-        target_utilization=s.target_utilization,
-        keep_alive_s=s.keep_alive.total_seconds(),
-    )
-    models = {
-        name: ModelPolicy(
-            min_replicas=m.min_replicas if m.min_replicas is not None else default.min_replicas,
-            max_replicas=m.max_replicas if m.max_replicas is not None else default.max_replicas,
-            target_utilization=m.target_utilization or default.target_utilization,
-            keep_alive_s=m.keep_alive.total_seconds()
-            if m.keep_alive is not None
-            else default.keep_alive_s,
-        )
-        for name, m in s.model_scaling.items()
-    }
-    return ScalerConfig(
-        default=default,
-        models=models,
-        stable_window_s=s.stable_window.total_seconds(),
-        panic_window_s=s.panic_window.total_seconds(),
-        slo_target=s.slo_target,
-        load_bandwidth=settings.host_cache.load_bandwidth,
-        preload_window_s=s.preload_window.total_seconds(),
-    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -223,15 +190,15 @@ class Scaler:
                 engine = next((hb.engine for hb in view.tes if hb.engine), None)
                 if cap := self._capacity(model, engine):
                     self._state = observe_capacity(self._state, model, cap)
-        self._state, settled = observe_view(self._state, tes, now=now, cfg=self._cfg)
+        paths = {m.id: m.path for m in view.models}
+        step = tick(
+            self._state, tes, models=list(paths), now=now, cfg=self._cfg, tried=self._preloaded
+        )
+        self._state, decision = step.state, step.decision
         by_id = {hb.te_id: hb for hb in view.tes}
-        for s in settled:
+        for s in step.settled:
             await self._scale_event(s, by_id.get(s.te_id), now)
         await self._first_tokens(view.tes, now)
-        decision = decide(
-            self._state, tes, models=[m.id for m in view.models], now=now, cfg=self._cfg
-        )
-        self._state = decision.state
         for action in decision.actions:
             t = decision.targets[action.model]
             log.info(
@@ -247,12 +214,8 @@ class Scaler:
                 backlog=t.backlog,
                 slo=t.slo_attainment,
             )
-        paths = {m.id: m.path for m in view.models}
         await asyncio.gather(*(self._actuate(a, paths, tes, now) for a in decision.actions))
-        taken = {a.te_id for a in decision.actions}
-        for p in preloads(self._state, [te for te in tes if te.te_id not in taken],
-                          models=list(paths), now=now, cfg=self._cfg,
-                          tried=self._preloaded):  # fmt: skip
+        for p in step.preloads:
             log.info("preload decision", model=p.model, te=p.te_id, fork=p.weights_from)
             self._preloaded[p.model, p.pool_id] = now
             cmd = PreloadModel(model=p.model, path=paths[p.model], weights_from=p.weights_from)

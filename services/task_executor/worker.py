@@ -39,6 +39,7 @@ from services.task_executor.engines.factory import (
 from services.task_executor.engines.process import EngineProcessDied
 from services.task_executor.weight_cache import relay
 from services.task_executor.weight_cache.index import CacheState, budget_bytes, read_state
+from services.views import queued_prompt_tokens, remember_model
 from shared import heap
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
@@ -98,7 +99,6 @@ KV_CHECK_S = 2.0
 
 # Longest a stopping TE waits for the engine step in flight.
 STEP_STOP_TIMEOUT_S = 30.0
-RECENT_MODELS = 8  # models a TE remembers loading (their files are likely in page cache)
 
 
 @dataclasses.dataclass(slots=True)
@@ -233,15 +233,15 @@ class TaskExecutor:
             hb.free_kv_blocks = st.free_kv_blocks
             hb.total_kv_blocks = st.total_kv_blocks
             hb.capacity = self._capacity
-            hb.queued_prompt_tokens = sum(
-                stream.prefill_tokens for stream in self._streams.values() if not stream.generated
-            )
-            hb.shares = self._shares()
+            shares = self._shares()
+            hb.queued_prompt_tokens = queued_prompt_tokens(shares)
+            hb.shares = {je: share for je, share in shares.items() if je}
             hb.placements = self._placements
         return hb
 
     def _shares(self) -> dict[str, JobShare]:
-        """The streams by the JE that placed them (``TEHeartbeat.shares``)."""
+        """The streams by the JE that placed them (``TEHeartbeat.shares``; "": tasks
+        placed with no JE named)."""
         counts: dict[str, list[int]] = {}
         for stream in self._streams.values():
             c = counts.setdefault(stream.je_id, [0, 0, 0, stream.placement])
@@ -254,7 +254,6 @@ class TaskExecutor:
         return {
             je: JobShare(sequences=n, decoding=d, prefill_tokens=t, oldest=o)
             for je, (n, d, t, o) in counts.items()
-            if je
         }
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -400,8 +399,7 @@ class TaskExecutor:
             heap.settle()  # the model lives as long as it is loaded: out of the collector's way
             self.state = TEState.READY
             self._last_active = self._ready_at = time.time()
-            earlier = [m for m in self._recent_models if m != cmd.model]
-            self._recent_models = [cmd.model, *earlier][:RECENT_MODELS]
+            self._recent_models = list(remember_model(self._recent_models, cmd.model))
             log.info(
                 "model loaded",
                 model=cmd.model,
