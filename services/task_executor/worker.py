@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import math
 import os
 import socket
 import sys
@@ -37,8 +36,9 @@ from services.task_executor.engines.factory import (
     prewarm,
 )
 from services.task_executor.engines.process import EngineProcessDied
+from services.task_executor.host_cache_watch import HostCacheWatch
+from services.task_executor.kv_publisher import KvEventPublisher
 from services.task_executor.weight_cache import relay
-from services.task_executor.weight_cache.index import CacheState, budget_bytes, read_state
 from services.views import queued_prompt_tokens, remember_model
 from shared import heap
 from shared.bus import Bus
@@ -52,10 +52,8 @@ from shared.errors import (
     Refused,
     Unavailable,
 )
-from shared.kv_index_store import KvIndexStore, apply_events
 from shared.logging import get_logger
 from shared.messages.cluster import JobShare, MemberDown, TEHeartbeat, TEState
-from shared.messages.kv import KvEvent, KvEventBatch
 from shared.messages.scaling import (
     ControlAck,
     Drain,
@@ -68,7 +66,7 @@ from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskProgre
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.store import Store
-from shared.subjects import Keys, Subjects
+from shared.subjects import Subjects
 
 if TYPE_CHECKING:
     from services.task_executor.weight_cache.store import Received
@@ -90,12 +88,6 @@ class EngineFactory(Protocol):
 
 
 _T = TypeVar("_T")
-
-CACHED_WEIGHTS_S = 5.0  # how often a TE looks whether its host cache changed
-HOST_CACHE_REREAD_S = 60.0
-# Prefix-cache events are published at most this often, as one batch.
-KV_FLUSH_S = 0.05
-KV_CHECK_S = 2.0
 
 # Longest a stopping TE waits for the engine step in flight.
 STEP_STOP_TIMEOUT_S = 30.0
@@ -135,10 +127,6 @@ class TaskExecutor:
         self._settings = settings
         self._bus = bus
         self._store = store
-        # The durable copy of this TE's prompt-index entries (it is their only writer).
-        self._kv_store = KvIndexStore(store, settings.cluster) if store is not None else None
-        self._kv_held: dict[str, set[int]] = {}  # tier -> block hashes, as published
-        self._kv_stored_ok = True  # the last write to the store went through
         self._subjects = Subjects(settings.cluster)
         self.te_id = te_id
         self.pool_id = pool_id
@@ -155,9 +143,7 @@ class TaskExecutor:
         self._failed_model: str | None = None
         self._generated_tokens = 0
         self._recent_models: list[str] = []  # loaded here before, newest first
-        # What this host's weight cache holds, as last read (``_host_cache_watch``).
-        self._cache = CacheState({}, {}, 0)
-        self._cache_read_at = -math.inf
+        self._host_cache = HostCacheWatch(settings, pool_id, store)
         # Where this TE receives multicasts of a model's weights (with the host cache on).
         self._relay: socket.socket | None = None
         if settings.host_cache.bytes != 0:
@@ -179,9 +165,14 @@ class TaskExecutor:
         self._work = asyncio.Event()
         self._step_lock = asyncio.Lock()  # held while an iteration runs; unload waits for it
         self._closing = False
-        self._kv_pending: list[KvEvent] = []
-        self._kv_block_size = 0
-        self._kv_seq = 0  # batches published by this TE, across every model it loads
+        self._kv = KvEventPublisher(
+            te_id=te_id,
+            bus=bus,
+            subjects=self._subjects,
+            store=store,
+            cluster=settings.cluster,
+            model=lambda: self.model,
+        )
         self._idle = asyncio.Event()
         self._idle.set()
         self._last_active = time.time()
@@ -217,8 +208,8 @@ class TaskExecutor:
             load_steps=self._load_steps,
             ready_at=self._ready_at,
             weight_server=self._settings.host_cache.server,
-            cached_weights=self._cache.models,
-            cache_free_bytes=self._cache.free_bytes,
+            cached_weights=self._host_cache.state.models,
+            cache_free_bytes=self._host_cache.state.free_bytes,
             weight_relay=self._settings.host_cache.relay,
             relay_address=relay.address_of(self._relay) if self._relay is not None else "",
         )
@@ -277,10 +268,10 @@ class TaskExecutor:
             self._engine_thread.submit(self._prewarm)
         self._hb.start(self._life)
         loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
-        self._life.spawn(self._kv_publisher(), name="kv event publisher")
+        self._life.spawn(self._kv.run(), name="kv event publisher")
         self._life.spawn(self._progress_publisher(), name="task progress publisher")
         if self._settings.host_cache.bytes != 0:
-            self._life.spawn(self._host_cache_watch(), name="host cache watch")
+            self._life.spawn(self._host_cache.run(), name="host cache watch")
         self.ready.set()
         try:
             await self._life.wait()
@@ -303,7 +294,7 @@ class TaskExecutor:
             if self.engine is not None:
                 self.engine.close()
             if self.model is not None:
-                await self._forget_kv(self.model)
+                await self._kv.forget(self.model)
             if self._store is not None:
                 await self._store.close()
             if self._relay is not None:
@@ -378,7 +369,7 @@ class TaskExecutor:
                 fetched=report.fetched,
             )
         self.state = TEState.IDLE
-        await self._read_host_cache()  # report what the cache holds now
+        await self._host_cache.read()  # report what the cache holds now
         self._hb.beat_now()
 
     async def _load(self, cmd: LoadModel) -> None:
@@ -395,7 +386,7 @@ class TaskExecutor:
             self._failed_model = cmd.model
         else:
             self.engine, self._features = engine, features
-            self._kv_block_size = features.kv_events.block_size if features.kv_events else 0
+            self._kv.block_size = features.kv_events.block_size if features.kv_events else 0
             heap.settle()  # the model lives as long as it is loaded: out of the collector's way
             self.state = TEState.READY
             self._last_active = self._ready_at = time.time()
@@ -504,10 +495,10 @@ class TaskExecutor:
                 await self._on_engine_thread(engine.close)
             except Exception:  # gone either way: the TE takes the next model
                 log.exception("closing the engine failed", model=self.model)
-            self._collect_kv_events()
-            await self._flush_kv_events()
+            self._kv.collect(self._features.kv_events)
+            await self._kv.flush()
         if self.model is not None:
-            await self._forget_kv(self.model)
+            await self._kv.forget(self.model)
         self._features = EngineFeatures()
         self._capacity = None
         self._choice = engine_choice(self._settings)
@@ -651,7 +642,7 @@ class TaskExecutor:
                         if not engine.has_work():
                             break
                         outputs = await self._on_engine_thread(engine.step)
-                        self._collect_kv_events()
+                        self._kv.collect(self._features.kv_events)
                     previous, emitting = emitting, None
                     if previous is not None:
                         await previous
@@ -688,148 +679,6 @@ class TaskExecutor:
         self._failed_model, self._error = self.model, f"{type(e).__name__}: {e}"
         self.state, self.model = TEState.IDLE, None
         self._hb.beat_now()
-
-    def _collect_kv_events(self) -> None:
-        if (source := self._features.kv_events) is not None:
-            self._kv_pending.extend(source.drain_kv_events())
-
-    async def _host_cache_watch(self) -> None:
-        """This host's weight cache read again whenever its index changes (and every
-        HOST_CACHE_REREAD_S whatever: Redis may have restarted): for the heartbeats (what it
-        holds of each model, its room: the scaler's ``load_time``, ``fork_source`` and
-        pre-loads) and, with a store, into Redis (``Keys.host_cache``; every TE of a pool
-        writes the same figures)."""
-        seen = 0
-        while True:
-            await asyncio.sleep(CACHED_WEIGHTS_S)
-            try:
-                changed = (self._settings.host_cache.dir / "index.json").stat().st_mtime_ns
-            except OSError:
-                continue
-            if (
-                changed != seen
-                or time.monotonic() - self._cache_read_at >= HOST_CACHE_REREAD_S
-                or await self._host_cache_lost()
-            ):
-                if await self._read_host_cache():
-                    seen = changed
-
-    async def _host_cache_lost(self) -> bool:
-        """Redis no longer holds this pool's host cache metadata (it restarted without its
-        data): written again at the next look, not a minute later."""
-        if self._store is None:
-            return False
-        key = Keys(self._settings.cluster).host_cache(self.pool_id, "pool")
-        try:
-            return not await self._store.redis.exists(key)
-        except Exception:  # Redis away: nothing to write to yet
-            return False
-
-    async def _read_host_cache(self) -> bool:
-        """Read the cache's state (and publish it); False when that failed (logged)."""
-        root = self._settings.host_cache.dir
-        try:
-            state = await asyncio.to_thread(read_state, root, budget_bytes(self._settings))
-        except OSError as e:
-            log.warning("reading the host cache failed", error=str(e))
-            return False
-        self._cache, self._cache_read_at = state, time.monotonic()
-        if self._store is None:
-            return True
-        keys, enc = Keys(self._settings.cluster), msgspec.json.encode
-        pool = {
-            "server": self._settings.host_cache.server,
-            "free_bytes": state.free_bytes,
-            "updated_at": time.time(),
-        }
-        try:
-            await self._store.replace_hash(
-                keys.host_cache(self.pool_id, "tensors"),
-                {k: enc(v) for k, v in state.tensors.items()},
-            )
-            await self._store.replace_hash(
-                keys.host_cache(self.pool_id, "models"),
-                {m: enc(c) for m, c in state.models.items()},
-            )
-            await self._store.replace_hash(
-                keys.host_cache(self.pool_id, "pool"), {k: str(v).encode() for k, v in pool.items()}
-            )
-        except Exception as e:  # Redis away: the next round writes it all again
-            log.warning("publishing the host cache's metadata failed", error=str(e))
-            return False
-        return True
-
-    async def _kv_publisher(self) -> None:
-        """Prefix-cache events leave in batches, at most one message per flush period; every
-        KV_CHECK_S the store is checked to still hold this TE's entries (Redis may have
-        restarted and lost them while no batch was due)."""
-        checked = time.monotonic()
-        while True:
-            await asyncio.sleep(KV_FLUSH_S)
-            await self._flush_kv_events()
-            if time.monotonic() - checked >= KV_CHECK_S:
-                checked = time.monotonic()
-                await self._check_kv_store()
-
-    async def _flush_kv_events(self) -> None:
-        if not self._kv_pending or self.model is None:
-            return
-        batch = KvEventBatch(
-            te_id=self.te_id,
-            model=self.model,
-            seq=self._kv_seq,
-            block_size=self._kv_block_size,
-            events=self._kv_pending,
-        )
-        self._kv_pending = []
-        self._kv_seq += 1
-        apply_events(self._kv_held, batch.events)
-        await self._store_kv(batch)  # before publishing: a replica resyncing reads it there
-        try:
-            await self._bus.publish(self._subjects.kv_events(self.te_id), batch)
-        except PeerUnreachable as e:
-            log.warning("kv event publish failed", error=str(e))
-
-    async def _store_kv(self, batch: KvEventBatch) -> None:
-        if self._kv_store is None:
-            return
-        try:
-            if not (self._kv_stored_ok and await self._kv_store.apply(batch)):
-                await self._kv_store.snapshot(
-                    batch.model, self.te_id, batch.seq, batch.block_size, self._kv_held
-                )
-            self._kv_stored_ok = True
-        except Exception as e:  # Redis away: the next batch writes a snapshot
-            if self._kv_stored_ok:
-                log.warning("prompt index store write failed", error=str(e))
-            self._kv_stored_ok = False
-
-    async def _check_kv_store(self) -> None:
-        if self._kv_store is None or self.model is None or not self._kv_block_size:
-            return
-        if self._kv_seq == 0:
-            return
-        try:
-            stored = await self._kv_store.stored_seq(self.model, self.te_id)
-            if stored != self._kv_seq - 1:
-                log.info("prompt index entries rewritten", stored_seq=stored, seq=self._kv_seq - 1)
-                await self._kv_store.snapshot(
-                    self.model, self.te_id, self._kv_seq - 1, self._kv_block_size, self._kv_held
-                )
-            self._kv_stored_ok = True
-        except Exception as e:
-            if self._kv_stored_ok:
-                log.warning("prompt index store check failed", error=str(e))
-            self._kv_stored_ok = False
-
-    async def _forget_kv(self, model: str) -> None:
-        """The model is unloaded: its entries leave the store (replicas drop them on the view)."""
-        self._kv_held = {}
-        if self._kv_store is not None:
-            try:
-                await self._kv_store.forget(model, self.te_id)
-            except Exception as e:  # the cluster manager forgets it when the TE goes
-                log.warning("prompt index store forget failed", error=str(e))
 
     async def _apply_queued(self, engine: Engine) -> None:
         for engine_id in self._aborts:
