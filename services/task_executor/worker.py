@@ -14,7 +14,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import importlib
 import os
 import socket
 import sys
@@ -29,7 +28,6 @@ from services.task_executor.capacity import find_or_measure
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest, LoadReport
 from services.task_executor.engines.capabilities import EngineFeatures, bind_features
 from services.task_executor.engines.factory import (
-    choose_engine,
     create_engine,
     engine_choice,
     preload,
@@ -122,8 +120,11 @@ class TaskExecutor:
         te_id: str,
         pool_id: str,
         engine_factory: EngineFactory = create_engine,
+        prewarm: Callable[[Settings], None] | None = prewarm,
         store: Store | None = None,
     ) -> None:
+        """``prewarm``: what every load of this TE's engine would pay first (imports, kernel
+        compiles), run on the engine thread as the TE starts; None: nothing."""
         self._settings = settings
         self._bus = bus
         self._store = store
@@ -131,6 +132,7 @@ class TaskExecutor:
         self.te_id = te_id
         self.pool_id = pool_id
         self._engine_factory = engine_factory
+        self._prewarm_engine = prewarm
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine"
         )
@@ -264,8 +266,8 @@ class TaskExecutor:
             },
         )
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
-        if self._engine_factory is create_engine:  # a load queued meanwhile waits its turn
-            self._engine_thread.submit(self._prewarm)
+        if self._prewarm_engine is not None:  # a load queued meanwhile waits its turn
+            self._engine_thread.submit(self._prewarm, self._prewarm_engine)
         self._hb.start(self._life)
         loop_task = self._life.spawn(self._engine_loop(), name="engine loop")
         self._life.spawn(self._kv.run(), name="kv event publisher")
@@ -302,7 +304,7 @@ class TaskExecutor:
             self._engine_thread.shutdown(wait=False)
             self._life.stopped()
 
-    def _prewarm(self) -> None:
+    def _prewarm(self, prewarm: Callable[[Settings], None]) -> None:
         t = time.monotonic()
         try:
             prewarm(self._settings)
@@ -786,19 +788,6 @@ async def _settle(task: asyncio.Task[None] | None) -> None:
 def main() -> None:
     te_id, pool_id = sys.argv[1], sys.argv[2]
     settings = Settings.load()
-    # Pre-warm: pay for the engine's imports now, before any model is assigned. (The vLLM and
-    # OpenVINO engines run in a child process, which imports their packages; here only the
-    # wrappers.)
-    import torch
-
-    if settings.task_executor.torch_threads:
-        torch.set_num_threads(settings.task_executor.torch_threads)
-    prewarm = {
-        "torch": "services.task_executor.engines.torch_engine",
-        "vllm": "services.task_executor.engines.vllm_engine",
-        "openvino": "services.task_executor.engines.openvino_engine",
-    }[choose_engine(settings)]
-    importlib.import_module(prewarm)
 
     async def factory(settings: Settings, bus: Bus) -> TaskExecutor:
         try:

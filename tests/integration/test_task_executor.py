@@ -378,7 +378,12 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
 
     settings = Settings(cluster=cluster, heartbeat_interval=timedelta(seconds=0.2))
     worker = TaskExecutor(
-        settings=settings, bus=bus, te_id="te-d", pool_id="p", engine_factory=in_a_child
+        settings=settings,
+        bus=bus,
+        te_id="te-d",
+        pool_id="p",
+        engine_factory=in_a_child,
+        prewarm=None,
     )
     run = asyncio.create_task(worker.run())
     await asyncio.wait_for(worker.ready.wait(), 5)

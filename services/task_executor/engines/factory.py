@@ -80,8 +80,14 @@ def prewarm(settings: Settings) -> None:
     pre-warmed and model-agnostic (DeepServe §6). For the torch engine, importing torch (about
     1 s, most of a first load of a small model) and its CPU kernel (compiled once per host,
     then loaded from the kernel cache). The child-process engines import in their child."""
-    if choose_engine(settings) != "torch":
+    kind = choose_engine(settings)
+    if kind != "torch":  # the wrapper only: its child process imports the engine's package
+        importlib.import_module(f"services.task_executor.engines.{kind}_engine")
         return
+    import torch
+
+    if settings.task_executor.torch_threads:
+        torch.set_num_threads(settings.task_executor.torch_threads)
     block_hash.use_native(Toolchain.of(settings))  # the prefix cache hashes every prompt
     from services.task_executor.engines.torch_engine import (
         TorchEngine,  # noqa: F401
