@@ -1,9 +1,9 @@
-"""What this host's weight cache holds, as a TE sees and reports it: read again whenever the
-cache's index changes (and every ``HOST_CACHE_REREAD_S`` whatever: Redis may have
-restarted), for the TE's heartbeats (what it holds of each model, its room: the scaler's
-``load_time``, ``fork_source`` and pre-loads) and, with a store, into Redis
-(``Keys.host_cache``: every tensor with its size and uses, each model's resident bytes, the
-pool's weight server and free room; every TE of a pool writes the same figures)."""
+"""What this host's weight cache holds, read again whenever the cache's index changes (and
+every ``HOST_CACHE_REREAD_S`` whatever). Each TE watches it for its heartbeats (what it
+holds of each model, its room: the scaler's ``load_time``, ``fork_source`` and pre-loads);
+the node pool that owns the host's weight server watches it too and publishes it into Redis
+(``HostCachePublication``, ``Keys.host_cache``: every tensor with its size and uses, each
+model's resident bytes, the pool's weight server and free room), once for the pool."""
 
 from __future__ import annotations
 
@@ -21,15 +21,60 @@ from shared.subjects import Keys
 
 log = get_logger(__name__)
 
-CACHED_WEIGHTS_S = 5.0  # how often a TE looks whether its host cache changed
+CACHED_WEIGHTS_S = 5.0  # how often the cache's index is looked at for a change
 HOST_CACHE_REREAD_S = 60.0
 
 
-class HostCacheWatch:
-    def __init__(self, settings: Settings, pool_id: str, store: Store | None) -> None:
+class HostCachePublication:
+    """A node pool's host cache in Redis, for the operator and the placement code that
+    reads it (``Keys.host_cache``)."""
+
+    def __init__(self, settings: Settings, pool_id: str, store: Store) -> None:
         self._settings = settings
         self._pool_id = pool_id
         self._store = store
+        self._keys = Keys(settings.cluster)
+
+    async def write(self, state: CacheState) -> bool:
+        """False when Redis did not take it (logged: the next round writes it all again)."""
+        enc = msgspec.json.encode
+        pool = {
+            "server": self._settings.host_cache.server,
+            "free_bytes": state.free_bytes,
+            "updated_at": time.time(),
+        }
+        try:
+            await self._store.replace_hash(
+                self._keys.host_cache(self._pool_id, "tensors"),
+                {k: enc(v) for k, v in state.tensors.items()},
+            )
+            await self._store.replace_hash(
+                self._keys.host_cache(self._pool_id, "models"),
+                {m: enc(c) for m, c in state.models.items()},
+            )
+            await self._store.replace_hash(
+                self._keys.host_cache(self._pool_id, "pool"),
+                {k: str(v).encode() for k, v in pool.items()},
+            )
+        except Exception as e:
+            log.warning("publishing the host cache's metadata failed", error=str(e))
+            return False
+        return True
+
+    async def lost(self) -> bool:
+        """Redis no longer holds this pool's host cache metadata (it restarted without its
+        data): written again at the next look, not a minute later."""
+        key = self._keys.host_cache(self._pool_id, "pool")
+        try:
+            return not await self._store.redis.exists(key)
+        except Exception:  # Redis away: nothing to write to yet
+            return False
+
+
+class HostCacheWatch:
+    def __init__(self, settings: Settings, publication: HostCachePublication | None = None) -> None:
+        self._settings = settings
+        self._publication = publication
         self.state = CacheState({}, {}, 0)  # as last read
         self._read_at = -math.inf
 
@@ -44,7 +89,7 @@ class HostCacheWatch:
             if (
                 changed != seen
                 or time.monotonic() - self._read_at >= HOST_CACHE_REREAD_S
-                or await self._lost()
+                or (self._publication is not None and await self._publication.lost())
             ):
                 if await self.read():
                     seen = changed
@@ -58,39 +103,6 @@ class HostCacheWatch:
             log.warning("reading the host cache failed", error=str(e))
             return False
         self.state, self._read_at = state, time.monotonic()
-        if self._store is None:
+        if self._publication is None:
             return True
-        keys, enc = Keys(self._settings.cluster), msgspec.json.encode
-        pool = {
-            "server": self._settings.host_cache.server,
-            "free_bytes": state.free_bytes,
-            "updated_at": time.time(),
-        }
-        try:
-            await self._store.replace_hash(
-                keys.host_cache(self._pool_id, "tensors"),
-                {k: enc(v) for k, v in state.tensors.items()},
-            )
-            await self._store.replace_hash(
-                keys.host_cache(self._pool_id, "models"),
-                {m: enc(c) for m, c in state.models.items()},
-            )
-            await self._store.replace_hash(
-                keys.host_cache(self._pool_id, "pool"),
-                {k: str(v).encode() for k, v in pool.items()},
-            )
-        except Exception as e:  # Redis away: the next round writes it all again
-            log.warning("publishing the host cache's metadata failed", error=str(e))
-            return False
-        return True
-
-    async def _lost(self) -> bool:
-        """Redis no longer holds this pool's host cache metadata (it restarted without its
-        data): written again at the next look, not a minute later."""
-        if self._store is None:
-            return False
-        key = Keys(self._settings.cluster).host_cache(self._pool_id, "pool")
-        try:
-            return not await self._store.redis.exists(key)
-        except Exception:  # Redis away: nothing to write to yet
-            return False
+        return await self._publication.write(state)

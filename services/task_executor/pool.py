@@ -9,12 +9,15 @@ import signal
 import sys
 import uuid
 
+from services.task_executor.host_cache_watch import HostCachePublication, HostCacheWatch
 from services.task_executor.weight_cache.transfer import WeightServer
 from shared.bus import Bus
 from shared.embedded import die_with_parent
+from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.runner import Lifecycle
 from shared.settings import Settings, process_environment
+from shared.store import Store
 
 log = get_logger(__name__)
 
@@ -22,14 +25,22 @@ RESTART_BACKOFF_S = 1.0
 
 
 class NodePool:
-    def __init__(self, *, settings: Settings, pool_id: str | None = None) -> None:
+    def __init__(
+        self, *, settings: Settings, pool_id: str | None = None, store: Store | None = None
+    ) -> None:
+        """``store``: where the pool publishes what its host cache holds (with the cache
+        on); None: nowhere."""
         self._settings = settings
+        self._store = store
         self.pool_id = pool_id or settings.task_executor.pool_id or f"pool-{uuid.uuid4().hex[:6]}"
         self._life = Lifecycle("node pool")
         self._procs: dict[str, asyncio.subprocess.Process] = {}
 
     async def run(self) -> None:
         server = self._start_weight_server()
+        if server is not None and self._store is not None:
+            publication = HostCachePublication(self._settings, self.pool_id, self._store)
+            self._life.spawn(HostCacheWatch(self._settings, publication).run(), name="host cache")
         for i in range(self._settings.task_executor.pool_size):
             self._life.spawn(self._keep_alive(i), name=f"slot {i}")
         try:
@@ -37,6 +48,8 @@ class NodePool:
         finally:
             if server is not None:
                 server.stop()
+            if self._store is not None:
+                await self._store.close()
             codes = await self._stop_all()
             await self._life.cancel_tasks()
             self._life.stopped()
@@ -60,6 +73,11 @@ class NodePool:
         )
         log.info("weight server listening", address=server.address, dir=str(hc.dir))
         return server
+
+    @property
+    def weight_server_address(self) -> str:
+        """host:port of this host's weight server once it listens; empty: none."""
+        return self._settings.host_cache.server
 
     async def shutdown(self) -> None:
         self._life.request_stop()
@@ -108,4 +126,10 @@ class NodePool:
 
 async def create(settings: Settings, bus: Bus) -> NodePool:
     # The pool itself needs no bus; its TEs connect on their own.
-    return NodePool(settings=settings)
+    store = None
+    if settings.redis_url and settings.host_cache.bytes != 0:
+        try:
+            store = await Store.connect(settings.redis_url)
+        except Unavailable as e:  # it serves; the host cache is not published
+            log.warning("host cache metadata not published", error=e.message)
+    return NodePool(settings=settings, store=store)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.task_executor.engines.base import EngineRequest
+from services.task_executor.pool import NodePool
 from services.task_executor.worker import TaskExecutor
 from shared.block_hash import chain_hashes
 from shared.bus import Bus
@@ -108,9 +109,11 @@ async def test_streams_tokens_in_order_to_the_reply_subject(te, bus: Bus, cluste
 
 async def test_a_loaded_torch_engine_is_paced_with_its_capacity_and_says_why_it_runs(te):
     worker, _ = te
-    assert worker._capacity is not None and worker._features.prefill_pacing is not None
+    assert (
+        worker.control.capacity is not None and worker.control.features.prefill_pacing is not None
+    )
     pacing = worker.engine._sched.pacing  # the TE handed the engine its measured costs
-    assert pacing is not None and pacing.prefill_s == worker._capacity.prefill_s
+    assert pacing is not None and pacing.prefill_s == worker.control.capacity.prefill_s
     assert pacing.tpot_s == worker._settings.scaler.slo_tpot.total_seconds()
     hb = worker._heartbeat()
     assert hb.engine == "torch" and "checkpoint's precision" in hb.engine_reason
@@ -161,13 +164,13 @@ async def test_a_task_placed_again_runs_once_whether_or_not_it_was_cancelled_bet
         if rid == "r-late":  # the first copy already in the engine when the retry comes
             await client.place("te-t", task(cluster, rid, max_tokens=40))
             await asyncio.wait_for(got.first.wait(), 20)
-            async with worker._step_lock:  # no step runs: the first copy's chunks stop
+            async with worker.step_lock:  # no step runs: the first copy's chunks stop
                 await asyncio.sleep(0.2)  # its last published ones land
                 got = await collect(bus, subjects.token_stream("fe", rid))  # the new copy's
                 await client.cancel("te-t", rid, 0)
                 await client.place("te-t", task(cluster, rid, max_tokens=6))
         else:
-            async with worker._step_lock:  # the engine is busy: nothing queued is applied yet
+            async with worker.step_lock:  # the engine is busy: nothing queued is applied yet
                 await client.place("te-t", task(cluster, rid, max_tokens=6))
                 if cancel_between:
                     await client.cancel("te-t", rid, 0)
@@ -325,7 +328,9 @@ async def _serves_the_torch_engines_tokens(
         assert (await client.control(te_id, LoadModel(model="demo", path=str(model_dir)))).ok
         deadline = time.monotonic() + load_timeout_s
         while worker.state != TEState.READY:
-            assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
+            assert time.monotonic() < deadline and worker.state == TEState.LOADING, (
+                worker.control.error
+            )
             await asyncio.sleep(0.1)
         assert worker.engine.name == engine_name
         engine = worker.engine
@@ -392,7 +397,9 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
         assert (await client.control("te-d", LoadModel(model="demo", path=str(demo_model_dir)))).ok
         deadline = time.monotonic() + 60
         while worker.state != TEState.READY:
-            assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
+            assert time.monotonic() < deadline and worker.state == TEState.LOADING, (
+                worker.control.error
+            )
             await asyncio.sleep(0.05)
         engine = worker.engine
         assert isinstance(engine, ProcessEngine)
@@ -409,7 +416,7 @@ async def test_an_engine_process_that_dies_hands_its_requests_on(
         while worker.state != TEState.IDLE:
             assert time.monotonic() < deadline, worker.state
             await asyncio.sleep(0.05)
-        assert worker.engine is None and worker._failed_model == "demo"
+        assert worker.engine is None and worker.control.failed_model == "demo"
     finally:
         await worker.shutdown()
         await run
@@ -426,8 +433,15 @@ async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
         shutdown_grace=timedelta(seconds=0.5),
         host_cache={"dir": str(tmp_path / "weights"), "bytes": 1 << 30},
     )
-    te_store = await Store.connect(redis_url)
-    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-p", pool_id="p", store=te_store)
+    # The node pool that owns the host's weight server publishes its cache, once for its TEs
+    # (none of its own here: the TE below runs in the test's process).
+    pool = NodePool(
+        settings=settings.with_values(pool_size=0),
+        pool_id="p",
+        store=await Store.connect(redis_url),
+    )
+    pool_run = asyncio.create_task(pool.run())
+    worker = TaskExecutor(settings=settings, bus=bus, te_id="te-p", pool_id="p")
     task = asyncio.create_task(worker.run())
     await asyncio.wait_for(worker.ready.wait(), 5)
     client = TaskExecutorClient(bus, Subjects(cluster), timeout=5)
@@ -442,7 +456,9 @@ async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
         assert held.resident_bytes == held.total_bytes > 0 and worker.model is None
         assert (await client.control("te-p", LoadModel(model="demo", path=str(demo_model_dir)))).ok
         while worker.state != TEState.READY:
-            assert time.monotonic() < deadline and worker.state == TEState.LOADING, worker._error
+            assert time.monotonic() < deadline and worker.state == TEState.LOADING, (
+                worker.control.error
+            )
             await asyncio.sleep(0.05)
         steps = worker._heartbeat().load_steps
         assert "te_load_map" in steps and "te_load_build" not in steps
@@ -457,6 +473,10 @@ async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
         stats = [json.loads(v) for v in tensors.values()]
         assert json.loads(models["demo"])["resident_bytes"] == sum(t["size"] for t in stats)
         assert all(t["uses"] >= 1 for t in stats)
+        pool_entry = await reader.hash_items(keys.host_cache("p", "pool"))
+        assert pool_entry["server"].decode() == pool.weight_server_address != ""
     finally:
         await worker.shutdown()
         await task
+        await pool.shutdown()
+        await pool_run

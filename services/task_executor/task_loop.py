@@ -1,0 +1,394 @@
+"""A TE's tasks: take them (checked against the model and engine it serves now), feed them
+to the engine between iterations, run the iterations, and stream each iteration's tokens
+straight to the frontend while the next one runs; tell the job executor that placed a task
+when it prefilled and when it ended (``TaskProgress``); cancel a task, or every task of a
+frontend that is gone; end what is left with a retryable error when the TE drains."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from services.task_executor.engine_thread import EngineThread
+from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
+from services.task_executor.engines.process import EngineProcessDied
+from services.task_executor.kv_publisher import KvEventPublisher
+from services.task_executor.model_control import ModelControl
+from shared.bus import Bus
+from shared.errors import (
+    BadRequest,
+    InstanceLost,
+    Internal,
+    MeshserveError,
+    PeerUnreachable,
+    Refused,
+)
+from shared.logging import get_logger
+from shared.messages.cluster import JobShare, MemberDown, TEState
+from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskProgress, TokenChunk
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """One placement of a task: its tokens go to reply_to. ``key`` is the attempt's (the
+    frontend's placement); the engine knows it by engine_id, unique per placement on this TE,
+    so tokens a cancelled copy still produces never reach a later copy of the same task."""
+
+    request_id: str
+    attempt: int
+    key: str
+    engine_id: str
+    reply_to: str
+    prompt_tokens: int
+    prefill_tokens: int  # of those, the ones not expected in the prefix cache (queued work)
+    je_id: str = ""  # the job executor that placed it (told when it prefilled and ended)
+    placement: int = 0  # this TE's number for the placement (TaskAccepted.seq)
+    seq: int = 0
+    generated: int = 0
+    accepted_at: float = 0.0  # time.monotonic()
+
+
+class TaskLoop:
+    def __init__(
+        self,
+        *,
+        te_id: str,
+        bus: Bus,
+        subjects: Subjects,
+        control: ModelControl,
+        thread: EngineThread,
+        kv: KvEventPublisher,
+        step_lock: asyncio.Lock,
+    ) -> None:
+        self._te_id = te_id
+        self._bus = bus
+        self._subjects = subjects
+        self._control = control
+        self._thread = thread
+        self._kv = kv
+        self._step_lock = step_lock  # held while an iteration runs; an unload waits for it
+        self._streams: dict[str, _Stream] = {}  # by attempt key
+        self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
+        self.placements = 0
+        self.generated_tokens = 0
+        self.last_active = time.time()
+        # Tasks that prefilled or ended since the last notice, by the JE that placed them.
+        self._progress: dict[str, TaskProgress] = {}
+        self._progress_due = asyncio.Event()
+        # Accepted, not yet handed to the engine (between iterations), by attempt key.
+        self._adds: dict[str, EngineRequest] = {}
+        self._aborts: set[str] = set()  # engine ids
+        self._work = asyncio.Event()
+        self._closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- observation -------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Accepted, not yet handed to the engine."""
+        return len(self._adds)
+
+    def shares(self) -> dict[str, JobShare]:
+        """The streams by the JE that placed them (``TEHeartbeat.shares``; "": tasks
+        placed with no JE named)."""
+        counts: dict[str, list[int]] = {}
+        for stream in self._streams.values():
+            c = counts.setdefault(stream.je_id, [0, 0, 0, stream.placement])
+            c[0] += 1
+            if stream.generated:
+                c[1] += 1
+            else:
+                c[2] += stream.prefill_tokens
+            c[3] = min(c[3], stream.placement)
+        return {
+            je: JobShare(sequences=n, decoding=d, prefill_tokens=t, oldest=o)
+            for je, (n, d, t, o) in counts.items()
+        }
+
+    def wake(self) -> None:
+        """Ask the engine for work now (a new engine: none yet lets its background work go,
+        e.g. the torch engine's store of a first load's weights)."""
+        self.last_active = time.time()
+        self._work.set()
+
+    def stop(self) -> None:
+        """End the loop after the step in flight (``run`` returns)."""
+        self._closing = True
+        self._work.set()
+
+    async def drain(self, grace: float) -> None:
+        """Let running tasks finish within grace; hand the rest back for a retry."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        for stream in list(self._streams.values()):
+            self._aborts.add(stream.engine_id)
+            await self._finish(stream, InstanceLost(f"task executor {self._te_id} is stopping"))
+        self._work.set()
+
+    # -- intake --------------------------------------------------------------------------
+
+    async def on_task(self, task: ChatTask) -> TaskAccepted:
+        control, engine = self._control, self._control.engine
+        if control.state != TEState.READY or engine is None or task.model != control.model:
+            raise Refused(f"TE {self._te_id} does not serve {task.model} now ({control.state})")
+        if time.time() > task.deadline:
+            raise Refused("the task's deadline has passed")
+        if task.mode not in engine.capabilities.modes:
+            raise BadRequest(
+                f"the {engine.name} engine of TE {self._te_id} cannot run a {task.mode} task "
+                f"(it runs: {', '.join(sorted(engine.capabilities.modes))})",
+                code="unsupported_task_mode",
+            )
+        n = len(task.prompt_token_ids)
+        if n == 0:
+            raise BadRequest("the prompt is empty", param="messages")
+        if n >= engine.max_model_len:
+            raise BadRequest(
+                f"the prompt has {n} tokens; this model's context is {engine.max_model_len}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if (known := self._streams.get(task.key)) is not None:
+            # The same task again while it is still ours (a placement whose answer was lost
+            # or late, retried): it is running or queued already.
+            return self._accepted(task, known)
+        # A task placed again after a cancel (the JE cancels and retries when the TE answered
+        # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
+        # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
+        self.placements += 1
+        stream = _Stream(
+            request_id=task.request_id,
+            attempt=task.attempt,
+            key=task.key,
+            engine_id=f"{task.key}@{self.placements}",
+            reply_to=task.reply_to,
+            prompt_tokens=n,
+            prefill_tokens=n - min(max(task.matched_tokens, 0), n - 1),
+            je_id=task.je_id,
+            placement=self.placements,
+            accepted_at=time.monotonic(),
+        )
+        self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
+        self._adds[stream.key] = EngineRequest(
+            stream.engine_id, task.prompt_token_ids, task.sampling
+        )
+        self.last_active = time.time()
+        self._idle.clear()
+        self._work.set()
+        log.debug("task accepted", attempt=task.attempt, prompt_tokens=n)
+        return self._accepted(task, stream)
+
+    def _accepted(self, task: ChatTask, stream: _Stream) -> TaskAccepted:
+        return TaskAccepted(
+            request_id=task.request_id,
+            te_id=self._te_id,
+            attempt=task.attempt,
+            seq=stream.placement,
+        )
+
+    async def on_cancel(self, msg: CancelTask) -> None:
+        if (stream := self._close_stream(msg.key)) is not None:
+            log.debug("task cancelled", attempt=msg.attempt, generated=stream.generated)
+            if self._adds.pop(msg.key, None) is None:  # not queued: in the engine
+                self._aborts.add(stream.engine_id)
+            self._work.set()
+
+    async def on_member_down(self, msg: MemberDown) -> None:
+        """A frontend is gone: nobody reads the tokens of its requests any more, so their
+        generations stop here instead of running to max_tokens. (A request whose frontend
+        only lost its bus moves with the tokens it has, wherever it goes next.)"""
+        orphans = [
+            s for s in self._streams.values() if Subjects.owner_of(s.reply_to) == msg.member_id
+        ]
+        for s in orphans:
+            await self.on_cancel(CancelTask(request_id=s.request_id, attempt=s.attempt))
+        if orphans:
+            log.info(
+                "generations stopped: their frontend is gone",
+                frontend=msg.member_id,
+                n=len(orphans),
+            )
+
+    def _close_stream(self, key: str) -> _Stream | None:
+        stream = self._streams.pop(key, None)
+        if stream is not None:
+            del self._engine_streams[stream.engine_id]
+            self._progress_of(stream).ended.append(stream.key)
+        return stream
+
+    def _progress_of(self, stream: _Stream) -> TaskProgress:
+        """The notice its JE gets next (``run_progress``)."""
+        note = self._progress.get(stream.je_id)
+        if note is None:
+            note = self._progress[stream.je_id] = TaskProgress(te_id=self._te_id)
+        self._progress_due.set()
+        return note
+
+    async def run_progress(self) -> None:
+        """Notices leave as soon as the loop is free, one per JE for all that happened
+        meanwhile (an iteration's tokens, a cancel)."""
+        while True:
+            await self._progress_due.wait()
+            self._progress_due.clear()
+            notes, self._progress = self._progress, {}
+            for je_id, note in notes.items():
+                if not je_id:  # placed by a JE that does not count (none in service)
+                    continue
+                try:
+                    await self._bus.publish(self._subjects.task_progress(je_id), note)
+                except PeerUnreachable as e:  # its heartbeat share corrects the count
+                    log.warning("task progress publish failed", je=je_id, error=str(e))
+
+    # -- the engine loop -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self._closing:
+            await self._work.wait()
+            self._work.clear()
+            # An iteration's tokens are published while the next iteration runs on the
+            # engine thread (in order: each publish waits for the previous one).
+            emitting: asyncio.Task[None] | None = None
+            while not self._closing and (engine := self._control.engine) is not None:
+                try:
+                    # The whole iteration holds the lock: an unload waits for it to end
+                    # rather than closing the engine under a running step.
+                    async with self._step_lock:
+                        if self._control.engine is not engine:
+                            break
+                        await self._apply_queued(engine)
+                        if not engine.has_work():
+                            break
+                        outputs = await self._thread.run(engine.step)
+                        self._kv.collect(self._control.features.kv_events)
+                    previous, emitting = emitting, None
+                    if previous is not None:
+                        await previous
+                    emitting = asyncio.create_task(self._emit(outputs))
+                except Exception as e:
+                    streams = list(self._streams.values())
+                    log.exception(
+                        "engine iteration failed", request_ids=[s.request_id for s in streams]
+                    )
+                    await _settle(emitting)  # the last good tokens go out first
+                    emitting = None
+                    failure = engine_failure(e, self._te_id)
+                    for stream in streams:
+                        with contextlib.suppress(Exception):
+                            engine.abort(stream.engine_id)
+                        await self._finish(stream, failure)
+                    if isinstance(e, EngineProcessDied):
+                        await self._control.lose(engine, e)
+                    break
+            await _settle(emitting)
+            if not self._streams:
+                self._idle.set()
+
+    async def _apply_queued(self, engine: Engine) -> None:
+        for engine_id in self._aborts:
+            engine.abort(engine_id)
+        self._aborts.clear()
+        adds, self._adds = self._adds, {}
+        for req in adds.values():
+            stream = self._engine_streams.get(req.request_id)
+            if stream is None:
+                continue  # cancelled before it started
+            try:
+                engine.add_request(req)
+            except ValueError as e:  # a prompt this engine can never serve
+                await self._finish(stream, BadRequest(str(e), param="messages"))
+
+    async def _emit(self, outputs: Sequence[EngineOutput]) -> None:
+        if outputs:
+            self.last_active = time.time()
+        for out in outputs:
+            stream = self._engine_streams.get(out.request_id)
+            if stream is None:
+                continue  # cancelled (the task may run again as another copy: not this one)
+            if not stream.generated and out.new_token_ids:
+                if self._control.ready_at:
+                    # The first task's first token after a load: the end of the scale-up.
+                    first = time.monotonic() - stream.accepted_at
+                    self._control.load_steps.setdefault("te_first_token", first)
+                if not out.finished:
+                    self._progress_of(stream).prefilled.append(stream.key)
+            stream.generated += len(out.new_token_ids)
+            self.generated_tokens += len(out.new_token_ids)
+            chunk = TokenChunk(
+                request_id=stream.request_id,
+                attempt=stream.attempt,
+                seq=stream.seq,
+                token_ids=out.new_token_ids,
+                finish_reason=out.finish_reason if out.finished else None,
+                prompt_tokens=stream.prompt_tokens,
+                completion_tokens=stream.generated,
+                cached_tokens=out.num_cached_tokens,
+                te_id=self._te_id,
+                te_s=0.0 if stream.seq else time.monotonic() - stream.accepted_at,
+            )
+            stream.seq += 1
+            if out.finished:
+                self._close_stream(stream.key)
+                log.debug(
+                    "task finished",
+                    request_id=stream.request_id,
+                    attempt=stream.attempt,
+                    reason=out.finish_reason,
+                    generated=stream.generated,
+                )
+            try:
+                await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
+            except PeerUnreachable as e:
+                log.warning("token publish failed", request_id=stream.request_id, error=str(e))
+
+    async def _finish(self, stream: _Stream, failure: MeshserveError) -> None:
+        """End a stream with an error: a retryable one sends the request elsewhere."""
+        if self._close_stream(stream.key) is None:
+            return
+        log.info(
+            "task ended early",
+            request_id=stream.request_id,
+            attempt=stream.attempt,
+            failure=type(failure).__name__,
+            error=failure.message,
+        )
+        chunk = TokenChunk(
+            request_id=stream.request_id,
+            attempt=stream.attempt,
+            seq=stream.seq,
+            token_ids=[],
+            finish_reason="error",
+            prompt_tokens=stream.prompt_tokens,
+            completion_tokens=stream.generated,
+            error=failure.message,
+            te_id=self._te_id,
+            failure=failure.to_reply(),
+        )
+        with contextlib.suppress(PeerUnreachable):
+            await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
+
+
+def engine_failure(e: Exception, te_id: str) -> MeshserveError:
+    """What a failed engine iteration means for its requests: a dead engine process is the
+    instance lost (they continue on another TE); an error inside the engine is not retried
+    (the same request would likely fail the next engine too)."""
+    if isinstance(e, EngineProcessDied):
+        return InstanceLost(f"the engine process of TE {te_id} died: {e}")
+    return Internal(f"engine failure: {type(e).__name__}: {e}")
+
+
+async def _settle(task: asyncio.Task[None] | None) -> None:
+    """Wait for a publishing task; its failure is logged, not raised (the engine loop goes on)."""
+    if task is None:
+        return
+    try:
+        await task
+    except Exception:
+        log.exception("publishing tokens failed")
