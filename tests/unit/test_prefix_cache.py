@@ -211,7 +211,7 @@ def test_a_shared_block_is_copied_before_it_is_written(model_dir: Path) -> None:
     _step(engine, outs)
     _step(engine, outs)
     blocks_a = list(engine._requests["a"].blocks[:3])
-    kv_a = [(k[blocks_a].clone(), v[blocks_a].clone()) for k, v in engine._kv()]
+    kv_a = [(k[blocks_a].clone(), v[blocks_a].clone()) for k, v in engine.cache.layers()]
 
     # b's whole prompt is cached; its last token is recomputed (for its logits), which writes
     # into the last shared block: b gets a copy.
@@ -220,7 +220,7 @@ def test_a_shared_block_is_copied_before_it_is_written(model_dir: Path) -> None:
     blocks_b = engine._requests["b"].blocks
     assert blocks_b[:2] == blocks_a[:2] and blocks_b[2] != blocks_a[2]
     assert [engine.prefix_cache.ref_count(b) for b in blocks_a] == [2, 2, 1]
-    for (k0, v0), (k, v) in zip(kv_a, engine._kv(), strict=True):
+    for (k0, v0), (k, v) in zip(kv_a, engine.cache.layers(), strict=True):
         assert torch.equal(k[blocks_a], k0) and torch.equal(v[blocks_a], v0)
         # The copy keeps the three tokens before the rewritten one.
         assert torch.equal(k[blocks_b[2], :3], k0[2, :3])

@@ -152,7 +152,7 @@ def test_kv_export_mid_decode_matches_the_synchronous_engine(
         engine.add_request(EngineRequest("other", prompt[:4], greedy(20)))
         for _ in range(6):
             engine.step()
-        assert engine._ahead is not None or not on
+        assert not on or (engine._stepper is not None and engine._stepper.ahead is not None)
         exports.append(engine.export_kv("r"))
         engine.abort("r")
         rest = tokens(drain(engine)["other"])
@@ -202,8 +202,8 @@ def _seeded(model_dir: Path, on: bool) -> TorchEngine:
 
 def test_close_waits_for_a_launch_ahead(model_dir: Path, launcher: str) -> None:
     engine = _engine(model_dir, True)
-    assert engine._launcher is not None
-    launch_ahead = engine._launcher.launch_ahead
+    assert engine._stepper is not None
+    launch_ahead = engine._stepper.launcher.launch_ahead
     launched: list[float] = []
     ended: list[float] = []
 
@@ -217,11 +217,11 @@ def test_close_waits_for_a_launch_ahead(model_dir: Path, launcher: str) -> None:
         launched.append(time.monotonic())
         return launch_ahead(slow)
 
-    engine._launcher.launch_ahead = slow_ahead  # type: ignore[method-assign]
+    engine._stepper.launcher.launch_ahead = slow_ahead  # type: ignore[method-assign]
     engine.add_request(EngineRequest("a", [5, 17, 42], greedy(30)))
     for _ in range(3):
         engine.step()
-    assert engine._ahead is not None and launched
+    assert engine._stepper.ahead is not None and launched
     engine.close()
     closed = time.monotonic()
     # Every iteration launched had ended when close returned (the KV cache it writes is freed).

@@ -276,7 +276,7 @@ def test_files_half_written_by_a_dead_process_are_removed(tmp_path: Path) -> Non
 
 
 def test_a_preload_stores_the_weights_a_later_load_maps(model_dir: Path, tmp_path: Path) -> None:
-    from services.task_executor.engines.torch_engine.engine import preload_weights
+    from services.task_executor.engines.torch_engine.build import preload_weights
 
     cache = HostWeightCache(tmp_path / "cache", 1 << 30)
     report = preload_weights(model_dir, cache, model_name="tiny", device="cpu", dtype="bfloat16")

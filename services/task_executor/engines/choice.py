@@ -15,7 +15,8 @@ fastest at the precision asked for (docs/benchmarks.md):
 - an engine that is not installed is never chosen; the torch engine always is.
 
 Weights are never compressed unless asked: the CPU default is the checkpoint's own precision
-(bf16 where oneDNN has bf16 matrix units, float32 elsewhere: ``engine.resolve_dtype``).
+(bf16 where oneDNN has bf16 matrix units, float32 elsewhere:
+``torch_engine.build.resolve_dtype``).
 """
 
 from __future__ import annotations

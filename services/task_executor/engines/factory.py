@@ -178,7 +178,7 @@ def preload(
     kind = choose_engine(settings, model, model_path)
     if kind != "torch":
         raise CapabilityError(f"the {kind} engine does not load through the host weight cache")
-    from services.task_executor.engines.torch_engine.engine import preload_weights
+    from services.task_executor.engines.torch_engine.build import preload_weights
     from services.task_executor.weight_cache.store import HostWeightCache
 
     cache = HostWeightCache.from_settings(settings)

@@ -4,20 +4,19 @@ Beyond the protocol it caches prefixes (``prefix_cache``: blocks shared by conte
 pins, KV events for a router) and moves a request's KV between instances (``export_kv`` /
 ``import_kv``, the base of PD disaggregation).
 
-With ``async_scheduling`` (the default; on CUDA, and on CPU only with ``overlap_on_cpu``)
-steady decoding is pipelined one iteration deep: before a decode step waits for its tokens, it
-launches the next one, fed by the tokens still on the device (see ``_look_ahead``), so the
-host's bookkeeping and the caller's work between steps run while the device computes. Outputs
-are the synchronous path's.
+Its parts: ``build`` (device, dtype, weights, the KV cache's size), ``sequence`` (a request as
+the engine holds it and as the scheduler sees it), ``scheduler`` (the pure decision of each
+iteration), ``stepper`` (with ``async_scheduling``, on CUDA and on CPU only with
+``overlap_on_cpu``: steady decoding pipelined one iteration deep, outputs the synchronous
+path's) and ``kv_movement`` (export, import, pins, the host tier). Here: the requests, and
+one iteration's three parts (``_schedule`` -> ``_forward`` -> ``_advance``).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +25,6 @@ from pathlib import Path
 import torch
 
 from services.task_executor.engines.base import (
-    EngineCapabilities,
     EngineOutput,
     EngineRequest,
     EngineStats,
@@ -35,188 +33,44 @@ from services.task_executor.engines.base import (
     check_prompt,
 )
 from services.task_executor.engines.capabilities import CapabilityError, TensorSource
-from services.task_executor.engines.torch_engine import linear, sampling
-from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
-from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
+from services.task_executor.engines.torch_engine import sampling
+from services.task_executor.engines.torch_engine.build import (
+    PACED_PREFILL_TOKENS,
+    capabilities,
+    kv_cache_size,
+    make_runner,
+    prefill_tokens,
+    resolve_device,
+    resolve_dtype,
+)
+from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
+from services.task_executor.engines.torch_engine.kv_movement import KvMovement
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
 from services.task_executor.engines.torch_engine.model import (
     ForwardBatch,
-    SeqChunk,
-    Transformer,
     build_batch,
-    to_device,
 )
-from services.task_executor.engines.torch_engine.overlap import (
-    Launch,
-    OverlapStats,
-    make_launcher,
-)
+from services.task_executor.engines.torch_engine.overlap import OverlapStats, make_launcher
 from services.task_executor.engines.torch_engine.prefix_cache import PrefixCache
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
-    SeqView,
-    blocks_for,
     blocks_needed,
     enqueue,
     pacing,
     queue_due,
     schedule,
-    tpot_slack,
 )
+from services.task_executor.engines.torch_engine.sequence import Seq, running_view, waiting_view
+from services.task_executor.engines.torch_engine.stepper import OverlappedStepper, uniforms_for
 from services.task_executor.engines.torch_engine.threads import IntraOpThreads
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from services.task_executor.weight_cache.store import CacheSession, HostWeightCache, Received
 from shared.block_hash import chain_hashes, extend_chain
-from shared.messages.api import SamplingParams
 from shared.messages.kv import KvEvent
 from shared.messages.scaling import InstanceCapacity
-from shared.messages.tasks import TaskMode
-from shared.native import DEFAULT_TOOLCHAIN, Toolchain
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Without an explicit size the cache gets enough for max_num_seqs full-length sequences, capped:
-# on a CPU at a fixed size (host memory is shared with everything else on the node), on a GPU
-# at a share of what is free once the weights are loaded.
-DEFAULT_CPU_KV_BYTES = 1 << 30
-DEFAULT_GPU_KV_FRACTION = 0.4
-
-# Prompt tokens per iteration when none is given (with chunked prefill, also the longest stall
-# a prompt puts on running decodes). On CPU an iteration of 256 prompt tokens takes about 1.4 s
-# for a 0.5B model in fp32; against 2048 (scripts/bench-scheduling, 8 concurrent requests of
-# 512 + 128 tokens) it gave 4x lower median TTFT, 8x lower worst inter-token gap and 11% more
-# aggregate throughput, for 12% less decode speed per request. A GPU prefills far faster.
-DEFAULT_PREFILL_TOKENS = {"cpu": 256, "cuda": 2048}
-# Once paced (pace_prefill, with the instance's measured costs: scheduler.Pacing), the budget
-# follows what decodes: this many prompt tokens an iteration while nothing does, and as many as
-# the decodes' TPOT slack allows while some do. On CPU 2,048 (vLLM's CPU server default too):
-# a 0.5B model prefills 1,900 tokens/s at 2k on a 2-core Sapphire Rapids host, about as fast as
-# at 4k in one iteration, and a short prompt that arrives behind a long one waits for an
-# iteration of 1 s rather than 2 (a replay of the Azure trace at light load: the TTFT p90).
-PACED_PREFILL_TOKENS = {"cpu": 2048, "cuda": 8192}
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    prompt_len: int
-    token_ids: list[int]  # prompt, then the tokens generated so far
-    sampling: SamplingParams
-    generator: torch.Generator
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # leading tokens whose K/V is in the cache
-    num_scheduled: int = 0  # tokens it computes in the iteration under way
-    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full blocks
-    num_committed: int = 0  # leading blocks already offered to the prefix cache's index
-    num_cached_tokens: int | None = None  # served from the cache at the first admission
-    reported_cached: bool = False  # the first output (which carries num_cached_tokens) is out
-    retain_kv: bool = False  # keep the KV after finishing, for export_kv
-    imported_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, hd], until admitted
-    # Sampling draws taken for the next tokens but not yet spent (a launch ahead takes its draw
-    # early; if its token is thrown away, the recomputation reuses it).
-    uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    first_token_at: float | None = None  # monotonic seconds its first output token came out
-    due: float = math.inf  # monotonic seconds its first token is due (its TTFT target)
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def samples(self) -> bool:
-        """Whether the iteration under way produces its next token (it does unless it computes
-        a chunk of a prompt that goes on)."""
-        return self.num_computed + self.num_scheduled == len(self.token_ids)
-
-    def chunk(self) -> SeqChunk:
-        """What it computes in the iteration under way."""
-        end = self.num_computed + self.num_scheduled
-        return SeqChunk(self.token_ids[self.num_computed : end], self.num_computed, self.blocks)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Ahead:
-    """An iteration launched before the previous one's tokens reached the host."""
-
-    launch: Launch
-    size: int  # rows
-    # request -> (row, position it computes, block that position is written to)
-    rows: dict[_Request, tuple[int, int, int]]
-
-    def reusable(self, scheduled: Sequence[_Request], block_size: int) -> dict[_Request, int]:
-        """The rows that computed what ``scheduled`` needs now: the same request at the same
-        position in the same block."""
-        found = {}
-        for r in scheduled:
-            rec = self.rows.get(r)
-            if rec is None:
-                continue
-            row, pos, block = rec
-            if (
-                r.num_computed == pos
-                and len(r.token_ids) == pos + 1
-                and r.blocks[pos // block_size] == block
-            ):
-                found[r] = row
-        return found
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
-def resolve_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, not {dtype!r}")
-        return DTYPES[dtype]
-    if device.type == "cpu":
-        # A bf16 checkpoint stays bf16 where oneDNN multiplies bf16 (AMX, AVX-512 BF16): half
-        # the bytes a decode step streams. CPUs without (AVX2) run bf16 6-10x slower than
-        # float32, and an fp16 checkpoint is not widened to bf16's range silently.
-        if config.torch_dtype == "bfloat16" and linear.can_pack(torch.bfloat16, device):
-            return torch.bfloat16
-        return torch.float32
-    return DTYPES.get(config.torch_dtype or "", torch.bfloat16)
-
-
-def preload_weights(
-    model_dir: Path | str,
-    weight_cache: HostWeightCache,
-    *,
-    model_name: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    weights_from: str | None = None,
-    report: LoadReport | None = None,
-) -> LoadReport:
-    """The model's weights made as a TorchEngine with these arguments makes them, into
-    ``weight_cache`` (from ``weights_from``'s cache where given, else the checkpoint), and
-    nothing else: no engine, no KV cache. A later load on the host maps them. Returns once
-    they are stored. (On CUDA they are made on the device as a load makes them, then
-    dropped: only the host copies stay.)"""
-    torch_device = resolve_device(device)
-    config = load_model_config(model_dir)
-    report = report if report is not None else LoadReport()
-    name = model_name or Path(model_dir).name
-    session = weight_cache.session(name, Path(model_dir), report, weights_from)
-    load_weights(
-        CheckpointTensors(Path(model_dir)),
-        config,
-        dtype=resolve_dtype(dtype, config, torch_device),
-        device=torch_device,
-        derived=session,
-    )
-    session.finish()
-    session.wait()
-    return report
+from shared.native import Toolchain
 
 
 class TorchEngine:
@@ -289,28 +143,17 @@ class TorchEngine:
         if torch_device.type == "cpu":
             keep_large_allocations()  # host_malloc.py: no page faults on every prefill
         paceable = max_prefill_tokens is None and chunked_prefill
-        if max_prefill_tokens is None:
-            max_prefill_tokens = DEFAULT_PREFILL_TOKENS.get(torch_device.type, 2048)
-        if max_prefill_tokens < 1:
-            raise ValueError("max_prefill_tokens must be at least 1")
+        max_prefill_tokens = prefill_tokens(max_prefill_tokens, torch_device)
         self.device = str(torch_device)
-        self.config = load_model_config(model_dir)
+        self.torch_device = torch_device
+        self.config = cfg = load_model_config(model_dir)
         self.model_fingerprint = model_fingerprint(model_dir)
-        cached = enable_prefix_caching
-        self.capabilities = EngineCapabilities(
-            modes=frozenset({TaskMode.COLOCATED}),
-            prefix_cache=cached,
-            kv_events=cached,
-            kv_export=True,
-            kv_import=True,
-            prefix_pinning=cached,
-            host_kv_tier=cached and num_host_kv_blocks > 0,
-            weight_source=True,
+        self.capabilities = capabilities(
+            prefix_caching=enable_prefix_caching,
+            host_kv_tier=num_host_kv_blocks > 0,
             prefill_pacing=paceable,
         )
-        self.dtype = resolve_dtype(dtype, self.config, torch_device)
-        if tensors is None:
-            tensors = CheckpointTensors(Path(model_dir))
+        self.dtype = resolve_dtype(dtype, cfg, torch_device)
         report = load_report if load_report is not None else LoadReport()
         t_weights = time.monotonic()
         self._weights_stored: CacheSession | None = None  # swapped in once stored
@@ -320,8 +163,8 @@ class TorchEngine:
                 name, Path(model_dir), report, weights_from, received
             )
         self.weights = load_weights(
-            tensors,
-            self.config,
+            tensors or CheckpointTensors(Path(model_dir)),
+            cfg,
             dtype=self.dtype,
             device=torch_device,
             derived=self._weights_stored,
@@ -329,38 +172,16 @@ class TorchEngine:
         t_init = time.monotonic()
         report.add_phase("weights", t_init - t_weights)
 
-        cfg = self.config
-        wanted_len = max_model_len or cfg.max_position_embeddings
-        if wanted_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {wanted_len} exceeds the model's {cfg.max_position_embeddings}"
-            )
-        block_bytes = PagedKVCache.bytes_per_block(
-            num_layers=cfg.num_layers,
-            block_size=block_size,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+        num_kv_blocks, self.max_model_len = kv_cache_size(
+            cfg,
+            device=torch_device,
             dtype=self.dtype,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_bytes=kv_cache_bytes,
         )
-        if num_kv_blocks is None:
-            if kv_cache_bytes is None:
-                wanted = max_num_seqs * blocks_for(wanted_len, block_size) * block_bytes
-                if torch_device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(torch_device)
-                    kv_cache_bytes = min(wanted, int(free * DEFAULT_GPU_KV_FRACTION))
-                else:
-                    kv_cache_bytes = min(wanted, DEFAULT_CPU_KV_BYTES)
-            num_kv_blocks = kv_cache_bytes // block_bytes
-        if num_kv_blocks < 1:
-            raise ValueError("the KV cache budget does not hold a single block")
-        capacity = num_kv_blocks * block_size
-        if max_model_len is not None and max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len {max_model_len} does not fit a KV cache of {capacity} tokens"
-            )
-        # Never admit a sequence that could outgrow the whole cache: it could not even run alone.
-        self.max_model_len = min(wanted_len, capacity)
-
         self.cache = PagedKVCache(
             num_layers=cfg.num_layers,
             num_blocks=num_kv_blocks,
@@ -373,25 +194,18 @@ class TorchEngine:
         self.prefix_cache = PrefixCache(
             self.cache, enabled=enable_prefix_caching, num_host_blocks=num_host_kv_blocks
         )
-        self.runner = Transformer(
+        self.runner = make_runner(
             cfg,
             self.weights,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=torch_device,
             cpu_kernels=cpu_kernels,
-            toolchain=kernel_toolchain or DEFAULT_TOOLCHAIN,
+            toolchain=kernel_toolchain,
+            cuda_graphs=cuda_graphs,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
         )
-        if cuda_graphs and torch_device.type == "cuda":
-            self.runner.graphs = DecodeGraphs(
-                self.runner.forward_eager,
-                ForwardBatch,
-                max_batch=max_num_seqs,
-                max_blocks=blocks_for(self.max_model_len, block_size),
-                block_size=block_size,
-                device=torch_device,
-            )
-        self._torch_device = torch_device
         # On a CPU: one intra-op thread for iterations too short to split (threads.py).
         self._threads = (
             IntraOpThreads(torch.get_num_threads()) if torch_device.type == "cpu" else None
@@ -413,19 +227,17 @@ class TorchEngine:
             # a preemption on their first decode steps.
             watermark_blocks=max(1, num_kv_blocks // 100),
         )
-        self._running: list[_Request] = []  # admission order: the last one is preempted first
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._requests: dict[str, _Request] = {}
-        self._retained: dict[str, _Request] = {}  # finished with retain_kv, awaiting export
+        self._running: list[Seq] = []  # admission order: the last one is preempted first
+        self._waiting: collections.deque[Seq] = collections.deque()
+        self._requests: dict[str, Seq] = {}
+        self._retained: dict[str, Seq] = {}  # finished with retain_kv, awaiting export
         self._cache_queries = 0
         self._cache_hits = 0
         self._final_events: list[KvEvent] = []
         self._closed = False
-        self._launcher = (
-            make_launcher(torch_device, on_cpu=overlap_on_cpu) if async_scheduling else None
-        )
-        self._ahead: _Ahead | None = None
-        self.overlap = OverlapStats()
+        launcher = make_launcher(torch_device, on_cpu=overlap_on_cpu) if async_scheduling else None
+        self._stepper = OverlappedStepper(self, launcher) if launcher is not None else None
+        self._kv_moves = KvMovement(self)
         # Set once asked for work with none waiting or running (``has_work``), until the next
         # request: the weights this load built are stored into the host cache only then
         # (``CacheSession.finish``), after the capacity probes and between requests.
@@ -433,7 +245,7 @@ class TorchEngine:
         if self._weights_stored is not None:
             # Swapped in between steps where the engine's weights are the host's own: on CPU,
             # with forwards on the calling thread (``step``).
-            swap = torch_device.type == "cpu" and self._launcher is None
+            swap = torch_device.type == "cpu" and self._stepper is None
             self._weights_stored.finish(swap=swap, idle=self._idle)
             if not swap:
                 self._weights_stored = None
@@ -472,7 +284,7 @@ class TorchEngine:
         return False
 
     def step(self) -> Sequence[EngineOutput]:
-        outputs = self._step_overlapped() if self._launcher is not None else self._step_inline()
+        outputs = self._stepper.step() if self._stepper is not None else self._step_inline()
         self.has_work()  # idle now, if this step finished the last request
         return outputs
 
@@ -535,9 +347,8 @@ class TorchEngine:
     def close(self) -> None:
         if self._closed:
             return
-        self._quiesce()
-        if self._launcher is not None:
-            self._launcher.close()
+        if self._stepper is not None:
+            self._stepper.close()
         self._closed = True
         self._running.clear()
         self._waiting.clear()
@@ -547,7 +358,7 @@ class TorchEngine:
         self.prefix_cache.clear()
         self._final_events = self.prefix_cache.drain_events()
         del self.runner, self.cache, self.weights, self.prefix_cache
-        if self._torch_device.type == "cuda":
+        if self.torch_device.type == "cuda":
             torch.cuda.empty_cache()
 
     # --- prefix cache (engine-specific) ---------------------------------------------------
@@ -569,70 +380,29 @@ class TorchEngine:
         """Keep the cached prefix of ``token_ids`` in device memory under ``cache_id`` (for
         context caching); returns the tokens it covers. Run the prefix first (max_tokens=1):
         only what is cached now is pinned. Requests whose prompt starts with it then reuse it."""
-        self._check_open()
-        self._quiesce()
-        return self.prefix_cache.pin(cache_id, token_ids)
+        return self._kv_moves.pin(cache_id, token_ids)
 
     def unpin_prefix(self, cache_id: str) -> bool:
-        self._check_open()
-        return self.prefix_cache.unpin(cache_id)
+        return self._kv_moves.unpin(cache_id)
 
     def pinned_prefix(self, cache_id: str) -> tuple[list[int], int] | None:
         """(the token ids pinned under ``cache_id``, how many of them are cached), or None."""
-        self._check_open()
-        match = self.prefix_cache.match_cache_id(cache_id)
-        if match is None:
-            return None
-        self.prefix_cache.free(match.blocks)
-        return list(match.token_ids), match.num_tokens
+        return self._kv_moves.pinned(cache_id)
 
     def offload_kv(self, block_hashes: Sequence[int]) -> int:
         """Copy cached blocks to the host tier; returns how many were copied."""
-        self._check_open()
-        self._quiesce()
-        return self.prefix_cache.offload(block_hashes)
+        return self._kv_moves.offload(block_hashes)
 
     def populate_kv(self, block_hashes: Sequence[int]) -> int:
         """Copy host-tier blocks back to the device; returns how many were copied."""
-        self._check_open()
-        self._quiesce()
-        return self.prefix_cache.populate(block_hashes)
+        return self._kv_moves.populate(block_hashes)
 
-    # --- KV export / import (engine-specific) ----------------------------------------------
+    # --- KV export / import (engine-specific: kv_movement.py) -----------------------------
 
     def export_kv(self, request_id: str, *, release: bool = False) -> KvExport:
         """The KV a request has computed so far: a running request, or a finished one added
         with ``retain_kv``; ``release`` drops a retained one's KV afterwards."""
-        self._check_open()
-        self._quiesce()
-        req = self._requests.get(request_id) or self._retained.get(request_id)
-        if req is None:
-            raise KeyError(f"no request {request_id!r} holds KV here")
-        if req.num_computed == 0:
-            raise ValueError(f"request {request_id!r} has no KV yet (waiting or preempted)")
-        n, bs, cfg = req.num_computed, self._sched.block_size, self.config
-        idx = torch.tensor(req.blocks[: blocks_for(n, bs)], device=self._torch_device)
-        kv = torch.stack(
-            [torch.stack((k.index_select(0, idx), v.index_select(0, idx))) for k, v in self._kv()]
-        ).cpu()
-        # The last block's slots past n hold stale data from earlier owners; zero keeps the
-        # bytes deterministic.
-        kv.view(cfg.num_layers, 2, -1, cfg.num_kv_heads, cfg.head_dim)[:, :, n:] = 0
-        export = KvExport(
-            token_ids=list(req.token_ids),
-            num_prompt_tokens=req.prompt_len,
-            num_computed_tokens=n,
-            block_size=bs,
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
-            model_fingerprint=self.model_fingerprint,
-            kv=kv,
-        )
-        if release and request_id in self._retained:
-            self._release(self._retained.pop(request_id))
-        return export
+        return self._kv_moves.export(request_id, release=release)
 
     def import_kv(self, export: KvExport, request: EngineRequest) -> None:
         """Queue ``request`` to continue where ``export`` (from this model, on any instance)
@@ -640,38 +410,18 @@ class TorchEngine:
         the export's last token, counting the tokens generated before it toward max_tokens.
         The KV may come at another block size or dtype. Raises ValueError for another model or
         a request that does not match the export."""
-        self._check_open()
-        cfg = self.config
-        if export.model_fingerprint != self.model_fingerprint:
-            raise ValueError("the KV export comes from a different model")
-        shape = (export.num_layers, export.num_kv_heads, export.head_dim)
-        if shape != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
-            raise ValueError(f"the KV export's (layers, kv heads, head dim) {shape} do not fit")
-        prompt = list(request.prompt_token_ids)
-        if prompt != export.token_ids[: export.num_prompt_tokens]:
-            raise ValueError("the request's prompt is not the one the KV was computed for")
-        tokens = list(export.token_ids)
-        req = self._new_request(request, tokens, prompt_len=len(prompt))
-        if req.num_output >= request.sampling.max_tokens:
-            raise ValueError("the exported request has already produced max_tokens tokens")
-        if request.sampling.temperature != 0:
-            # One draw per sampled token (sampling.py): skip those the exporter made, so a
-            # seeded request continues as if it had never moved.
-            for _ in range(req.num_output):
-                torch.rand(1, generator=req.generator)
-        req.imported_kv = export.token_kv().to(self.dtype)
-        self._enqueue(req)
+        self._enqueue(self._kv_moves.import_(export, request))
 
     # --- one iteration, in three parts ----------------------------------------------------
     # step() = _schedule -> _forward -> _advance. Tests call the parts to read the logits of a
     # real iteration.
 
-    def _schedule(self) -> list[_Request]:
+    def _schedule(self) -> list[Seq]:
         """Apply the scheduling decision (preempt, admit, grow block tables); return the
         requests that run in this iteration."""
         self._check_open()
         pc = self.prefix_cache
-        running = [self._running_view(r) for r in self._running]
+        running = [running_view(r, self._sched.pacing) for r in self._running]
         if sum(blocks_needed(v, self._sched.block_size) for v in running) > pc.num_free:
             # Preemption is coming: what a victim gives back excludes blocks others share.
             running = [
@@ -680,7 +430,8 @@ class TorchEngine:
             ]
         # Only the requests that could join are looked up: a long queue costs nothing.
         room = max(0, self._sched.max_num_seqs - len(self._running))
-        waiting = [self._waiting_view(r) for r in itertools.islice(self._waiting, room)]
+        bs = self._sched.block_size
+        waiting = [waiting_view(r, pc, bs) for r in itertools.islice(self._waiting, room)]
         decision = schedule(running, waiting, pc.num_free, self._sched)
         for rid in decision.preempt:  # newest first, so the oldest ends at the queue's front
             req = self._requests[rid]
@@ -704,26 +455,26 @@ class TorchEngine:
                 scheduled.append(req)
         return scheduled
 
-    def _forward(self, scheduled: Sequence[_Request]) -> torch.Tensor:
+    def _forward(self, scheduled: Sequence[Seq]) -> torch.Tensor:
         """Float32 logits ``[n, vocab]`` for the next token of each of the ``n`` scheduled
-        requests that produce one (``_Request.samples``), in order."""
+        requests that produce one (``Seq.samples``), in order."""
         return self.runner.forward(self._batch(scheduled), self.cache)
 
-    def _batch(self, scheduled: Sequence[_Request]) -> ForwardBatch:
+    def _batch(self, scheduled: Sequence[Seq]) -> ForwardBatch:
         return build_batch(
             [r.chunk() for r in scheduled],
             block_size=self._sched.block_size,
-            device=self._torch_device,
+            device=self.torch_device,
             sampled=[r.samples for r in scheduled],
         )
 
-    def _advance(self, scheduled: Sequence[_Request], logits: torch.Tensor) -> list[EngineOutput]:
+    def _advance(self, scheduled: Sequence[Seq], logits: torch.Tensor) -> list[EngineOutput]:
         sampled = [r for r in scheduled if r.samples]
         params = [r.sampling for r in sampled]
-        tokens = sampling.sample_tokens(logits, params, self._uniforms(sampled, 0)).tolist()
+        tokens = sampling.sample_tokens(logits, params, uniforms_for(sampled, 0)).tolist()
         return self._apply(scheduled, tokens)
 
-    def _apply(self, scheduled: Sequence[_Request], tokens: Sequence[int]) -> list[EngineOutput]:
+    def _apply(self, scheduled: Sequence[Seq], tokens: Sequence[int]) -> list[EngineOutput]:
         """Append the new token of each request that produced one (``tokens``, in order);
         advance the others past their prompt chunk; finish, free and report."""
         outputs = []
@@ -782,169 +533,22 @@ class TorchEngine:
             raise AssertionError("more tokens than requests that produce one")
         return outputs
 
-    # --- overlapped iterations (async_scheduling) -----------------------------------------
-    # Steady decoding knows the next iteration before this one's tokens are on the host: the
-    # same requests, one position further. So a decode step launches the next iteration right
-    # behind its own, fed by the tokens still on the device, and only then waits for its own
-    # tokens and does the bookkeeping; the next step() finds its forward already launched (or,
-    # with the forward thread on CPU, already computed while the caller handled the outputs).
-    #
-    # The launched-ahead iteration is used only for what the synchronous path would run: at
-    # the next step, _schedule() decides as always (adds, aborts, preemption, admissions),
-    # and each scheduled request whose position the ahead iteration computed takes its row;
-    # the rest run in a fresh launch. Rows of requests that finished (EOS, found one step
-    # late) or were aborted are thrown away. Seeded sampling stays exact because a request's
-    # draws are taken in token order and kept until the token is used (_Request.uniforms).
-    #
-    # Requests producing their first token never launch ahead (it would delay their TTFT on
-    # CUDA: the host launches the next forward before it reads this one's tokens), nor do
-    # iterations after which requests would be admitted or preempted (the ahead iteration
-    # would be thrown away).
-
-    @torch.inference_mode()
-    def _step_overlapped(self) -> list[EngineOutput]:
-        self._check_open()
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.launch.settle()  # on CPU, the cache is the host's again
-        scheduled = self._schedule()
-        if not scheduled:
-            if ahead is not None:
-                self.overlap.rows_wasted += ahead.size
-            return []
-        sources: list[tuple[Launch, int]] = []  # launches holding this iteration's tokens
-        where: dict[_Request, tuple[int, int]] = {}  # request -> (source, row)
-        if ahead is not None:
-            reused = ahead.reusable(scheduled, self._sched.block_size)
-            self.overlap.rows_used += len(reused)
-            self.overlap.rows_wasted += ahead.size - len(reused)
-            if reused:
-                sources.append((ahead.launch, ahead.size))
-                where = {r: (0, row) for r, row in reused.items()}
-        fresh = [r for r in scheduled if r not in where]
-        if fresh:
-            sampled = [r for r in fresh if r.samples]
-            where.update((r, (len(sources), row)) for row, r in enumerate(sampled))
-            sources.append((self._launch(fresh), len(sampled)))
-        try:
-            self._ahead = self._look_ahead(scheduled, sources, where)
-            host = [launch.host_tokens() for launch, _ in sources]
-        except BaseException:
-            # Nothing launched may still run when the next step writes the cache.
-            for launch, _ in sources:
-                with contextlib.suppress(Exception):
-                    launch.settle()
-            self._quiesce()
-            raise
-        tokens = [host[src][row] for src, row in (where[r] for r in scheduled if r.samples)]
-        return self._apply(scheduled, tokens)
-
-    def _launch(self, reqs: Sequence[_Request]) -> Launch:
-        """Forward ``reqs`` as scheduled and sample those that produce a token (the
-        synchronous path's iteration)."""
-        assert self._launcher is not None
-        batch = self._batch(reqs)
-        sampled = [r for r in reqs if r.samples]
-        params, uniforms = [r.sampling for r in sampled], self._uniforms(sampled, 0)
-        runner, cache = self.runner, self.cache
-
-        def run() -> torch.Tensor:
-            return sampling.sample_tokens(runner.forward(batch, cache), params, uniforms)
-
-        return self._launcher.launch_now(run)
-
-    def _look_ahead(
-        self,
-        scheduled: Sequence[_Request],
-        sources: Sequence[tuple[Launch, int]],
-        where: dict[_Request, tuple[int, int]],
-    ) -> _Ahead | None:
-        """Launch the iteration after ``scheduled`` (whose tokens are still in ``sources``)
-        when it is predictable; None when it is not."""
-        assert self._launcher is not None
-        max_len, bs = self.max_model_len, self._sched.block_size
-        going_on = []
-        need = 0  # new blocks the next iteration takes
-        for r in scheduled:
-            n = len(r.token_ids)
-            if n - r.num_computed != 1 or n == r.prompt_len:
-                return None  # someone's first token (or a prefill) is in this iteration
-            if n - r.prompt_len + 1 < r.sampling.max_tokens and n + 1 < max_len:
-                going_on.append(r)
-                need += n >= len(r.blocks) * bs
-        if not going_on:
-            return None
-        # The synchronous path's next decision, as far as it is known now (a stop token may
-        # still end a request, and the caller may add or abort some): nothing may join or be
-        # preempted, else the ahead iteration would be thrown away.
-        pc = self.prefix_cache
-        room = self._sched.max_num_seqs - len(going_on)
-        if self._waiting and room > 0:
-            running = [self._running_view(r, ahead=1) for r in going_on]
-            waiting = [self._waiting_view(r) for r in itertools.islice(self._waiting, room)]
-            decision = schedule(running, waiting, pc.num_free, self._sched)
-            if decision.preempt or decision.prefill:
-                return None
-        elif need > pc.num_free:
-            return None  # the scheduler would preempt
-
-        rows = {}
-        chunks = []
-        for row, r in enumerate(going_on):
-            pos = len(r.token_ids)  # where this iteration's token goes
-            if pos >= len(r.blocks) * bs:
-                pc.append(r.blocks, pos + 1)  # what the next _schedule would do, a step early
-            rows[r] = (row, pos, r.blocks[pos // bs])
-            chunks.append(SeqChunk((0,), pos, r.blocks))
-        placeholder = torch.empty(0, dtype=torch.long)
-        meta = build_batch(chunks, block_size=bs, device=self._torch_device, input_ids=placeholder)
-        offsets = list(itertools.accumulate((n for _, n in sources), initial=0))
-        picks = [offsets[src] + row for src, row in map(where.__getitem__, going_on)]
-        pick = None
-        if picks != list(range(offsets[-1])):
-            pick = to_device(picks, torch.long, self._torch_device)
-        launches = [launch for launch, _ in sources]
-        params, uniforms = [r.sampling for r in going_on], self._uniforms(going_on, 1)
-        runner, cache = self.runner, self.cache
-
-        def run() -> torch.Tensor:
-            prev = [launch.device_tokens() for launch in launches]
-            ids = prev[0] if len(prev) == 1 else torch.cat(prev)
-            if pick is not None:
-                ids = ids.index_select(0, pick)
-            logits = runner.forward(dataclasses.replace(meta, input_ids=ids), cache)
-            return sampling.sample_tokens(logits, params, uniforms)
-
-        self.overlap.launched += 1
-        return _Ahead(self._launcher.launch_ahead(run), len(going_on), rows)
-
-    def _uniforms(self, reqs: Sequence[_Request], ahead: int) -> list[torch.Tensor]:
-        """For each request that samples, the draw for its token ``ahead`` tokens after the one
-        it produces next, taken now if it was not taken yet (draws stay in token order)."""
-        out = []
-        for r in reqs:
-            if r.sampling.temperature != 0:
-                while len(r.uniforms) <= ahead:
-                    r.uniforms.append(sampling.draw(r.generator))
-                out.append(r.uniforms[ahead])
-        return out
+    @property
+    def overlap(self) -> OverlapStats:
+        """How the launches ahead went (``async_scheduling``; none without)."""
+        return self._stepper.stats if self._stepper is not None else OverlapStats()
 
     def _quiesce(self) -> None:
         """Wait for a launched-ahead iteration before the host writes KV-cache memory outside
-        step(). One that failed is dropped (its rows are recomputed; a lasting fault shows in
-        the next step)."""
-        if self._ahead is None:
-            return
-        try:
-            self._ahead.launch.settle()
-        except Exception:
-            self._ahead = None
+        step()."""
+        if self._stepper is not None:
+            self._stepper.quiesce()
 
     # --- helpers -------------------------------------------------------------------------
 
     def _new_request(
         self, request: EngineRequest, token_ids: list[int], *, prompt_len: int | None = None
-    ) -> _Request:
+    ) -> Seq:
         self._check_open()
         prompt_len = len(token_ids) if prompt_len is None else prompt_len
         if not prompt_len:
@@ -954,7 +558,7 @@ class TorchEngine:
         if rid in self._requests or rid in self._retained:
             raise ValueError(f"request {rid!r} is already queued")
         sampling.validate(request.sampling)
-        return _Request(
+        return Seq(
             request_id=rid,
             prompt_len=prompt_len,
             token_ids=token_ids,
@@ -962,7 +566,7 @@ class TorchEngine:
             generator=sampling.make_generator(request.sampling.seed),
         )
 
-    def _enqueue(self, req: _Request) -> None:
+    def _enqueue(self, req: Seq) -> None:
         self._idle.clear()  # before anything else: a slice being stored finishes, no more
         if self.prefix_cache.enabled:
             req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size)
@@ -971,79 +575,14 @@ class TorchEngine:
             req.due = time.monotonic() + paced.ttft_limit_s(req.prompt_len)
         enqueue(self._waiting, req, lambda r: queue_due(r.due, started=r.num_output > 0))
 
-    def _reusable_hashes(self, req: _Request) -> list[int]:
-        """Hashes of the blocks a waiting request may take from the cache: all its full blocks,
-        or, imported, those its KV covers (the rest comes from the import)."""
-        if req.imported_kv is not None:
-            return req.block_hashes[: req.imported_kv.shape[2] // self._sched.block_size]
-        return req.block_hashes
-
-    def _running_view(self, req: _Request, ahead: int = 0) -> SeqView:
-        """The scheduler's view of a running request (``ahead``: as it will be after that many
-        more tokens, for a look-ahead)."""
-        pacing, slack = self._sched.pacing, None
-        if pacing is not None and req.first_token_at is not None:
-            since = time.monotonic() - req.first_token_at
-            slack = tpot_slack(pacing.tpot_s, req.num_output + ahead, since)
-        n = len(req.token_ids) + ahead
-        return SeqView(
-            req.request_id,
-            n,
-            len(req.blocks),
-            n - 1 if ahead else req.num_computed,
-            tpot_slack_s=slack,
-            ttft_left_s=self._ttft_left(req),
-        )
-
-    @staticmethod
-    def _ttft_left(req: _Request) -> float:
-        """Seconds until the request's first token is due: -inf for one that has produced
-        tokens (preempted, its prompt recomputed: before any new prompt), inf without a
-        deadline."""
-        if req.first_token_at is not None:
-            return -math.inf
-        return req.due - time.monotonic() if req.due != math.inf else math.inf
-
-    def _waiting_view(self, req: _Request) -> SeqView:
-        found, in_use = self.prefix_cache.probe(self._reusable_hashes(req))
-        n = len(req.token_ids)
-        left = self._ttft_left(req)
-        if req.imported_kv is not None:
-            cached_kv = req.imported_kv.shape[2]
-            return SeqView(req.request_id, n, in_use, num_cached_tokens=cached_kv, ttft_left_s=left)
-        cached = found * self._sched.block_size
-        # A fully cached sequence still computes its last token, into a copy of the last block.
-        copy = int(cached >= n)
-        return SeqView(
-            req.request_id,
-            n,
-            in_use - copy,
-            num_cached_tokens=min(cached, n - 1),
-            ttft_left_s=left,
-        )
-
-    def _admit(self, req: _Request) -> None:
+    def _admit(self, req: Seq) -> None:
         """Give a request joining the batch its cached blocks (and its imported KV)."""
         pc = self.prefix_cache
-        match = pc.match_hashes(self._reusable_hashes(req))
+        match = pc.match_hashes(req.reusable_hashes(self._sched.block_size))
         req.blocks = list(match.blocks)
         req.num_committed = len(match.blocks)
         if req.imported_kv is not None:
-            kv, req.imported_kv = req.imported_kv, None
-            start, n = match.num_tokens, kv.shape[2]
-            pc.append(req.blocks, n)
-            bs = self._sched.block_size
-            slots = torch.tensor(
-                [req.blocks[p // bs] * bs + p % bs for p in range(start, n)],
-                device=self._torch_device,
-            )
-            for layer in range(self.config.num_layers):
-                k = kv[layer, 0, start:].to(self._torch_device)
-                v = kv[layer, 1, start:].to(self._torch_device)
-                self.cache.write(layer, slots, k, v)
-            req.num_computed = n
-            req.num_committed = pc.commit(req.blocks, req.block_hashes, n, req.num_committed)
-            req.num_cached_tokens = 0  # imported, not served by this cache
+            self._kv_moves.admit_imported(req, match)
             return
         req.num_computed = min(match.num_tokens, len(req.token_ids) - 1)
         if req.num_cached_tokens is None:  # first admission; a preempted one is not a query
@@ -1052,13 +591,10 @@ class TorchEngine:
                 self._cache_queries += req.prompt_len
                 self._cache_hits += req.num_computed
 
-    def _num_shared(self, req: _Request) -> int:
+    def _num_shared(self, req: Seq) -> int:
         return sum(self.prefix_cache.ref_count(b) > 1 for b in req.blocks)
 
-    def _kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.cache.k, self.cache.v, strict=True))
-
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Seq) -> None:
         # Preempted requests are recomputed from their tokens (their full blocks usually
         # still sit in the prefix cache), so their own cache state goes.
         self.prefix_cache.free(req.blocks)

@@ -114,6 +114,10 @@ class PagedKVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) blocks."""
+        return list(zip(self.k, self.v, strict=True))
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V ``[num_tokens, num_kv_heads, head_dim]`` at flat ``slots``."""
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)

@@ -117,9 +117,10 @@ def _inference(run: Callable[[], torch.Tensor]) -> torch.Tensor:
         return run()
 
 
-def make_launcher(
-    device: torch.device, *, on_cpu: bool = False
-) -> InlineLauncher | ThreadLauncher | None:
+Launcher = InlineLauncher | ThreadLauncher
+
+
+def make_launcher(device: torch.device, *, on_cpu: bool = False) -> Launcher | None:
     """The launcher for ``device``, or None where iterations run synchronously.
 
     On CPU there is nothing to gain by default: the forward already keeps every core busy (the
