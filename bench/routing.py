@@ -60,7 +60,7 @@ from shared.messages.kv import KvBlocksRemoved, KvBlocksStored, KvEventBatch
 from shared.native import Toolchain
 from shared.settings import Settings
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT / "traces" / "mooncake_conversation.jsonl"
 MODEL = "demo"
 CLUSTER = {  # three TEs of one model, each on one thread (two cores for all three)
     "TORCH_THREADS": "1",

@@ -1,7 +1,7 @@
 """meshserve-loadgen: replay real traces against any OpenAI-compatible endpoint and report
 latency percentiles, throughput, goodput and SLO attainment, with plots.
 
-  meshserve-loadgen replay ../shared/traces/azure_llm_2023_conv.csv \\
+  meshserve-loadgen replay traces/azure_llm_2023_conv.csv \\
       --url http://127.0.0.1:8080/v1 --model demo --tokenizer models/demo \\
       --time-scale 0.1 --max-requests 200 --out runs/azure
   meshserve-loadgen synth --models a:2,b:0.5:3 --duration 120 --turns 3 --out mix.jsonl

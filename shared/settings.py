@@ -11,8 +11,8 @@ name, upper-cased (``frontend.http_port`` is ``MESHSERVE_HTTP_PORT``, ``vllm.pyt
 (``CC``). The same name in lower case without ``MESHSERVE_`` is its flat name
 (``http_port``, ``vllm_python``), accepted by ``Settings(...)``, ``with_values`` and the TOML
 file. ``Settings(...)`` reads nothing from the environment; services get ``Settings.load()``
-from their entry point and pass it down. The README's settings table is generated from here
-(``scripts/gen-docs``).
+from their entry point and pass it down. The settings reference, docs/settings.md, is
+generated from here (``scripts/gen-docs``, ``shared.settings_doc``).
 """
 
 from __future__ import annotations
@@ -768,7 +768,7 @@ def process_environment(
     return env
 
 
-# --- the README's table ---------------------------------------------------------------------
+# --- the settings reference's tables (docs/settings.md) -------------------------------------
 
 
 def _type_name(annotation: Any) -> str:
@@ -800,13 +800,14 @@ def _default(leaf: Leaf) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def settings_table() -> str:
-    """Markdown: every setting, its variable, its place in the TOML file, default, meaning."""
+def settings_table(only: Sequence[Leaf] | None = None) -> str:
+    """Markdown: every setting (or those in ``only``), its variable, its place in the TOML
+    file, default, meaning."""
     rows = [
         "| environment variable | TOML (`[meshserve]`) | type | default | what it does |",
         "|---|---|---|---|---|",
     ]
-    for leaf in _LEAVES:
+    for leaf in _LEAVES if only is None else only:
         desc = (leaf.info.description or "").replace("|", "\\|")
         rows.append(
             f"| `{leaf.env}` | `{leaf.path}` | {_type_name(leaf.info.annotation)} "

@@ -1,6 +1,7 @@
-"""Where the real traces are: ``../shared/traces`` beside the checkout (the documented place),
-``$MESHSERVE_TRACES_DIR``, or the workspace's copy when the checkout lives elsewhere (CI
-clones into a temporary directory)."""
+"""Where the real traces are: the repository's ``traces/`` (they ship with it), else
+``$MESHSERVE_TRACES_DIR``. A checkout without them (a sparse or trimmed copy) still runs the
+replay and simulator tests on the slice kept in tests/data (``azure_slice``); a test that
+needs a whole trace skips on ``not trace_path(...).is_file()``."""
 
 from __future__ import annotations
 
@@ -8,18 +9,16 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
+TRACES = ROOT / "traces"
 
 AZURE_HEAD = ROOT / "tests" / "data" / "azure_llm_2023_conv_head300.csv"
 
 
 def trace_path(name: str) -> Path:
-    """The first place that has ``name``; the documented one when none has it (callers skip
-    on ``not path.is_file()``)."""
-    candidates = [ROOT.parent / "shared" / "traces" / name]
+    """The first place that has ``name``; the repository's ``traces/`` when none has it."""
+    candidates = [TRACES / name]
     if env := os.environ.get("MESHSERVE_TRACES_DIR"):
-        candidates.insert(0, Path(env) / name)
-    candidates.append(Path("/work/shared/traces") / name)
+        candidates.append(Path(env) / name)
     return next((p for p in candidates if p.is_file()), candidates[0])
 
 

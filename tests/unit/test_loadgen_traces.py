@@ -1,5 +1,5 @@
 """Trace readers: every format from a small fixture written here, detection, errors, and
-the two real traces in ../shared/traces."""
+the two real traces the repository ships in traces/."""
 
 from __future__ import annotations
 
@@ -193,8 +193,8 @@ def test_missing_and_binary_files(tmp_path: Path) -> None:
 
 
 def test_real_azure_trace() -> None:
-    """The shared Azure trace, or (outside this workspace) its first 300 requests kept in
-    tests/data: this test always runs."""
+    """The Azure trace in traces/, or (in a checkout without it) its first 300 requests kept
+    in tests/data: this test always runs."""
     path = azure_slice()
     azure = read_trace(path)
     assert (azure[0].input_tokens, azure[0].output_tokens) == (374, 44)
@@ -211,9 +211,9 @@ def test_real_azure_trace() -> None:
 MOONCAKE = trace_path("mooncake_conversation.jsonl")
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason="../shared/traces is not beside the checkout")
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} is missing from this checkout")
 def test_real_mooncake_trace() -> None:
-    """Runs wherever the shared traces are (CI included); no copy is kept in the repo."""
+    """The Mooncake conversation trace the repository ships in traces/."""
     mc = read_trace(MOONCAKE)
     assert len(mc) == 12031 and mc[0].hash_ids[0] == 0 and mc[0].block_size == 512
     # Mooncake's ids cover the prompt: ceil(input / 512) of them.
