@@ -12,11 +12,12 @@ kind of state they see in production:
   says it ended, as the JE does; here the notices arrive at once); a job nobody can take is held
   and placed on the view that shows an instance ready, and fails after the placement
   timeout as a 503 would;
-- scaling: ``services.scaler.policy`` — ``observe_traffic`` (the JE's reports every
+- scaling: ``services.scaler.state`` — ``observe_traffic`` (the JE's reports every
   ``report_s``, at once when a held job has no instance coming), ``observe_outcomes`` (the
-  frontend's SLO counts, from ``services.frontend.outcomes``), ``observe_view`` and
-  ``decide`` (scale out and in per model on load, drain before unload, scale to zero after
-  the keep-alive, placement across pools), with the state the scaler service keeps;
+  frontend's SLO counts, from ``services.frontend.outcomes``), ``observe_view`` — and
+  ``services.scaler.policy.decide`` (scale out and in per model on load, drain before
+  unload, scale to zero after the keep-alive, placement across pools), with the state the
+  scaler service keeps;
 - iterations: the torch engine's ``scheduler.schedule`` (continuous batching, admission by
   KV blocks and prefill budget, preemption by recompute).
 
@@ -84,11 +85,10 @@ from services.job_executor.placement import Request
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
 from services.job_executor.traffic import TrafficLedger
 from services.scaler.config import scaler_config
-from services.scaler.policy import (
-    Load,
+from services.scaler.policy import Load, Unload
+from services.scaler.state import (
     ScalerConfig,
     ScalerState,
-    Unload,
     observe_capacity,
     observe_outcomes,
     observe_traffic,

@@ -1,6 +1,11 @@
 """The frontend: the OpenAI-compatible HTTP API (aiohttp). It validates, tokenizes with
 the model's own chat template, submits the job to a job executor and streams the TE's
-tokens back to the client."""
+tokens back to the client.
+
+``Frontend`` coordinates the parts: the HTTP layer around every handler (``middleware``),
+a request's checks (``validation``, ``rate_limits``), its generation, which survives the
+loss of a JE or a TE (``generation``), its answer, whole or streamed (``answer``, with
+``streaming``), and what it counts for the metrics this frontend serves (``accounting``)."""
 
 from __future__ import annotations
 
@@ -10,32 +15,29 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.frontend import responses as R
+from services.frontend.accounting import on_scale_event
 from services.frontend.admin import AdminAPI
-from services.frontend.auth import PRINCIPAL, Authenticator, Principal, principal_of
+from services.frontend.answer import Answerer
+from services.frontend.auth import Authenticator, Principal, principal_of
 from services.frontend.catalog import ModelCatalog
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
+from services.frontend.middleware import MAX_BODY, auth_middleware, errors_middleware
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 from services.frontend.openapi import document as openapi_document
 from services.frontend.outcomes import Outcomes
 from services.frontend.rate_limits import Lease, Limiter, check_sizes
-from services.frontend.stop import StopMatcher
-from services.frontend.streaming import (
-    STREAM_DELAY,
-    StallGuard,
-    raise_open_files_limit,
-)
+from services.frontend.streaming import StallGuard, raise_open_files_limit
 from services.frontend.validation import (
+    check_text_size,
     parse_chat_request,
     parse_completion_request,
     sampling_params,
@@ -49,17 +51,8 @@ from shared.clients import (
     TaskExecutorClient,
     ViewWatcher,
 )
-from shared.errors import (
-    BadRequest,
-    Internal,
-    MeshserveError,
-    MethodNotAllowed,
-    NotFound,
-    PayloadTooLarge,
-    Unavailable,
-)
+from shared.errors import BadRequest, MeshserveError, NotFound, PayloadTooLarge, Unavailable
 from shared.logging import get_logger
-from shared.messages.api import SamplingParams
 from shared.messages.auth import KeyRevoked
 from shared.messages.cluster import FEHeartbeat, MemberDown
 from shared.messages.scaling import OutcomeReport, ScaleEvent
@@ -71,149 +64,10 @@ from shared.tenancy import TenantStore
 
 log = get_logger(__name__)
 
-MAX_BODY = web.AppKey("max_body_bytes", int)
-ARRIVED = "meshserve.arrived"  # a request's key: when the frontend began on it (monotonic)
 OPENAPI = web.AppKey("openapi_json", bytes)
 
-REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
-TTFT = Histogram(
-    "meshserve_ttft_seconds",
-    "Time to first token",
-    ["model"],
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
-TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
-CLIENT_GONE = Counter("meshserve_client_disconnects", "Clients that hung up before the end")
-SLO_MET = Counter(
-    "meshserve_slo_requests", "Finished requests, by whether they met the SLO", ["model", "met"]
-)
-HELD = Counter(
-    "meshserve_held_requests", "Requests held while their model scaled up or out", ["model"]
-)
-HELD_WAIT = Histogram(
-    "meshserve_held_wait_seconds",
-    "How long a held request waited for an instance",
-    ["model"],
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
-)
-SCALE_EVENTS = Counter(
-    "meshserve_scale_events", "Scale-ups and scale-downs done", ["kind", "model", "ok"]
-)
-SCALE_STEP = Histogram(
-    "meshserve_scale_step_seconds",
-    "Time of each step of a scale event (DeepServe's five for a scale-up)",
-    ["kind", "step"],
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
-)
-ROUTED = Counter(
-    "meshserve_routing_decisions",
-    "Requests placed, by the routing branch that chose the TE and whether the prompt index "
-    "said it held a prefix of the prompt",
-    ["model", "branch", "hit"],
-)
-ROUTED_TOKENS = Counter(
-    "meshserve_routing_prompt_tokens",
-    "Prompt tokens of placed requests: all of them (prompt), the leading ones the prompt index "
-    "matched on the chosen TE (matched) and on the ready TE holding the most (best: what an "
-    "oracle router would reuse), and those the chosen TE's prefix cache actually held (cached)",
-    ["model", "kind"],
-)
-PHASE = Histogram(
-    "meshserve_request_phase_seconds",
-    "Where a request's time to first token goes: in the frontend before the job is submitted "
-    "(parse, auth, validation, tokenization, limits: frontend_in), job submitted to placed "
-    "(placement; of it, the job executor's own time: je), placed to first token at the "
-    "frontend (first_token; of it, the TE's own time from the task accepted to the token "
-    "sent: te), first token to its bytes handed to the client (frontend_out)",
-    ["phase"],
-    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
-)
-SHED = Counter(
-    "meshserve_shed_requests",
-    "Requests refused at admission because every instance was saturated and none was coming",
-)
 OUTCOME_REPORT_S = 1.0
 LISTEN_BACKLOG = 4096
-
-
-def _reason(gen: Generation, stops: StopMatcher, lease: Lease) -> str:
-    """The finish reason the client sees. The OpenAI schema knows only these two for a
-    completed generation; a tenant's token budget running out is a length limit."""
-    if stops.stopped:
-        return "stop"
-    if lease.exhausted or gen.finish_reason == "length":
-        return "length"
-    return "stop"
-
-
-# No tokenizer packs more characters than this into one token; a text longer than the
-# context times this cannot fit, so it is refused before the (costly) tokenization.
-MAX_CHARS_PER_TOKEN = 64
-
-
-def _check_text_size(chars: int, max_context: int, param: str) -> None:
-    if chars > max_context * MAX_CHARS_PER_TOKEN:
-        raise BadRequest(
-            f"This model's maximum context length is {max_context} tokens. However, your "
-            f"{param} hold {chars} characters, more than any {max_context}-token text. Please "
-            f"reduce the length of the {param}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-
-
-def _error_response(err: MeshserveError) -> web.Response:
-    headers = dict(err.headers)
-    if err.status in (429, 503) and err.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(err.retry_after_s)))
-    return web.Response(
-        status=err.status,
-        body=R.json_body(R.error_body(err)),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure leaves as an OpenAI-style JSON body, never as a stack trace."""
-    request[ARRIVED] = time.monotonic()
-    endpoint = (
-        request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
-    )
-    try:
-        resp = await handler(request)
-    except MeshserveError as e:
-        if e.code == "overloaded":
-            SHED.inc()
-        resp = _error_response(e)
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[MAX_BODY]
-        resp = _error_response(PayloadTooLarge(f"The request body exceeds {limit} bytes."))
-    except web.HTTPNotFound:
-        resp = _error_response(NotFound(f"Unknown request URL: {request.method} {request.path}."))
-    except web.HTTPMethodNotAllowed as e:
-        resp = _error_response(
-            MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}.")
-        )
-        resp.headers["Allow"] = ",".join(sorted(e.allowed_methods))
-    except web.RequestPayloadError as e:
-        # request.read() could not decode the body (a Content-Encoding it is not in, broken
-        # chunked framing): the client's fault, raised as a plain exception, not a 400.
-        cause = e.__cause__
-        why = cause.message if isinstance(cause, HttpProcessingError) else "it is malformed"
-        resp = _error_response(BadRequest(f"The request body could not be read: {why}."))
-    except web.HTTPException:
-        raise
-    except Exception:
-        log.exception("unhandled error", path=request.path)
-        resp = _error_response(Internal("The server had an error processing your request."))
-    REQUESTS.labels(endpoint, str(resp.status)).inc()
-    return resp
-
-
-# Paths anyone may call: probes, metrics, the API's description.
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
 class Frontend:
@@ -242,6 +96,7 @@ class Frontend:
         self._scaler = ScalerClient(bus, self._subjects)
         self._outcomes = Outcomes(settings.scaler.slo())
         self._stalls = StallGuard(settings.frontend.stall_timeout.total_seconds())
+        self._answers = Answerer(stalls=self._stalls, life=self._life, outcomes=self._outcomes)
         self.port: int | None = None
         self._started = time.time()
         # Its liveness lets TEs stop the generations of a frontend that died.
@@ -258,7 +113,8 @@ class Frontend:
     def app(self) -> web.Application:
         limit = self._settings.frontend.max_body_bytes
         app = web.Application(
-            middlewares=[errors_middleware, self._auth_middleware], client_max_size=limit
+            middlewares=[errors_middleware, auth_middleware(self._auth)],
+            client_max_size=limit,
         )
         app[MAX_BODY] = limit
         self._admin.routes(app)
@@ -272,18 +128,6 @@ class Frontend:
         app.router.add_get("/openapi.json", self.openapi)
         return app
 
-    @web.middleware
-    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            principal = await self._auth.principal(request)
-            request[PRINCIPAL] = principal
-            if (size := request.content_length) and size > principal.limits.max_body_bytes:
-                raise PayloadTooLarge(
-                    f"The request body exceeds {principal.limits.max_body_bytes} bytes."
-                )
-        resp: web.StreamResponse = await handler(request)
-        return resp
-
     async def run(self) -> None:
         await self._view.start(self._life)
         await self._bus.subscribe(
@@ -292,7 +136,7 @@ class Frontend:
         self._life.spawn(self._limiter.renew_forever(), name="lease renewer")
         self._hb.start(self._life)
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
-        await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: self._on_scale_event})
+        await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: on_scale_event})
         self._life.spawn(self._report_outcomes(), name="outcome reporter")
         self._life.spawn(self._stalls.run(), name="stall guard")
         # Every stream's tokens come through this one subscription: none may be dropped
@@ -384,11 +228,6 @@ class Frontend:
             self._bus_down_timer = None
         self._bus_lost = None
         self._router.interrupt_all(None)
-
-    async def _on_scale_event(self, msg: ScaleEvent) -> None:
-        SCALE_EVENTS.labels(msg.kind, msg.model, str(msg.ok).lower()).inc()
-        for step, seconds in msg.steps.items():
-            SCALE_STEP.labels(msg.kind, step).observe(seconds)
 
     async def _report_outcomes(self) -> None:
         while True:
@@ -482,7 +321,7 @@ class Frontend:
         info = self._model(request, req.model)
         tok = await self._catalog.tokenizer(info)
         messages = req.template_messages()
-        _check_text_size(
+        check_text_size(
             sum(len(m.get("content") or "") for m in messages), info.max_context, "messages"
         )
         try:
@@ -502,7 +341,7 @@ class Frontend:
         tok = await self._catalog.tokenizer(info)
         p = req.prompt_input()
         if isinstance(p, str):
-            _check_text_size(len(p), info.max_context, "prompt")
+            check_text_size(len(p), info.max_context, "prompt")
             prompt = await asyncio.to_thread(tok.encode, p)
         else:
             prompt = p
@@ -553,7 +392,17 @@ class Frontend:
             )
             lease = await self._admit(principal, rid, len(prompt))
             try:
-                return await self._run(request, req, tok, prompt, sampling, rid, lease, chat=chat)
+                gen = Generation(
+                    request_id=rid,
+                    model=req.model,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    settings=self._settings,
+                    router=self._router,
+                    jobs=self._jobs,
+                    tes=self._tes,
+                )
+                return await self._answers.answer(request, req, gen, tok, lease, chat=chat)
             finally:
                 await asyncio.shield(lease.release())
 
@@ -561,212 +410,6 @@ class Frontend:
         if not principal.limited:
             return Lease(None, principal.tenant, rid, principal.limits)
         return await self._limiter.admit(principal.tenant, principal.limits, rid, prompt_tokens)
-
-    async def _run(
-        self,
-        request: web.Request,
-        req: ChatCompletionRequest | CompletionRequest,
-        tok: Any,
-        prompt: list[int],
-        sampling: SamplingParams,
-        rid: str,
-        lease: Lease,
-        *,
-        chat: bool,
-    ) -> web.StreamResponse:
-        gen = Generation(
-            request_id=rid,
-            model=req.model,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            settings=self._settings,
-            router=self._router,
-            jobs=self._jobs,
-            tes=self._tes,
-        )
-        created = int(time.time())
-        t0 = time.monotonic()
-        detok = tok.detokenizer(prompt)
-        stops = StopMatcher(req.stop_strings)
-        pieces = self._texts(gen, detok, stops, lease)
-        try:
-            if req.is_stream:
-                return await self._stream(
-                    request, req, gen, pieces, stops, lease, rid, created, t0, chat=chat
-                )
-            text = "".join([p async for p in pieces])
-            _phases(request[ARRIVED], t0, gen)
-        finally:
-            await pieces.aclose()
-            await gen.cancel()
-            self._account(req.model, gen, len(prompt), t0)
-            log.debug(
-                "request finished",
-                completion_tokens=len(gen.generated),
-                finish_reason=gen.finish_reason,
-                seconds=round(time.monotonic() - t0, 3),
-            )
-        usage = R.usage(len(prompt), len(gen.generated), gen.cached_tokens)
-        build = R.chat_completion if chat else R.completion
-        return web.Response(
-            body=R.json_body(
-                build(rid, req.model, created, text, _reason(gen, stops, lease), usage)
-            ),
-            content_type="application/json",
-            headers=lease.headers,
-        )
-
-    def _account(self, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
-        n = len(gen.generated)
-        ttft = None if gen.first_token_at is None else gen.first_token_at - t0
-        tpot = None
-        if n > 1 and gen.first_token_at is not None and gen.last_token_at is not None:
-            tpot = (gen.last_token_at - gen.first_token_at) / (n - 1)
-        if ttft is not None:
-            TTFT.labels(model).observe(ttft)
-        TOKENS.labels(model).inc(n)
-        if gen.held_s is not None:
-            HELD.labels(model).inc()
-            HELD_WAIT.labels(model).observe(gen.held_s)
-        if (routed := gen.routed) is not None:
-            hit = "yes" if routed.matched_tokens else "no"
-            ROUTED.labels(model, routed.routing or "none", hit).inc()
-            ROUTED_TOKENS.labels(model, "prompt").inc(prompt_tokens)
-            ROUTED_TOKENS.labels(model, "matched").inc(routed.matched_tokens)
-            ROUTED_TOKENS.labels(model, "best").inc(routed.best_matched_tokens)
-            ROUTED_TOKENS.labels(model, "cached").inc(gen.cached_tokens)
-        met = self._outcomes.record(
-            model,
-            ok=gen.finish_reason is not None,
-            prompt_tokens=prompt_tokens,
-            output_tokens=n,
-            ttft_s=ttft,
-            tpot_s=tpot,
-        )
-        SLO_MET.labels(model, str(met).lower()).inc()
-
-    @staticmethod
-    async def _texts(
-        gen: Generation, detok: Any, stops: StopMatcher, lease: Lease
-    ) -> AsyncGenerator[str, None]:
-        """Text deltas of the generation, up to (not including) the first stop string, or
-        until the tenant's token budget runs out."""
-        async for ids in gen.tokens():
-            within = await lease.charge(len(ids))
-            text, hit = stops.push(detok.push(ids))
-            if text:
-                yield text
-            if hit or not within:
-                return
-        text, _ = stops.push(detok.flush())
-        if text:
-            yield text
-        if not stops.stopped and (tail := stops.flush()):
-            yield tail
-
-    async def _stream(
-        self,
-        request: web.Request,
-        req: Any,
-        gen: Generation,
-        pieces: Any,
-        stops: StopMatcher,
-        lease: Lease,
-        rid: str,
-        created: int,
-        started: float,
-        *,
-        chat: bool,
-    ) -> web.StreamResponse:
-        # Place the job before committing to a 200: a job that cannot be placed must get
-        # its 404/503 as a proper status, not as an event inside a stream.
-        first: str | None = None
-        done = False
-        try:
-            first = await anext(pieces)
-        except StopAsyncIteration:
-            done = True
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **lease.headers,
-            }
-        )
-        await resp.prepare(request)
-
-        def chunk(text: str | None, finish: str | None = None) -> bytes:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                return R.sse(
-                    R.chat_chunk(rid, req.model, created, delta=delta, finish_reason=finish)
-                )
-            return R.sse(
-                R.completion_chunk(rid, req.model, created, text=text or "", finish_reason=finish)
-            )
-
-        # A client that reads nothing for stall_timeout is cut (streaming.StallGuard).
-        with self._stalls.open(resp, request, rid) as out:
-            try:
-                if chat:
-                    await out.write(
-                        R.sse(
-                            R.chat_chunk(
-                                rid, req.model, created, delta={"role": "assistant", "content": ""}
-                            )
-                        )
-                    )
-                if first:
-                    await out.write(chunk(first))
-                    _phases(request[ARRIVED], started, gen)
-                if not done:
-                    async for text in pieces:
-                        if gen.arrived_at is not None:
-                            STREAM_DELAY.observe(time.monotonic() - gen.arrived_at)
-                        await out.write(chunk(text))
-                await out.write(chunk(None, _reason(gen, stops, lease)))
-                if req.include_usage:
-                    usage = R.usage(
-                        len(gen.prompt_token_ids), len(gen.generated), gen.cached_tokens
-                    )
-                    await out.write(R.sse(R.usage_chunk(rid, req.model, created, usage, chat=chat)))
-                await out.write(R.SSE_DONE)
-            except MeshserveError as e:
-                with contextlib.suppress(ConnectionError):
-                    await out.write(R.sse(R.error_body(e)))
-                    await out.write(R.SSE_DONE)
-            except ConnectionError:
-                # The client hung up mid-stream: nothing to answer; _generate cancels the task.
-                log.info("client went away", request_id=rid)
-                CLIENT_GONE.inc()
-            except asyncio.CancelledError:
-                if self._life.stopping:
-                    # The frontend stops and its grace is over: the stream ends with an error
-                    # event the client can act on, not with a connection cut mid-event.
-                    gone = Unavailable(
-                        "The server is shutting down; retry the request.", retry_after_s=1
-                    )
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(
-                            resp.write(R.sse(R.error_body(gone)) + R.SSE_DONE), 1.0
-                        )
-                raise
-        return resp
-
-
-def _phases(arrived: float, submitted: float, gen: Generation) -> None:
-    """``PHASE``: a request's first token, handed to the client now, by where it went."""
-    if gen.accepted_at is None or gen.first_token_at is None or gen.held_s is not None:
-        return  # held for capacity: a scale-up, not serving overhead
-    now = time.monotonic()
-    PHASE.labels("frontend_in").observe(submitted - arrived)
-    PHASE.labels("placement").observe(gen.accepted_at - submitted)
-    if gen.routed is not None:
-        PHASE.labels("je").observe(gen.routed.je_s)
-    PHASE.labels("first_token").observe(gen.first_token_at - gen.accepted_at)
-    PHASE.labels("te").observe(gen.te_s)
-    PHASE.labels("frontend_out").observe(now - gen.first_token_at)
 
 
 async def create(settings: Settings, bus: Bus) -> Frontend:

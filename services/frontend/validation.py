@@ -10,11 +10,13 @@ Public API::
     parse_completion_request(body: bytes) -> CompletionRequest
     sampling_params(req, *, prompt_tokens: int, max_context: int,
                     eos_token_ids: Iterable[int]) -> SamplingParams
+    check_text_size(chars: int, max_context: int, param: str) -> None
 
-``sampling_params`` runs after tokenization, because the output budget depends on the
-prompt's length. Stop *strings* are not part of ``SamplingParams``: the frontend applies
-them to the detokenized text with ``services.frontend.stop.StopMatcher`` and cancels the
-task on a hit.
+``check_text_size`` runs before tokenization (a text too long for any tokenizer to fit
+the context is refused without it), ``sampling_params`` after it, because the output
+budget depends on the prompt's length. Stop *strings* are not part of ``SamplingParams``:
+the frontend applies them to the detokenized text with
+``services.frontend.stop.StopMatcher`` and cancels the task on a hit.
 """
 
 from __future__ import annotations
@@ -121,6 +123,22 @@ def sampling_params(
         stop_token_ids=[] if req.ignore_eos else list(eos_token_ids),
         ignore_eos=req.ignore_eos,
     )
+
+
+# No tokenizer packs more characters than this into one token; a text longer than the
+# context times this cannot fit, so it is refused before the (costly) tokenization.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def check_text_size(chars: int, max_context: int, param: str) -> None:
+    if chars > max_context * MAX_CHARS_PER_TOKEN:
+        raise BadRequest(
+            f"This model's maximum context length is {max_context} tokens. However, your "
+            f"{param} hold {chars} characters, more than any {max_context}-token text. Please "
+            f"reduce the length of the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes):

@@ -3,7 +3,7 @@ service and for ``meshserve-loadgen simulate`` (``SimConfig.settings``) alike.""
 
 from __future__ import annotations
 
-from services.scaler.policy import ModelPolicy, ScalerConfig
+from services.scaler.state import ModelPolicy, ScalerConfig
 from shared.settings import Settings
 
 

@@ -1,5 +1,6 @@
 """Pre-loading: which models the scaler puts into a node pool's host weight cache ahead of
-demand, a pure function over the policy's view (``services/scaler/policy.py`` types).
+demand, a pure function over the policy's view (``services/scaler/state.py`` types) that
+places as the policy does (``services/scaler/pools.py``).
 
 A model is predicted to load again while it has had a request within ``preload_window_s``
 (it scaled to zero after its keep-alive, or has fewer instances than pools, and its traffic
@@ -25,14 +26,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from services.scaler.policy import (
-    ScalerConfig,
-    ScalerState,
-    best_pool,
-    fork_source,
-    placement_order,
-    pool_index,
-)
+from services.scaler.pools import best_pool, fork_source, placement_order, pool_index
+from services.scaler.state import ScalerConfig, ScalerState
 from services.views import TEView
 from shared.messages.cluster import TEState
 

@@ -11,11 +11,10 @@ from collections.abc import Sequence
 import msgspec
 
 from services.scaler.config import scaler_config
-from services.scaler.policy import (
-    Load,
+from services.scaler.policy import Load, Unload
+from services.scaler.state import (
     LoadSettled,
     ScalerState,
-    Unload,
     UnloadSettled,
     observe_capacity,
     observe_outcomes,

@@ -8,15 +8,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from services.scaler.policy import (
-    ScaleDecision,
-    ScalerConfig,
-    ScalerState,
-    Settled,
-    decide,
-    observe_view,
-)
+from services.scaler.policy import ScaleDecision, decide
 from services.scaler.preload import Preload, preloads
+from services.scaler.state import ScalerConfig, ScalerState, Settled, observe_view
 from services.views import TEView
 
 

@@ -7,23 +7,16 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from services.scaler.policy import (
-    Load,
+from services.scaler.policy import Load, Unload, decide, load_backoff
+from services.scaler.pools import best_pool, fork_source, load_time, placement_order, pool_index
+from services.scaler.state import (
     ModelPolicy,
     ScalerConfig,
     ScalerState,
-    Unload,
-    best_pool,
-    decide,
-    fork_source,
-    load_backoff,
-    load_time,
     observe_capacity,
     observe_outcomes,
     observe_traffic,
     observe_view,
-    placement_order,
-    pool_index,
 )
 from services.views import TEView
 from shared.messages.cluster import CachedWeights, TEState

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.scaler.policy import ScalerConfig, ScalerState
 from services.scaler.preload import Preload, preloads
+from services.scaler.state import ScalerConfig, ScalerState
 from services.views import TEView
 from shared.messages.cluster import CachedWeights, TEState
 from tests.unit.test_scaler_policy import CFG, T0, cached, fresh, idle, te, with_traffic

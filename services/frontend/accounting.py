@@ -1,0 +1,123 @@
+"""What the frontend counts for the cluster's metrics (it serves them, at ``/metrics``): each
+request as it ends (its first token, its tokens, whether it was held for capacity, how it
+was routed, whether it met the SLO, which also goes to the scaler's ``Outcomes``), where its
+time to first token went, and each scale event the scaler announces."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Histogram
+
+from services.frontend.generation import Generation
+from services.frontend.outcomes import Outcomes
+from shared.messages.scaling import ScaleEvent
+
+TTFT = Histogram(
+    "meshserve_ttft_seconds",
+    "Time to first token",
+    ["model"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
+SLO_MET = Counter(
+    "meshserve_slo_requests", "Finished requests, by whether they met the SLO", ["model", "met"]
+)
+HELD = Counter(
+    "meshserve_held_requests", "Requests held while their model scaled up or out", ["model"]
+)
+HELD_WAIT = Histogram(
+    "meshserve_held_wait_seconds",
+    "How long a held request waited for an instance",
+    ["model"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+ROUTED = Counter(
+    "meshserve_routing_decisions",
+    "Requests placed, by the routing branch that chose the TE and whether the prompt index "
+    "said it held a prefix of the prompt",
+    ["model", "branch", "hit"],
+)
+ROUTED_TOKENS = Counter(
+    "meshserve_routing_prompt_tokens",
+    "Prompt tokens of placed requests: all of them (prompt), the leading ones the prompt index "
+    "matched on the chosen TE (matched) and on the ready TE holding the most (best: what an "
+    "oracle router would reuse), and those the chosen TE's prefix cache actually held (cached)",
+    ["model", "kind"],
+)
+
+
+def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
+    """A request ended (however): its metrics, and its outcome for the scaler. ``t0``: when
+    its job was first submitted (monotonic)."""
+    n = len(gen.generated)
+    ttft = None if gen.first_token_at is None else gen.first_token_at - t0
+    tpot = None
+    if n > 1 and gen.first_token_at is not None and gen.last_token_at is not None:
+        tpot = (gen.last_token_at - gen.first_token_at) / (n - 1)
+    if ttft is not None:
+        TTFT.labels(model).observe(ttft)
+    TOKENS.labels(model).inc(n)
+    if gen.held_s is not None:
+        HELD.labels(model).inc()
+        HELD_WAIT.labels(model).observe(gen.held_s)
+    if (routed := gen.routed) is not None:
+        hit = "yes" if routed.matched_tokens else "no"
+        ROUTED.labels(model, routed.routing or "none", hit).inc()
+        ROUTED_TOKENS.labels(model, "prompt").inc(prompt_tokens)
+        ROUTED_TOKENS.labels(model, "matched").inc(routed.matched_tokens)
+        ROUTED_TOKENS.labels(model, "best").inc(routed.best_matched_tokens)
+        ROUTED_TOKENS.labels(model, "cached").inc(gen.cached_tokens)
+    met = outcomes.record(
+        model,
+        ok=gen.finish_reason is not None,
+        prompt_tokens=prompt_tokens,
+        output_tokens=n,
+        ttft_s=ttft,
+        tpot_s=tpot,
+    )
+    SLO_MET.labels(model, str(met).lower()).inc()
+
+
+PHASE = Histogram(
+    "meshserve_request_phase_seconds",
+    "Where a request's time to first token goes: in the frontend before the job is submitted "
+    "(parse, auth, validation, tokenization, limits: frontend_in), job submitted to placed "
+    "(placement; of it, the job executor's own time: je), placed to first token at the "
+    "frontend (first_token; of it, the TE's own time from the task accepted to the token "
+    "sent: te), first token to its bytes handed to the client (frontend_out)",
+    ["phase"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+)
+
+
+def phases(arrived: float, submitted: float, gen: Generation) -> None:
+    """``PHASE``: a request's first token, handed to the client now, by where it went."""
+    if gen.accepted_at is None or gen.first_token_at is None or gen.held_s is not None:
+        return  # held for capacity: a scale-up, not serving overhead
+    now = time.monotonic()
+    PHASE.labels("frontend_in").observe(submitted - arrived)
+    PHASE.labels("placement").observe(gen.accepted_at - submitted)
+    if gen.routed is not None:
+        PHASE.labels("je").observe(gen.routed.je_s)
+    PHASE.labels("first_token").observe(gen.first_token_at - gen.accepted_at)
+    PHASE.labels("te").observe(gen.te_s)
+    PHASE.labels("frontend_out").observe(now - gen.first_token_at)
+
+
+SCALE_EVENTS = Counter(
+    "meshserve_scale_events", "Scale-ups and scale-downs done", ["kind", "model", "ok"]
+)
+SCALE_STEP = Histogram(
+    "meshserve_scale_step_seconds",
+    "Time of each step of a scale event (DeepServe's five for a scale-up)",
+    ["kind", "step"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+
+
+async def on_scale_event(msg: ScaleEvent) -> None:
+    """A scale event the scaler announced (the frontend serves the cluster's metrics)."""
+    SCALE_EVENTS.labels(msg.kind, msg.model, str(msg.ok).lower()).inc()
+    for step, seconds in msg.steps.items():
+        SCALE_STEP.labels(msg.kind, step).observe(seconds)

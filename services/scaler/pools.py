@@ -1,0 +1,138 @@
+"""Where a new instance of a model goes: node pools ranked for it (spread, then the time to
+load it from the pool's host cache, then warmth, then idleness; ``placement_order``,
+``best_pool``), that load time (``load_time``) and, where the pool's cache lacks the model,
+the weight server to fork it from (``fork_source``). Pure; ``PoolIndex`` is what a placement
+reads off the view, built once per decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from services.scaler.state import ScalerConfig
+from services.views import TEView
+from shared.messages.cluster import TEState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolIndex:
+    """What a placement weighs of each node pool, read off the view in one pass (a decision
+    that places many models builds it once): per (model, pool) the instances serving there,
+    whether the model is warm there (loaded there now or lately) and the bytes of it the
+    pool's host cache holds; each model's size as any host reports it; idle TEs per pool."""
+
+    serving: Mapping[tuple[str, str], int]
+    warm: frozenset[tuple[str, str]]
+    resident: Mapping[tuple[str, str], int]
+    size: Mapping[str, int]
+    idle: Mapping[str, int]
+
+
+def pool_index(tes: Sequence[TEView]) -> PoolIndex:
+    serving: dict[tuple[str, str], int] = {}
+    warm: set[tuple[str, str]] = set()
+    resident: dict[tuple[str, str], int] = {}
+    size: dict[str, int] = {}
+    idle: dict[str, int] = {}
+    for te in tes:
+        pool = te.pool_id
+        if te.model is not None:
+            warm.add((te.model, pool))
+            if te.serving:
+                serving[te.model, pool] = serving.get((te.model, pool), 0) + 1
+        warm.update((m, pool) for m in te.recent_models)
+        if te.state == TEState.IDLE:
+            idle[pool] = idle.get(pool, 0) + 1
+        for m, cached in te.cached_weights.items():
+            size[m] = max(size.get(m, 0), cached.total_bytes)
+            resident[m, pool] = max(resident.get((m, pool), 0), cached.resident_bytes)
+    return PoolIndex(serving, frozenset(warm), resident, size, idle)
+
+
+def load_time(
+    model: str,
+    pool_id: str,
+    tes: Sequence[TEView],
+    cfg: ScalerConfig,
+    index: PoolIndex | None = None,
+) -> float:
+    """Tangram's ``t_load = (S − S_resident) / B`` of ``model`` on ``pool_id``'s host: S
+    the model's bytes as any host's cache reports them, S_resident what this pool's cache
+    holds, B ``cfg.load_bandwidth``; inf where no host has ever cached the model (unknown).
+    ``index``: ``pool_index(tes)``, where the caller has it."""
+    return _load_time(model, pool_id, cfg, index or pool_index(tes))
+
+
+def _load_time(model: str, pool_id: str, cfg: ScalerConfig, idx: PoolIndex) -> float:
+    total = idx.size.get(model, 0)
+    if total == 0:
+        return math.inf
+    return max(total - idx.resident.get((model, pool_id), 0), 0) / cfg.load_bandwidth
+
+
+def _pool_rank(
+    model: str, pool: str, cfg: ScalerConfig, idx: PoolIndex
+) -> tuple[int, float, bool, int]:
+    """How good ``pool`` is for a new instance of ``model``, smallest best: the first four
+    criteria of ``placement_order``."""
+    return (
+        idx.serving.get((model, pool), 0),
+        _load_time(model, pool, cfg, idx),
+        (model, pool) not in idx.warm,
+        -idx.idle.get(pool, 0),
+    )
+
+
+def fork_source(model: str, pool_id: str, tes: Sequence[TEView]) -> str | None:
+    """Where a new instance of ``model`` on ``pool_id`` should fork its weights from: the
+    weight server of another pool whose host cache holds all of them, when this pool's
+    does not (the first such pool by name); None where this pool's cache holds it or no
+    other pool does."""
+    here = [te.cached_weights.get(model) for te in tes if te.pool_id == pool_id]
+    if any(c is not None and c.resident_bytes >= c.total_bytes for c in here):
+        return None
+    sources = sorted(
+        (te.pool_id, te.weight_server)
+        for te in tes
+        if te.pool_id != pool_id
+        and te.weight_server
+        and (c := te.cached_weights.get(model)) is not None
+        and c.resident_bytes >= c.total_bytes > 0
+    )
+    return sources[0][1] if sources else None
+
+
+def placement_order(
+    model: str,
+    idle: Sequence[TEView],
+    tes: Sequence[TEView],
+    cfg: ScalerConfig | None = None,
+    index: PoolIndex | None = None,
+) -> list[TEView]:
+    """Idle TEs in the order a new instance of ``model`` should take them: instances of one
+    model spread across node pools (fewest there first); then the pool that loads it
+    fastest, by ``load_time`` from its host cache's metadata; then a pool where the model
+    was loaded before (its files are in the page cache); then the pool with the most idle
+    TEs (the least loaded); within a pool, a TE that ran the model lately, then by id.
+    ``index``: ``pool_index(tes)``, where the caller has it."""
+    cfg = cfg or ScalerConfig()
+    idx = index or pool_index(tes)
+    rank = {pool: _pool_rank(model, pool, cfg, idx) for pool in {te.pool_id for te in idle}}
+    return sorted(idle, key=lambda te: (rank[te.pool_id], model not in te.recent_models, te.te_id))
+
+
+def best_pool(
+    model: str, idle_by_pool: Mapping[str, Sequence[TEView]], cfg: ScalerConfig, index: PoolIndex
+) -> str:
+    """The pool of ``placement_order(model, idle, ...)[0]`` (``idle_by_pool``: those TEs by
+    pool) without ordering every idle TE: the pools ranked, and only the best-ranked pools'
+    TEs compared (a pre-load weighs every recently used model each tick; at 2,000 TEs and
+    500 models sorting each model's TEs took the whole tick)."""
+    rank = {pool: _pool_rank(model, pool, cfg, index) for pool in idle_by_pool}
+    top = min(rank.values())
+    return min(
+        (te for pool, r in rank.items() if r == top for te in idle_by_pool[pool]),
+        key=lambda te: (model not in te.recent_models, te.te_id),
+    ).pool_id
