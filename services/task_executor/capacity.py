@@ -1,5 +1,5 @@
 """How much one instance of a model sustains on this engine and device, measured on the
-engine itself: the scaler sizes each model's fleet from it (``services/scaler/policy.py``).
+engine itself: the scaler sizes each model's fleet from it (``services/scaler/target.py``).
 
 Measured once per model architecture, engine and kind of host, offline where it can be:
 ``meshserve profile MODEL_DIR`` (``scripts/up`` runs it for the demo model) measures it and
