@@ -57,7 +57,8 @@ STALLED = "meshserve_stalled_streams_total"
 
 def frontend_pid(cluster: LocalCluster) -> int:
     """The frontend process among the cluster's children (``python -m services.frontend``)."""
-    root = cluster._procs[0].pid
+    assert cluster.up is not None
+    root = cluster.up.proc.pid
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue

@@ -507,12 +507,13 @@ def bench_openvino_api(
         engine: Any = None
         saved_ours = neighbours.ours if neighbours else None
         with tempfile.TemporaryDirectory(prefix="bench-ov-api-") as tmp:
-            server, _ = vs.start_meshserve(
+            server = vs.meshserve_cluster(
                 "openvino", model_dir, Path(tmp), log_dir, "bfloat16", env
             )
             try:
-                url = vs.meshserve_url(server, startup_timeout)
-                vs.wait_for_model(server, url, startup_timeout)
+                url = server.start(startup_timeout)
+                assert server.up is not None
+                vs.wait_for_model(server.up, url, startup_timeout)
                 api = _Api(url, vs.MODEL_ID)
                 # Warm-up: the first request loads the model onto the TE; then every shape
                 # once, as the plugin compiles kernels per shape.

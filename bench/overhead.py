@@ -45,16 +45,9 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.cluster import LocalCluster, Server
 from bench.common import RESULTS, Col, Table, ensure_model, models_dir, write_result
-from bench.vs_vllm import (
-    MODEL_ID,
-    Server,
-    meshserve_url,
-    say,
-    start_meshserve,
-    start_vllm,
-    wait_for_model,
-)
+from bench.vs_vllm import MODEL_ID, meshserve_cluster, say, start_vllm, wait_for_model
 from devtools.vllm_cpu import DEFAULT_VENV, ensure_vllm
 from loadgen.stats import percentile
 
@@ -101,7 +94,7 @@ def phase_sums(base: str) -> dict[str, tuple[float, float]]:
 @dataclasses.dataclass
 class Target:
     name: str
-    server: Server
+    server: Server | LocalCluster
     url: str
     key: str = "unused"
     metrics: str | None = None  # meshserve's base URL, for its phase histogram
@@ -200,15 +193,15 @@ def start(name: str, model_dir: Path, args: argparse.Namespace, tmp: Path, logs:
     extra = {"MESHSERVE_AUTH": "on", "MESHSERVE_ADMIN_KEY": ADMIN_KEY} if auth else {}
     sub = tmp / name
     sub.mkdir()
-    server, _ = start_meshserve("torch", model_dir, sub, logs, args.dtype, extra)
-    target = Target(name, server, "")
+    cluster = meshserve_cluster("torch", model_dir, sub, logs, args.dtype, extra, name=name)
+    target = Target(name, cluster, "")
     try:
-        target.url = meshserve_url(server, 300)
+        target.url = cluster.start(300)
         target.metrics = target.url.removesuffix("/v1")
         if auth:
             target.key = create_tenant_key(target.metrics)
     except Exception:
-        server.stop(30)
+        cluster.stop(30)
         raise
     return target
 

@@ -42,15 +42,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import os
-import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,13 +57,14 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.cluster import LocalCluster, Server
 from bench.common import RESULTS, ROOT, Col, Neighbours, Table, models_dir, write_result
 from bench.vs_vllm_trace import DEFAULT_LOADS, compare, parse_loads, print_table, replay_loads
 from devtools.vllm_cpu import ensure_vllm
 from loadgen.client import Record, stream_completion
 from loadgen.prompts import TokenPool, prompt_ids, tokenizer_pool
 from loadgen.stats import percentile
-from shared.embedded import die_with_parent, free_port
+from shared.embedded import free_port
 from shared.settings import process_environment
 
 MODEL_ID = "bench-qwen2-0.5b"
@@ -111,122 +108,7 @@ class Prompts:
         return [self.ids(n_tokens, f"{tag}-{i}") for i in range(n_prompts)]
 
 
-# --------------------------------------------------------------------------- processes
-
-
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, start time) for every process visible in /proc."""
-    table: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), fields[19])
-    return table
-
-
-class Server:
-    """One server process tree. stop() signals the leader, waits, then kills whatever of the
-    tree (as last seen, checked by start time so a reused pid is never hit) is still there."""
-
-    def __init__(
-        self,
-        name: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        log_dir: Path,
-        *,
-        signal_group: bool,
-    ) -> None:
-        self.name = name
-        # True: SIGTERM goes to the whole process group (vLLM's engine core and worker);
-        # False: to the leader only, which stops its children in order (meshserve up).
-        self.signal_group = signal_group
-        self.stdout_path = log_dir / f"{name}.out"
-        self.log_path = log_dir / f"{name}.log"
-        self._out = open(self.stdout_path, "wb")
-        self._log = open(self.log_path, "wb")
-        self.started = time.monotonic()
-        # Own session: a terminal's Ctrl-C reaches only this script, which then stops the
-        # server in order; die_with_parent covers this script being killed outright.
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._out,
-            stderr=self._log,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-            cwd=ROOT,
-        )
-        self._tree: dict[int, str] = {}
-        self.snapshot()
-
-    def pids(self) -> list[int]:
-        """The tree as it is now (and every pid it had, some perhaps gone)."""
-        self.snapshot()
-        return list(self._tree)
-
-    def snapshot(self) -> None:
-        table = _proc_table()
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in table.items():
-            children.setdefault(ppid, []).append(pid)
-        todo = [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            if pid in table:
-                self._tree[pid] = table[pid][1]
-            todo += children.get(pid, [])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, n: int = 30) -> str:
-        lines: list[str] = []
-        for path in (self.stdout_path, self.log_path):
-            with contextlib.suppress(OSError):
-                lines += path.read_text(errors="replace").splitlines()[-n:]
-        return "\n".join(lines[-n:])
-
-    def stop(self, grace: float) -> None:
-        with contextlib.suppress(Exception):
-            self.snapshot()
-        if self.alive():
-            say(f"stopping {self.name}")
-            with contextlib.suppress(ProcessLookupError):
-                if self.signal_group:
-                    os.killpg(self.proc.pid, signal.SIGTERM)
-                else:
-                    self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                say(f"{self.name} did not stop within {grace:.0f}s; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        # Anything of the tree still there after its leader is gone (a worker that missed
-        # the signal) gets a short grace, then SIGKILL.
-        deadline = time.monotonic() + 5
-        while True:
-            table = _proc_table()
-            left = [p for p, st in self._tree.items() if p in table and table[p][1] == st]
-            if not left:
-                break
-            if time.monotonic() > deadline:
-                for pid in left:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                        say(f"killed leftover process {pid} of {self.name}")
-                break
-            time.sleep(0.2)
-        self._out.close()
-        self._log.close()
+# --------------------------------------------------------------------------- servers
 
 
 def _get_json(url: str, timeout: float = 2.0) -> dict | None:
@@ -317,56 +199,43 @@ def start_vllm(
         "--kv-cache-memory-bytes",
         str(VLLM_KV_BYTES),
     ]
-    return Server("vllm", argv, env, log_dir, signal_group=True), f"http://127.0.0.1:{port}/v1"
+    server = Server("vllm", argv, env, log_dir / "vllm.log", signal_group=True, say=say)
+    return server, f"http://127.0.0.1:{port}/v1"
 
 
-def start_meshserve(
+def meshserve_cluster(
     engine: str,
     model_dir: Path,
     tmp: Path,
     log_dir: Path,
     dtype: str,
     env_extra: dict[str, str] | None = None,
-) -> tuple[Server, None]:
-    """`meshserve up` serving ``model_dir`` as MODEL_ID on one TE; ``env_extra`` overrides
-    its environment (e.g. MESHSERVE_OPENVINO_WEIGHT_FORMAT)."""
+    *,
+    name: str = "meshserve",
+) -> LocalCluster:
+    """`meshserve up` serving ``model_dir`` as MODEL_ID on one TE (``start()`` starts it);
+    ``env_extra`` overrides its environment (e.g. MESHSERVE_OPENVINO_WEIGHT_FORMAT). Its
+    logs: ``log_dir``/``name``.log and .out."""
     models = tmp / "meshserve-models"
     models.mkdir()
     (models / MODEL_ID).symlink_to(model_dir.resolve())
-    env = process_environment()
-    env.update(
-        MESHSERVE_MODELS_DIR=str(models),
-        MESHSERVE_HTTP_PORT=str(free_port()),
-        MESHSERVE_HTTP_HOST="127.0.0.1",
-        MESHSERVE_POOL_SIZE="1",
-        MESHSERVE_DTYPE=dtype,
-        MESHSERVE_CLUSTER=f"benchvs-{os.getpid()}-{random.randrange(1 << 30):x}",
-        MESHSERVE_LOG_LEVEL="warning",
-        MESHSERVE_ENGINE=engine,
+    settings = {
+        "HTTP_HOST": "127.0.0.1",
+        "DTYPE": dtype,
+        "ENGINE": engine,
         # No scale-to-zero between phases, and room for the first load of the model.
-        MESHSERVE_KEEP_ALIVE="3600",
-        MESHSERVE_PLACEMENT_TIMEOUT="900",
+        "KEEP_ALIVE": "3600",
+        "PLACEMENT_TIMEOUT": "900",
+    }
+    return LocalCluster(
+        name,
+        models,
+        pool_size=1,
+        settings=settings,
+        env=env_extra,
+        log=log_dir / f"{name}.log",
+        say=say,
     )
-    env.update(env_extra or {})
-    meshserve = Path(sys.executable).parent / "meshserve"
-    return Server("meshserve", [str(meshserve), "up"], env, log_dir, signal_group=False), None
-
-
-def meshserve_url(server: Server, timeout: float) -> str:
-    """`meshserve up` prints its API URL on stdout once the cluster is up."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            for line in server.stdout_path.read_text().splitlines():
-                if line.startswith("http"):
-                    return line.strip()
-        if not server.alive():
-            raise RuntimeError(
-                f"meshserve exited with {server.proc.returncode} while starting:"
-                f"\n{server.log_tail()}"
-            )
-        time.sleep(0.5)
-    raise RuntimeError(f"meshserve printed no URL within {timeout:.0f}s:\n{server.log_tail()}")
 
 
 # --------------------------------------------------------------------------- vLLM install
@@ -663,7 +532,7 @@ def bench_one(
     log_dir: Path,
     vllm_py: Path | None,
 ) -> dict:
-    server: Server | None = None
+    server: Server | LocalCluster | None = None
     try:
         if name == "vllm":
             assert vllm_py is not None
@@ -678,9 +547,10 @@ def bench_one(
             if engine == "vllm":  # vLLM's CPU build as vLLM's own server runs it
                 assert vllm_py is not None
                 extra = vllm_engine_env(vllm_py, args.vllm_preload, args.vllm_venv)
-            server, _ = start_meshserve(engine, args.model_dir, own, log_dir, args.dtype, extra)
-            url = meshserve_url(server, args.startup_timeout)
-            wait_for_model(server, url, args.startup_timeout)
+            server = meshserve_cluster(engine, args.model_dir, own, log_dir, args.dtype, extra)
+            url = server.start(args.startup_timeout)
+            assert server.up is not None
+            wait_for_model(server.up, url, args.startup_timeout)
         startup_s = time.monotonic() - server.started
         say(f"{name} is up at {url} after {startup_s:.0f}s")
         if args.trace is not None:
