@@ -86,6 +86,8 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int
 
 # --- one run on an engine (any Engine: torch, OpenVINO) --------------------------------------
 
+BLOCK_SIZE = 16  # the KV block of the torch engines the benches build
+
 
 def engine_decode(
     engine: Engine, prompts: list[list[int]], new_tokens: int, *, one_step_prefill: bool = False

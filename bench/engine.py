@@ -38,7 +38,10 @@ build in its own venv, same workloads (``bench/long_context.py`` says how each i
 ``--long-only`` runs just that table; ``--no-long`` skips it.
 
 A summary table and the goals close the run. ``--no-decode`` / ``--no-openvino`` /
-``--no-ov-api`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip parts.
+``--no-ov-api`` / ``--no-prefix-cache`` / ``--no-async-ab`` skip parts. Each part is a module
+of its own (bench/torch_decode.py, bench/openvino.py, bench/prefix_cache.py,
+bench/async_scheduling.py, bench/long_context.py); this one runs them, then the summary and
+the goals.
 
 Checkpoints come from devtools.modelgen and are generated under --models-dir when missing.
 
@@ -51,485 +54,31 @@ counts of retried runs are in the JSON).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
-import json
 import signal
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.async_scheduling import run_async_bench
 from bench.common import (
     MODELS,
     RESULTS,
     Col,
     Neighbours,
     Table,
-    bound_tok_s,
-    engine_decode,
     ensure_model,
-    first_token_s,
     measure_bandwidth,
-    median,
     models_dir,
     names,
     numbers,
-    prompts_for,
-    with_bandwidth,
     write_result,
 )
 from bench.long_context import bench_long_context
-from services.task_executor.engines.base import Engine
-from services.task_executor.engines.torch_engine import TorchEngine
-from services.task_executor.engines.torch_engine.scheduler import blocks_for
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BLOCK_SIZE = 16
-OV_BLOCK_SIZE = 32  # GenAI's paged-attention block on CPU (openvino_engine.CPU_BLOCK_SIZE)
-
-
-# --- torch decode: the engine beside transformers generate and the bound ---------------------
-
-
-def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(seconds for 1 new token, seconds for N-1 more) with transformers generate."""
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-    cfg = model.generation_config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-
-    def run(n: int) -> float:
-        t = time.perf_counter()
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-        elapsed = time.perf_counter() - t
-        assert out.shape[1] == ids.shape[1] + n, out.shape
-        return elapsed
-
-    one = run(1)
-    full = run(new_tokens)
-    return one, max(full - one, 1e-9)
-
-
-def bench_model(
-    name: str,
-    path: Path,
-    dtype: str,
-    args: argparse.Namespace,
-    neighbours: Neighbours,
-) -> list[dict[str, Any]]:
-    max_batch = max(args.batches)
-    total = args.prompt_len + args.new_tokens
-    engine = TorchEngine(
-        path,
-        device="cpu",
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=max_batch * blocks_for(total, BLOCK_SIZE) + 4,
-        max_num_seqs=max_batch,
-        max_model_len=total + BLOCK_SIZE,
-    )
-    vocab = engine.config.vocab_size
-    weight_bytes = engine.weights.decode_bytes()
-    # Warm-up: oneDNN builds its kernels for each new shape on first use.
-    for b in args.batches:
-        engine_decode(engine, prompts_for(b, args.prompt_len, vocab, seed=99), 4)
-
-    hf = None
-    if not args.no_hf:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-        with torch.inference_mode():
-            hf_decode(hf, prompts_for(1, args.prompt_len, vocab, seed=99), 4)
-
-    rows: list[dict[str, Any]] = []
-    table = decode_table(lambda: rows[0]["engine_tok_s"] if rows else None)
-    for b in args.batches:
-        eng_rates, prefill_s, hf_rates, bandwidths = [], [], [], []
-        for rep in range(args.reps):
-            prompts = prompts_for(b, args.prompt_len, vocab, seed=rep)
-            bw, (pre, dec) = neighbours.timed(
-                with_bandwidth, engine_decode, engine, prompts, args.new_tokens
-            )
-            eng_rates.append(b * (args.new_tokens - 1) / dec)
-            bandwidths.append(bw)
-            prefill_s.append(pre)
-            if hf is not None:
-                with torch.inference_mode():
-                    _, dec = neighbours.timed(hf_decode, hf, prompts, args.new_tokens)
-                hf_rates.append(b * (args.new_tokens - 1) / dec)
-        fractions = [
-            r / bound_tok_s(b, bw, weight_bytes)
-            for r, bw in zip(eng_rates, bandwidths, strict=True)
-        ]
-        row = {
-            "model": name,
-            "engine": "torch",
-            "dtype": dtype,
-            "batch": b,
-            "engine_tok_s": median(eng_rates),
-            "engine_prefill_ms": 1e3 * statistics.median(prefill_s),
-            "hf_tok_s": median(hf_rates) if hf is not None else None,
-            # the bound of each run at the bandwidth measured next to it
-            "bound_tok_s": bound_tok_s(b, median(bandwidths), weight_bytes),
-            "pct_bound": 100 * median(fractions),
-            "bandwidth_gb_s": median(bandwidths),
-            "weight_bytes": weight_bytes,
-            "engine_samples": eng_rates,
-            "bandwidth_samples": bandwidths,
-            "hf_samples": hf_rates,
-        }
-        rows.append(row)
-        table.row(row)
-    engine.close()
-    return rows
-
-
-def decode_table(batch1_tok_s: Callable[[], float | None]) -> Table:
-    """The torch decode table; ``vs b1`` is a row's tok/s over batch 1's."""
-
-    def over(num: float, den: float | None) -> float | None:
-        return num / den if den else None
-
-    return Table(
-        [
-            Col("model", "model", left=True, width=18),
-            Col("dtype", "dtype", left=True, width=9),
-            Col("batch", "batch", width=5),
-            Col("engine_tok_s", "engine tok/s", ".1f"),
-            Col("hf_tok_s", "hf tok/s", ".1f"),
-            Col(lambda r: over(r["engine_tok_s"], r["hf_tok_s"]), "eng/hf", ".2f"),
-            Col("bound_tok_s", "bound tok/s", ".1f"),
-            Col("pct_bound", "%bound", ".0f"),
-            Col(lambda r: over(r["engine_tok_s"], batch1_tok_s()), "vs b1", ".1f"),
-            Col("engine_prefill_ms", "prefill ms", ".1f"),
-        ]
-    )
-
-
-# --- OpenVINO: the engine beside GenAI direct and the bound; the API beside GenAI direct -----
-
-
-def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list[dict[str, Any]]:
-    from bench import openvino as bench_openvino
-
-    print(
-        f"\nOpenVINO ({', '.join(args.ov_formats)} IR): engine vs GenAI ContinuousBatchingPipeline"
-        f" called directly (sdpa: LLMPipeline on SDPA), {args.prompt_len}-token prompts,"
-        f" {args.new_tokens} new tokens; prefill of {args.prefill_len} tokens; median of"
-        f" {args.reps} (goal: batch 1 >= 70% of the bound)\n"
-    )
-    bench_openvino.TABLE.header()
-    rows: list[dict[str, Any]] = []
-    for name in args.ov_models:
-        rows += bench_openvino.bench_openvino(
-            ensure_model(name, args.models_dir),
-            model_name=name,
-            weight_formats=args.ov_formats,
-            batches=args.batches,
-            prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens,
-            prefill_len=args.prefill_len,
-            reps=args.reps,
-            timed=neighbours.timed,
-            inference_precision=args.ov_precision,
-            direct=not args.no_ov_direct,
-            llm_pipeline=not args.no_ov_sdpa,
-            on_row=bench_openvino.TABLE.row,
-        )
-    return rows
-
-
-def run_openvino_api_bench(
-    args: argparse.Namespace, neighbours: Neighbours
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    from bench import openvino as bench_openvino
-
-    print(
-        f"\nmeshserve API (MESHSERVE_ENGINE=openvino, one TE) vs GenAI called directly on the"
-        f" TE's pipeline: per-request decode tok/s of {args.prompt_len}-token prompts +"
-        f" {args.new_tokens} tokens at concurrency {', '.join(map(str, args.ov_api_batches))};"
-        f" prefill tok/s = {args.prefill_len} / TTFT; median of {args.reps}, runs alternate"
-        " (goal: api/dir >= 0.95)\n"
-    )
-    bench_openvino.API_TABLE.header()
-    rows: list[dict[str, Any]] = []
-    errors: dict[str, str] = {}
-    log_dir = args.out.parent / f"{args.out.stem}-logs"
-    for name in args.ov_models:
-        try:
-            rows += bench_openvino.bench_openvino_api(
-                ensure_model(name, args.models_dir),
-                log_dir=log_dir,
-                model_name=name,
-                weight_formats=args.ov_api_formats,
-                batches=args.ov_api_batches,
-                prompt_len=args.prompt_len,
-                new_tokens=args.new_tokens,
-                prefill_len=args.prefill_len,
-                reps=args.reps,
-                neighbours=neighbours,
-                on_row=bench_openvino.API_TABLE.row,
-            )
-        except (RuntimeError, OSError) as e:
-            print(f"{name}: the API benchmark failed: {e}", flush=True)
-            errors[f"openvino_api {name}"] = str(e)
-    print(f"(cluster logs: {log_dir})")
-    return rows, errors
-
-
-# --- prefix caching: time to first token with a cached prefix, and prefill speed -------------
-
-
-def bench_prefix_cache(
-    name: str,
-    engine_name: str,
-    variant: str,
-    make_engine: Callable[[int], Engine],
-    vocab: int,
-    args: argparse.Namespace,
-    neighbours: Neighbours,
-) -> dict[str, Any]:
-    """TTFT of a request whose prefix is cached vs one whose prefix is not (same lengths:
-    the prefix plus a fresh suffix), and prefill tok/s of a prompt with nothing cached.
-    ``make_engine(total)`` builds an engine for prompts up to ``total`` tokens with room for
-    two of them at once (caching one never evicts the other mid-run)."""
-    plen, slen, flen = args.cached_prefix_len, args.suffix_len, args.prefill_len
-    engine = make_engine(max(plen + slen, flen) + BLOCK_SIZE)
-
-    def fresh(n: int, seed: int) -> list[int]:
-        return prompts_for(1, n, vocab, seed=seed)[0]
-
-    # Warm-up: kernels are built per shape; run each shape once, cached and not.
-    warm = fresh(plen, 1000)
-    first_token_s(engine, warm + fresh(slen, 1001))
-    first_token_s(engine, warm + fresh(slen, 1002))
-    first_token_s(engine, fresh(flen, 1003))
-
-    # Every timed run, retries included, gets tokens never seen before (a retried "uncached"
-    # run would otherwise find its prefix cached by the first try).
-    seeds = itertools.count(2000)
-    prefix: list[int] = []
-
-    def uncached_run() -> float:
-        nonlocal prefix
-        prefix = fresh(plen, next(seeds))  # left in the cache for cached_run
-        return first_token_s(engine, prefix + fresh(slen, next(seeds)))
-
-    def cached_run() -> float:
-        return first_token_s(engine, prefix + fresh(slen, next(seeds)))
-
-    def prefill_run() -> float:
-        return first_token_s(engine, fresh(flen, next(seeds)))
-
-    uncached, cached, prefill = [], [], []
-    for _ in range(args.reps):
-        uncached.append(neighbours.timed(uncached_run))
-        cached.append(neighbours.timed(cached_run))
-        prefill.append(flen / neighbours.timed(prefill_run))
-    stats = engine.stats()
-    engine.close()
-    row = {
-        "model": name,
-        "engine": engine_name,
-        "dtype": variant,
-        "cached_prefix_len": plen,
-        "suffix_len": slen,
-        "ttft_uncached_ms": 1e3 * statistics.median(uncached),
-        "ttft_cached_ms": 1e3 * statistics.median(cached),
-        "prefill_len": flen,
-        "prefill_tok_s": statistics.median(prefill),
-        # 0 for OpenVINO: GenAI does not report its prefix-cache hits
-        "cache_hit_tokens": stats.prefix_cache_hit_tokens,
-        "uncached_samples_s": uncached,
-        "cached_samples_s": cached,
-    }
-    row["ttft_ratio"] = row["ttft_cached_ms"] / row["ttft_uncached_ms"]
-    PREFIX_TABLE.row(row)
-    return row
-
-
-PREFIX_TABLE = Table(
-    [
-        Col("model", "model", left=True, width=18),
-        Col("engine", "engine", left=True, width=8),
-        Col("dtype", "dtype", left=True, width=9),
-        Col("cached_prefix_len", "prefix"),
-        Col("ttft_uncached_ms", "ttft uncached ms", ".1f"),
-        Col("ttft_cached_ms", "ttft cached ms", ".1f"),
-        Col("ttft_ratio", "ratio", ".3f"),
-        Col("prefill_tok_s", "prefill tok/s", ".1f"),
-    ]
-)
-
-
-def _torch_engine_for(path: Path, dtype: str) -> Callable[[int], Engine]:
-    def make(total: int) -> Engine:
-        return TorchEngine(
-            path,
-            device="cpu",
-            dtype=dtype,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=3 * blocks_for(total, BLOCK_SIZE),
-            max_num_seqs=2,
-            max_model_len=total,
-            max_prefill_tokens=total,
-        )
-
-    return make
-
-
-def _openvino_engine_for(path: Path, fmt: str, precision: str | None) -> Callable[[int], Engine]:
-    def make(total: int) -> Engine:
-        from services.task_executor.engines.openvino_engine import OpenVINOEngine
-
-        return OpenVINOEngine(
-            path,
-            weight_format=fmt,
-            num_kv_blocks=3 * blocks_for(total, OV_BLOCK_SIZE),
-            max_num_seqs=2,
-            max_model_len=total,
-            max_num_batched_tokens=total,
-            inference_precision=precision,
-        )
-
-    return make
-
-
-def run_prefix_cache_bench(
-    plan: list[tuple[str, str]], args: argparse.Namespace, neighbours: Neighbours
-) -> list[dict[str, Any]]:
-    print(
-        f"\nprefix cache: TTFT of {args.cached_prefix_len} cached + {args.suffix_len} new tokens"
-        f" vs all {args.cached_prefix_len + args.suffix_len} new (goal: ratio <= 0.2);"
-        f" prefill of {args.prefill_len} tokens; median of {args.reps}\n"
-    )
-    PREFIX_TABLE.header()
-    runs: list[tuple[str, str, str, Callable[[int], Engine], Path]] = []
-    for name, dtype in plan:
-        path = ensure_model(name, args.models_dir)
-        runs.append((name, "torch", dtype, _torch_engine_for(path, dtype), path))
-    if not args.no_openvino:
-        for name in args.ov_models:
-            path = ensure_model(name, args.models_dir)
-            for fmt in args.ov_formats:
-                make = _openvino_engine_for(path, fmt, args.ov_precision)
-                runs.append((name, "openvino", fmt, make, path))
-    rows = []
-    for name, engine_name, variant, make, path in runs:
-        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        rows.append(bench_prefix_cache(name, engine_name, variant, make, vocab, args, neighbours))
-    return rows
-
-
-# --- async scheduling: the same decode with the next iteration launched ahead, and without ----
-
-
-def bench_async(
-    name: str, path: Path, dtype: str, args: argparse.Namespace, neighbours: Neighbours
-) -> list[dict[str, Any]]:
-    max_batch = max(args.async_batches)
-    total = args.prompt_len + args.new_tokens
-    engines = {
-        on: TorchEngine(
-            path,
-            device=args.async_device,
-            dtype=dtype,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=max_batch * blocks_for(total, BLOCK_SIZE) + 4,
-            max_num_seqs=max_batch,
-            max_model_len=total + BLOCK_SIZE,
-            async_scheduling=on,
-            overlap_on_cpu=True,
-        )
-        for on in (True, False)
-    }
-    vocab = engines[True].config.vocab_size
-    for b in args.async_batches:
-        for engine in engines.values():
-            engine_decode(engine, prompts_for(b, args.prompt_len, vocab, seed=99), 4)
-    rows = []
-    for b in args.async_batches:
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        before = dataclasses.replace(engines[True].overlap)
-        for rep in range(args.reps):
-            prompts = prompts_for(b, args.prompt_len, vocab, seed=rep)
-            # Alternate which goes first, so a drift in the host's speed hits both alike.
-            for on in (True, False) if rep % 2 == 0 else (False, True):
-                _, dec = neighbours.timed(engine_decode, engines[on], prompts, args.new_tokens)
-                rates[on].append(b * (args.new_tokens - 1) / dec)
-        ov = engines[True].overlap
-        row = {
-            "model": name,
-            "dtype": dtype,
-            "device": engines[True].device,
-            "batch": b,
-            "async_tok_s": statistics.median(rates[True]),
-            "sync_tok_s": statistics.median(rates[False]),
-            "async_samples": rates[True],
-            "sync_samples": rates[False],
-            # over the timed runs (and their retries): iterations launched ahead, and rows
-            # of those used and thrown away
-            "launched_ahead": ov.launched - before.launched,
-            "rows_used": ov.rows_used - before.rows_used,
-            "rows_wasted": ov.rows_wasted - before.rows_wasted,
-        }
-        row["ratio"] = row["async_tok_s"] / row["sync_tok_s"]
-        rows.append(row)
-        ASYNC_TABLE.row(row)
-    for engine in engines.values():
-        engine.close()
-    return rows
-
-
-def _spread(key: str) -> Callable[[dict[str, Any]], str]:
-    return lambda r: f"{min(r[key]):.0f}-{max(r[key]):.0f}"
-
-
-ASYNC_TABLE = Table(
-    [
-        Col("model", "model", left=True, width=18),
-        Col("dtype", "dtype", left=True, width=9),
-        Col("batch", "batch", width=5),
-        Col("async_tok_s", "async tok/s", ".1f"),
-        Col("sync_tok_s", "sync tok/s", ".1f"),
-        Col("ratio", "ratio", ".3f"),
-        Col(_spread("async_samples"), "async min-max", width=15),
-        Col(_spread("sync_samples"), "sync min-max", width=15),
-        Col(lambda r: f"{r['rows_used']}/{r['rows_wasted']}", "ahead used/wasted", width=17),
-    ]
-)
-
-
-def run_async_bench(
-    plan: list[tuple[str, str]], args: argparse.Namespace, neighbours: Neighbours
-) -> list[dict[str, Any]]:
-    print(
-        f"\nasync scheduling on {args.async_device}: decode tok/s with async_scheduling on vs off,"
-        f" {args.prompt_len}-token prompts, {args.new_tokens} new tokens, median of {args.reps}"
-        " (runs alternate)\n"
-    )
-    ASYNC_TABLE.header()
-    rows = []
-    for name, dtype in plan:
-        path = ensure_model(name, args.models_dir)
-        rows.extend(bench_async(name, path, dtype, args, neighbours))
-    return rows
-
+from bench.prefix_cache import run_prefix_cache_bench
+from bench.torch_decode import run_torch_decode_bench
 
 # --- summary and goals ------------------------------------------------------------------------
 
@@ -803,27 +352,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.long_only:
             write_result(args.out, {"bandwidth_gb_s": bandwidth, "long_context": long_context})
             return 0
-    rows: list[dict[str, Any]] = []
     plan: list[tuple[str, str]] = []
     for name in names(args.models):
         dtypes = args.demo_dtypes if name == "demo" else args.bench_dtypes
         plan.extend((name, d) for d in names(dtypes))
-    if not args.no_decode:
-        print(
-            f"\ntorch engine: {args.prompt_len}-token prompts, {args.new_tokens} new tokens,"
-            f" median of {args.reps}\n"
-        )
-        for name, dtype in plan:
-            path = ensure_model(name, args.models_dir)
-            rows.extend(bench_model(name, path, dtype, args, neighbours))
+    rows = [] if args.no_decode else run_torch_decode_bench(plan, args, neighbours)
     ov_rows: list[dict[str, Any]] = []
     api_rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
     if not args.no_openvino:
+        from bench import openvino as bench_openvino
+
         if not args.no_decode:
-            ov_rows = run_openvino_bench(args, neighbours)
+            ov_rows = bench_openvino.run_openvino_bench(args, neighbours)
         if not args.no_ov_api:
-            api_rows, errors = run_openvino_api_bench(args, neighbours)
+            api_rows, errors = bench_openvino.run_openvino_api_bench(args, neighbours)
     prefix_rows = [] if args.no_prefix_cache else run_prefix_cache_bench(plan, args, neighbours)
     async_rows = [] if args.no_async_ab else run_async_bench(plan, args, neighbours)
 

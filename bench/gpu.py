@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from bench.common import (
+    BLOCK_SIZE,
     MODELS,
     RESULTS,
     Col,
@@ -46,7 +47,7 @@ from bench.common import (
     prompts_for,
     write_result,
 )
-from bench.engine import BLOCK_SIZE, PREFIX_TABLE, bench_prefix_cache
+from bench.prefix_cache import PREFIX_TABLE, bench_prefix_cache
 from services.task_executor.engines.base import Engine, EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.config import load_model_config

@@ -39,6 +39,7 @@ which retries runs a busy neighbour disturbed).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import itertools
@@ -63,6 +64,7 @@ from bench.common import (
     call,
     cpu_ticks,
     engine_decode,
+    ensure_model,
     median,
     prompts_for,
     with_bandwidth,
@@ -607,3 +609,70 @@ API_TABLE = Table(
         Col("cluster_cores_during_direct", "idle cluster cores", ".3f"),
     ]
 )
+
+
+# --- scripts/bench-engine's OpenVINO tables ----------------------------------------------------
+
+
+def run_openvino_bench(args: argparse.Namespace, neighbours: Neighbours) -> list[dict[str, Any]]:
+    print(
+        f"\nOpenVINO ({', '.join(args.ov_formats)} IR): engine vs GenAI ContinuousBatchingPipeline"
+        f" called directly (sdpa: LLMPipeline on SDPA), {args.prompt_len}-token prompts,"
+        f" {args.new_tokens} new tokens; prefill of {args.prefill_len} tokens; median of"
+        f" {args.reps} (goal: batch 1 >= 70% of the bound)\n"
+    )
+    TABLE.header()
+    rows: list[dict[str, Any]] = []
+    for name in args.ov_models:
+        rows += bench_openvino(
+            ensure_model(name, args.models_dir),
+            model_name=name,
+            weight_formats=args.ov_formats,
+            batches=args.batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            prefill_len=args.prefill_len,
+            reps=args.reps,
+            timed=neighbours.timed,
+            inference_precision=args.ov_precision,
+            direct=not args.no_ov_direct,
+            llm_pipeline=not args.no_ov_sdpa,
+            on_row=TABLE.row,
+        )
+    return rows
+
+
+def run_openvino_api_bench(
+    args: argparse.Namespace, neighbours: Neighbours
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    print(
+        f"\nmeshserve API (MESHSERVE_ENGINE=openvino, one TE) vs GenAI called directly on the"
+        f" TE's pipeline: per-request decode tok/s of {args.prompt_len}-token prompts +"
+        f" {args.new_tokens} tokens at concurrency {', '.join(map(str, args.ov_api_batches))};"
+        f" prefill tok/s = {args.prefill_len} / TTFT; median of {args.reps}, runs alternate"
+        " (goal: api/dir >= 0.95)\n"
+    )
+    API_TABLE.header()
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    log_dir = args.out.parent / f"{args.out.stem}-logs"
+    for name in args.ov_models:
+        try:
+            rows += bench_openvino_api(
+                ensure_model(name, args.models_dir),
+                log_dir=log_dir,
+                model_name=name,
+                weight_formats=args.ov_api_formats,
+                batches=args.ov_api_batches,
+                prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens,
+                prefill_len=args.prefill_len,
+                reps=args.reps,
+                neighbours=neighbours,
+                on_row=API_TABLE.row,
+            )
+        except (RuntimeError, OSError) as e:
+            print(f"{name}: the API benchmark failed: {e}", flush=True)
+            errors[f"openvino_api {name}"] = str(e)
+    print(f"(cluster logs: {log_dir})")
+    return rows, errors
