@@ -26,9 +26,8 @@ from bench.common import (
     with_bandwidth,
 )
 from services.task_executor.engines.torch_engine import TorchEngine
+from services.task_executor.engines.torch_engine.build import DTYPES
 from services.task_executor.engines.torch_engine.scheduler import blocks_for
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
