@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    BLOCK_SIZE,
     Col,
     Neighbours,
     Table,
@@ -20,24 +19,19 @@ from bench.common import (
     ensure_model,
     prompts_for,
 )
-from services.task_executor.engines.torch_engine import TorchEngine
-from services.task_executor.engines.torch_engine.scheduler import blocks_for
+from bench.torch_decode import decode_engine
 
 
 def bench_async(
     name: str, path: Path, dtype: str, args: argparse.Namespace, neighbours: Neighbours
 ) -> list[dict[str, Any]]:
-    max_batch = max(args.async_batches)
-    total = args.prompt_len + args.new_tokens
     engines = {
-        on: TorchEngine(
+        on: decode_engine(
             path,
+            dtype,
+            max(args.async_batches),
+            args,
             device=args.async_device,
-            dtype=dtype,
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=max_batch * blocks_for(total, BLOCK_SIZE) + 4,
-            max_num_seqs=max_batch,
-            max_model_len=total + BLOCK_SIZE,
             async_scheduling=on,
             overlap_on_cpu=True,
         )

@@ -30,6 +30,23 @@ from services.task_executor.engines.torch_engine.build import DTYPES
 from services.task_executor.engines.torch_engine.scheduler import blocks_for
 
 
+def decode_engine(
+    path: Path, dtype: str, max_batch: int, args: argparse.Namespace, **options: Any
+) -> TorchEngine:
+    """The torch engine of the decode workload (``options``: more of its arguments): room
+    for ``max_batch`` requests of --prompt-len + --new-tokens tokens."""
+    total = args.prompt_len + args.new_tokens
+    return TorchEngine(
+        path,
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=max_batch * blocks_for(total, BLOCK_SIZE) + 4,
+        max_num_seqs=max_batch,
+        max_model_len=total + BLOCK_SIZE,
+        **options,
+    )
+
+
 def hf_decode(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(seconds for 1 new token, seconds for N-1 more) with transformers generate."""
     ids = torch.tensor(prompts)
@@ -63,17 +80,7 @@ def bench_decode(
     args: argparse.Namespace,
     neighbours: Neighbours,
 ) -> list[dict[str, Any]]:
-    max_batch = max(args.batches)
-    total = args.prompt_len + args.new_tokens
-    engine = TorchEngine(
-        path,
-        device="cpu",
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=max_batch * blocks_for(total, BLOCK_SIZE) + 4,
-        max_num_seqs=max_batch,
-        max_model_len=total + BLOCK_SIZE,
-    )
+    engine = decode_engine(path, dtype, max(args.batches), args, device="cpu")
     vocab = engine.config.vocab_size
     weight_bytes = engine.weights.decode_bytes()
     # Warm-up: oneDNN builds its kernels for each new shape on first use.
