@@ -11,7 +11,8 @@ what a step costs if it only reads the weights once at the GPU's measured read b
 of the machine hits each alike; medians of --reps are reported.
 
 Prefix caching: per engine, TTFT of a request whose --cached-prefix-len prefix is cached vs
-one whose prefix is not, and prefill tok/s of a --prefill-len prompt (bench_engine's table).
+one whose prefix is not, and prefill tok/s of a --prefill-len prompt (bench/prefix_cache.py's
+table).
 
 A summary gives torch ÷ vLLM decode throughput and TTFT per batch, async ÷ sync, and graphs
 ÷ eager. Needs a CUDA device (and vLLM importable for its rows; ``--engines

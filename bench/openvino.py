@@ -1,17 +1,19 @@
 """OpenVINO throughput: through OpenVINOEngine, through meshserve's API, and through OpenVINO
 GenAI called directly.
 
-Helpers for ``bench/engine.py`` (no CLI of its own).
+Helpers for ``bench/engine.py`` (no CLI of its own), and its two OpenVINO tables
+(``run_openvino_bench``, ``run_openvino_api_bench``).
 
 ``bench_openvino`` returns one row per (weight format, point), where a point is a decode batch
 size or a prefill:
 - decode: B requests with distinct prompts of the same length decode a fixed number of
   tokens greedily (ignore_eos). tok/s counts the tokens after the first over the time after
-  the first, as bench_engine does for the torch engine. Engine: the time of every ``step()``
-  after the prefill step. Direct: ``ContinuousBatchingPipeline.generate``, timed by GenAI's
-  own per-token timestamps, with the same scheduler and plugin settings, so the difference is
-  our wrapper's cost (per-step handle polling and Python). ``llm_sdpa_tok_s`` (batch 1 only)
-  is ``LLMPipeline`` on the stateful SDPA backend, GenAI's single-request fast path.
+  the first, as bench/torch_decode.py does for the torch engine. Engine: the time of every
+  ``step()`` after the prefill step. Direct: ``ContinuousBatchingPipeline.generate``, timed by
+  GenAI's own per-token timestamps, with the same scheduler and plugin settings, so the
+  difference is our wrapper's cost (per-step handle polling and Python). ``llm_sdpa_tok_s``
+  (batch 1 only) is ``LLMPipeline`` on the stateful SDPA backend, GenAI's single-request fast
+  path.
 - prefill: one prompt of ``prefill_len`` tokens, prefilled in one step; tok/s = prompt
   tokens / time to the first token (engine: the first ``step()``; direct: from the call to
   GenAI's first token timestamp).
