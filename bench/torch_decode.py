@@ -25,8 +25,8 @@ from bench.common import (
     prompts_for,
     with_bandwidth,
 )
+from services.task_executor.dtypes import DTYPES
 from services.task_executor.engines.torch_engine import TorchEngine
-from services.task_executor.engines.torch_engine.build import DTYPES
 from services.task_executor.engines.torch_engine.scheduler import blocks_for
 
 

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from services.task_executor.dtypes import DTYPES, dtype_name
+
 HEADER_BYTES = 4096
 MAGIC = b"meshserve-tensor-1\n"
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 class TensorFileError(ValueError):
@@ -53,8 +54,8 @@ def write(path: Path, t: torch.Tensor, pace: Callable[[], object] | None = None)
     not exist: the caller writes a temporary name and renames). Returns the data bytes.
     ``pace``: called before each ``WRITE_SLICE`` bytes, and may block (a store after a load
     waits there while the engine has requests: ``CacheSession.finish``)."""
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES or t.device.type != "cpu":
+    name = dtype_name(t.dtype)
+    if name not in DTYPES or t.device.type != "cpu":
         raise TensorFileError(f"cannot store a {t.dtype} tensor on {t.device}")
     meta: dict[str, Any] = {"dtype": name, "shape": list(t.shape)}
     if t.is_mkldnn:
@@ -111,7 +112,7 @@ def from_image(image: torch.Tensor) -> torch.Tensor:
     mapping, or one received over the network), without a copy; ``image`` lives as long as
     the tensor does."""
     meta = _parse_meta(image[:HEADER_BYTES].numpy().tobytes())
-    dtype = _DTYPES[meta["dtype"]]
+    dtype = DTYPES[meta["dtype"]]
     shape = [int(s) for s in meta["shape"]]
     n = int(meta["nbytes"])
     if image.numel() < HEADER_BYTES + n:
@@ -158,7 +159,7 @@ def _mkldnn_from_blob(addr: int, shape: list[int], dtype: torch.dtype, md: bytes
     sizes = (ctypes.c_int64 * len(shape))(*shape)
     strides = (ctypes.c_int64 * len(shape))(*_contiguous_strides(shape))
     handle = ctypes.c_void_p()
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     rc = lib.aoti_torch_create_tensor_from_blob_v2(
         addr, len(shape), sizes, strides, 0, getattr(lib, f"aoti_torch_dtype_{name}")(),
         lib.aoti_torch_device_type_cpu(), 0, ctypes.byref(handle),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from services.task_executor.dtypes import DTYPES
 from services.task_executor.engines.base import EngineCapabilities, LoadReport
 from services.task_executor.engines.torch_engine import linear
 from services.task_executor.engines.torch_engine.config import ModelConfig, load_model_config
@@ -23,8 +24,6 @@ from services.task_executor.engines.torch_engine.weights import (
 from services.task_executor.weight_cache.store import HostWeightCache
 from shared.messages.tasks import TaskMode
 from shared.native import DEFAULT_TOOLCHAIN, Toolchain
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Without an explicit size the cache gets enough for max_num_seqs full-length sequences, capped:
 # on a CPU at a fixed size (host memory is shared with everything else on the node), on a GPU

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.task_executor.dtypes import dtype_name
 from services.task_executor.engines.base import EngineRequest
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from services.task_executor.engines.torch_engine.prefix_cache import PrefixMatch
@@ -57,7 +58,7 @@ class KvMovement:
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            dtype=str(engine.dtype).removeprefix("torch."),
+            dtype=dtype_name(engine.dtype),
             model_fingerprint=engine.model_fingerprint,
             kv=kv,
         )

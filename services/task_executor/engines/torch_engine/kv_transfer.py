@@ -17,10 +17,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from services.task_executor.checkpoint import shard_files
+from services.task_executor.dtypes import DTYPES
 
 FORMAT = "meshserve-kv/1"
 _META_KEY = "meshserve_kv"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight bytes read per shard for the fingerprint: enough to tell two trainings of one
 # architecture apart (full-file hashing of a multi-GB checkpoint would slow every engine start).
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
@@ -64,13 +64,13 @@ class KvExport:
     kv: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
+        if self.dtype not in DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
         nb = -(-self.num_computed_tokens // self.block_size)
         want = (self.num_layers, 2, nb, self.block_size, self.num_kv_heads, self.head_dim)
         if tuple(self.kv.shape) != want:
             raise ValueError(f"kv has shape {tuple(self.kv.shape)}, metadata implies {want}")
-        if self.kv.dtype != _DTYPES[self.dtype]:
+        if self.kv.dtype != DTYPES[self.dtype]:
             raise ValueError(f"kv is {self.kv.dtype}, metadata says {self.dtype}")
         if not 0 < self.num_computed_tokens < len(self.token_ids):
             raise ValueError("an export covers at least one token and leaves the next input")
