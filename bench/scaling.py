@@ -112,8 +112,9 @@ def _run_cluster(
     out: Path,
     pool_size: int,
     extra: dict[str, str],
-    floor: int,
+    floor: dict[str, int],
 ) -> dict[str, Any]:
+    """``floor``: the instances of each model a fixed fleet loads before the trace starts."""
     with LocalCluster(
         name,
         models,
@@ -130,9 +131,7 @@ def _run_cluster(
                 raise RuntimeError(f"{name}: {fleet.tes} of {2 * pool_size} TEs joined")
             time.sleep(0.5)
         time.sleep(PREWARM_S)  # each TE pre-warms its engine (imports) once it starts
-        while sum(fleet.now.values()) < floor or any(  # a fixed fleet loads first
-            n < floor // max(len(fleet.now), 1) for n in fleet.now.values()
-        ):
+        while any(fleet.now.get(m, 0) < n for m, n in floor.items()):  # a fixed fleet first
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name}: the fleet did not load: {fleet.now}")
             time.sleep(0.5)
@@ -217,7 +216,7 @@ def _host_cache_ab(
         ("cache off", {"HOST_CACHE_BYTES": "0"}),
     ):
         run = _run_cluster(
-            config.replace(" ", "-"), models, trace, demo, work, args.pool_size, extra, 0
+            config.replace(" ", "-"), models, trace, demo, work, args.pool_size, extra, {}
         )
         text = run["metrics"]
         _, load_sum, loads = _histogram(
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.host_cache_ab:
         _host_cache_ab(args, models, trace, demo, work)
         return
-    auto = _run_cluster("autoscaler", models, trace, demo, work, args.pool_size, {}, 0)
+    auto = _run_cluster("autoscaler", models, trace, demo, work, args.pool_size, {}, {})
     if args.autoscaler_only:
         row = _row("autoscaler", auto["summary"], auto["instance_s"], auto["peak_total"])
         print(json.dumps(row | {"work_dir": str(work)}, indent=1))
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         work,
         args.pool_size,
         {"MODEL_SCALING": json.dumps(pinned)},
-        sum(peaks.values()),
+        peaks,
     )
     ideal_dir = work / "ideal"
     # The demo model's profile with the clusters' batch limit.
