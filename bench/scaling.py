@@ -145,7 +145,7 @@ def _run_cluster(
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 120
-        while sum(fleet.now.values()) > floor and time.monotonic() < deadline:
+        while sum(fleet.now.values()) > sum(floor.values()) and time.monotonic() < deadline:
             time.sleep(0.5)  # the autoscaler's tail: back to zero after the keep-alive
         fleet.stop()
         summary = json.loads((run_dir / "summary.json").read_text())
