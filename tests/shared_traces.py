@@ -1,7 +1,7 @@
 """Where the real traces are: the repository's ``traces/`` (they ship with it), else
 ``$MESHSERVE_TRACES_DIR``. A checkout without them (a sparse or trimmed copy) still runs the
-replay and simulator tests on the slice kept in tests/data (``azure_slice``); a test that
-needs a whole trace skips on ``not trace_path(...).is_file()``."""
+replay and simulator tests on the slice kept in tests/data (``azure_slice``); a test of a
+whole trace fails there (they ship with the repository: a missing one is a broken checkout)."""
 
 from __future__ import annotations
 

@@ -211,7 +211,6 @@ def test_real_azure_trace() -> None:
 MOONCAKE = trace_path("mooncake_conversation.jsonl")
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} is missing from this checkout")
 def test_real_mooncake_trace() -> None:
     """The Mooncake conversation trace the repository ships in traces/."""
     mc = read_trace(MOONCAKE)
