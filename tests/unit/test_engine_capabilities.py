@@ -19,11 +19,13 @@ from services.task_executor.engines.base import (
 from services.task_executor.engines.capabilities import (
     CapabilityError,
     bind_features,
+    check_role,
 )
 from services.task_executor.engines.factory import create_engine
 from services.task_executor.engines.torch_engine import TorchEngine
 from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.kv import KvEvent
+from shared.messages.tasks import TaskMode
 from shared.settings import Settings
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import PROMPTS, _write_tiny_llama, greedy
@@ -92,6 +94,29 @@ def test_methods_without_the_declaration_are_not_used() -> None:
 def test_kv_events_need_a_prefix_cache() -> None:
     with pytest.raises(CapabilityError, match="prefix_cache"):
         bind_features(_WithEvents(EngineCapabilities(kv_events=True)))
+
+
+def test_prefill_and_decode_modes_need_kv_export_and_import() -> None:
+    with pytest.raises(CapabilityError, match="prefill without kv_export"):
+        bind_features(_Minimal(EngineCapabilities(modes=frozenset(TaskMode))))
+    with pytest.raises(CapabilityError, match="decode without kv_import"):
+        bind_features(
+            _Minimal(EngineCapabilities(modes=frozenset({TaskMode.COLOCATED, TaskMode.DECODE})))
+        )
+
+
+def test_a_role_the_engine_cannot_serve_fails_the_load(model_dir: Path) -> None:
+    colocated_only = _Minimal(EngineCapabilities())
+    check_role(colocated_only, TaskMode.COLOCATED)
+    for role in (TaskMode.PREFILL, TaskMode.DECODE):
+        with pytest.raises(CapabilityError, match=f"cannot serve as a {role} instance"):
+            check_role(colocated_only, role)
+    torch_engine = TorchEngine(model_dir, device="cpu", num_kv_blocks=32)
+    try:
+        for role in TaskMode:
+            check_role(torch_engine, role)
+    finally:
+        torch_engine.close()
 
 
 def test_the_torch_engine_declares_what_its_settings_give(model_dir: Path) -> None:

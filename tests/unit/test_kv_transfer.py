@@ -150,3 +150,79 @@ def test_retained_kv_is_freed_by_abort_and_unknown_requests_are_refused(model_di
     engine.add_request(EngineRequest("w", PROMPT, greedy(3)))
     with pytest.raises(ValueError, match="no KV"):
         engine.export_kv("w")  # still waiting
+
+
+class _Collect:
+    """A KV sink that keeps what it gets, noting whether it came during a forward."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: dict[tuple[int, int], torch.Tensor] = {}
+        self.v: dict[tuple[int, int], torch.Tensor] = {}
+        self.calls: list[tuple[int, int, int]] = []
+
+    def layer(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.calls.append((layer, start, k.shape[0]))
+        for i in range(k.shape[0]):
+            self.k[layer, start + i], self.v[layer, start + i] = k[i].clone(), v[i].clone()
+
+    def token_kv(self, num_layers: int, first: int, n: int) -> torch.Tensor:
+        return torch.stack(
+            [
+                torch.stack(
+                    (
+                        torch.stack([self.k[layer, t] for t in range(first, n)]),
+                        torch.stack([self.v[layer, t] for t in range(first, n)]),
+                    )
+                )
+                for layer in range(num_layers)
+            ]
+        )
+
+
+@pytest.mark.parametrize("warm_prefix", [0, 8])
+def test_prompt_kv_streams_to_a_sink_layer_by_layer_as_it_is_computed(
+    model_dir: Path, warm_prefix: int
+) -> None:
+    """Chunked prefill (4 tokens an iteration): every layer of each chunk reaches the sink
+    during the forward; a prefix served from the cache is sent from the cache."""
+    engine = _engine(model_dir, max_prefill_tokens=4)
+    if warm_prefix:
+        engine.add_request(EngineRequest("warm", PROMPT[:warm_prefix], greedy(1)))
+        drain(engine)
+    sink = _Collect(2)
+    engine.add_request(EngineRequest("r", PROMPT, greedy(1)), retain_kv=True, kv_sink=sink)
+    first = tokens(drain(engine)["r"])
+    export = engine.export_kv("r", release=True)
+    assert torch.equal(sink.token_kv(2, 0, len(PROMPT)), export.token_kv())
+    # Layer by layer, chunk by chunk: the forwards' calls cover one layer and one chunk each.
+    computed = [c for c in sink.calls if c[1] >= warm_prefix]
+    assert {(layer, start) for layer, start, _ in computed} == {
+        (layer, s) for layer in range(2) for s in range(warm_prefix, len(PROMPT), 4)
+    }
+    assert first == _uninterrupted(model_dir, greedy(1))
+
+
+def test_only_the_blocks_the_decode_side_lacks_are_imported(model_dir: Path) -> None:
+    params = greedy(6)
+    decode = _engine(model_dir)
+    decode.add_request(EngineRequest("warm", PROMPT[:9], greedy(1)))
+    drain(decode)
+    held = decode.held_prefix_tokens(PROMPT)
+    assert held == 8  # two full blocks of 4
+
+    prefill = _engine(model_dir)
+    prefill.add_request(EngineRequest("r", PROMPT, greedy(1)), retain_kv=True)
+    first = tokens(drain(prefill)["r"])
+    export = prefill.export_kv("r", release=True, first_token=held)
+    assert export.first_token == 8 and export.token_kv().shape[2] == len(PROMPT) - 8
+    back = KvExport.from_bytes(export.to_bytes())
+    assert back.first_token == 8
+
+    decode.import_kv(back, EngineRequest("r", PROMPT, params))
+    assert first + tokens(drain(decode)["r"]) == _uninterrupted(model_dir, params)
+
+    # Where the held blocks are gone by the time the import is admitted, the request
+    # computes its prompt itself: the same tokens.
+    cold = _engine(model_dir)
+    cold.import_kv(back, EngineRequest("r", PROMPT, params))
+    assert first + tokens(drain(cold)["r"]) == _uninterrupted(model_dir, params)

@@ -25,6 +25,7 @@ from services.task_executor.engines.base import (
 from services.task_executor.engines.process import EngineProcessDied, ProcessEngine
 from services.task_executor.engines.torch_engine import TorchEngine
 from shared.messages.kv import KvAllCleared
+from shared.messages.tasks import TaskMode
 from tests.engines import drain, tokens
 from tests.unit.test_torch_engine import PROMPTS, _write_tiny_llama, greedy
 
@@ -49,6 +50,7 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
         assert caps.kv_events and caps.kv_export and caps.prefix_pinning and caps.prefill_pacing
         assert remote.capabilities == msgspec.structs.replace(
             caps,
+            modes=frozenset({TaskMode.COLOCATED}),  # no KV crosses the pipe: no PD role
             kv_export=False,
             kv_import=False,
             prefix_pinning=False,

@@ -17,11 +17,30 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from services.task_executor.engines.base import Engine, EngineRequest
 from shared.messages.kv import KvEvent
 from shared.messages.scaling import InstanceCapacity
+from shared.messages.tasks import TaskMode
 
 if TYPE_CHECKING:
     import torch
 
-    from services.task_executor.engines.torch_engine.kv_transfer import KvExport
+    from services.task_executor.engines.torch_engine.kv_stream import KvSink
+    from services.task_executor.engines.torch_engine.kv_transfer import KvExport, KvLayout
+
+
+def check_role(engine: Engine, role: TaskMode) -> None:
+    """An instance loaded as ``role`` runs that role's tasks: prefill tasks (``prefill``), or
+    colocated and decode tasks (``colocated``, ``decode``); its engine must declare them."""
+    modes = engine.capabilities.modes
+    needs = (
+        {role}
+        if role == TaskMode.PREFILL
+        else {TaskMode.COLOCATED} | ({TaskMode.DECODE} if role == TaskMode.DECODE else set())
+    )
+    if not needs <= modes:
+        raise CapabilityError(
+            f"the {engine.name} engine cannot serve as a {role} instance (it runs "
+            f"{', '.join(sorted(modes))} tasks; an engine in a child process, vLLM or "
+            "OpenVINO, hands no KV to another instance)"
+        )
 
 
 class CapabilityError(Exception):
@@ -44,18 +63,34 @@ class KvEventSource(Protocol):
 class KvExporter(Protocol):
     """``kv_export``: a request's KV leaves for another instance (PD: the prefill side)."""
 
-    def add_request(self, request: EngineRequest, *, retain_kv: bool = False) -> None:
-        """``retain_kv``: keep the request's KV after it finishes, for ``export_kv``."""
+    def add_request(
+        self, request: EngineRequest, *, retain_kv: bool = False, kv_sink: KvSink | None = None
+    ) -> None:
+        """``retain_kv``: keep the request's KV after it finishes, for ``export_kv``;
+        ``kv_sink``: stream the prompt's KV there, layer by layer, as it is computed."""
         ...
 
-    def export_kv(self, request_id: str, *, release: bool = False) -> KvExport: ...
+    def export_kv(
+        self, request_id: str, *, release: bool = False, first_token: int = 0
+    ) -> KvExport: ...
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        """One token's KV here (layers, KV heads, head dim, dtype)."""
+        ...
 
 
 @runtime_checkable
 class KvImporter(Protocol):
     """``kv_import``: a request continues from KV computed elsewhere (PD: the decode side)."""
 
+    model_fingerprint: str  # the weights' name: an import from other weights is refused
+
     def import_kv(self, export: KvExport, request: EngineRequest) -> None: ...
+
+    def held_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens whose KV it holds already (an import brings only the rest)."""
+        ...
 
 
 @runtime_checkable
@@ -127,6 +162,11 @@ def bind_features(engine: Engine) -> EngineFeatures:
     caps = engine.capabilities
     if caps.kv_events and not caps.prefix_cache:
         raise CapabilityError(f"the {engine.name} engine declares kv_events without prefix_cache")
+    # A prefill task hands its KV on; a decode task continues from KV it is handed.
+    if TaskMode.PREFILL in caps.modes and not caps.kv_export:
+        raise CapabilityError(f"the {engine.name} engine declares prefill without kv_export")
+    if TaskMode.DECODE in caps.modes and not caps.kv_import:
+        raise CapabilityError(f"the {engine.name} engine declares decode without kv_import")
     # What the engine implements, then what it offers: both, or it does not load.
     implemented = EngineFeatures(
         kv_events=engine if isinstance(engine, KvEventSource) else None,

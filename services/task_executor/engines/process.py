@@ -71,6 +71,7 @@ from services.task_executor.engines.pipe import (
     encode,
 )
 from shared.messages.kv import KvEvent
+from shared.messages.tasks import TaskMode
 
 STOP_TIMEOUT_S = 30.0
 ROOT = Path(__file__).resolve().parents[3]  # the repository: what the child imports from
@@ -134,6 +135,7 @@ class ProcessEngine:
         self.prefill_budget = built.prefill_budget
         self.capabilities = msgspec.structs.replace(
             built.capabilities,
+            modes=frozenset({TaskMode.COLOCATED}),  # no KV leaves or enters the child
             kv_export=False,
             kv_import=False,
             prefix_pinning=False,

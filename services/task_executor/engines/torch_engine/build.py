@@ -131,7 +131,7 @@ def capabilities(
     """What a torch engine built with these options can do (checked at load against what
     it implements: ``capabilities.bind_features``)."""
     return EngineCapabilities(
-        modes=frozenset({TaskMode.COLOCATED}),
+        modes=frozenset({TaskMode.COLOCATED, TaskMode.PREFILL, TaskMode.DECODE}),
         prefix_cache=prefix_caching,
         kv_events=prefix_caching,
         kv_export=True,

@@ -47,7 +47,12 @@ from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.kv_movement import KvMovement
-from services.task_executor.engines.torch_engine.kv_transfer import KvExport, model_fingerprint
+from services.task_executor.engines.torch_engine.kv_stream import KvSink, catch_up, layer_hook
+from services.task_executor.engines.torch_engine.kv_transfer import (
+    KvExport,
+    KvLayout,
+    model_fingerprint,
+)
 from services.task_executor.engines.torch_engine.model import (
     ForwardBatch,
     build_batch,
@@ -253,12 +258,17 @@ class TorchEngine:
 
     # --- Engine protocol ---------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest, *, retain_kv: bool = False) -> None:
+    def add_request(
+        self, request: EngineRequest, *, retain_kv: bool = False, kv_sink: KvSink | None = None
+    ) -> None:
         """``retain_kv``: when the request finishes, keep its KV for ``export_kv`` until
         ``abort(request_id)`` or an export with ``release=True`` (a prefill-only instance
-        runs requests with max_tokens=1 this way)."""
+        runs requests with max_tokens=1 this way). ``kv_sink``: the prompt's KV goes there
+        layer by layer as it is computed (``kv_stream``), all of it by the time the first
+        token comes out."""
         req = self._new_request(request, list(request.prompt_token_ids))
         req.retain_kv = retain_kv
+        req.kv_sink = kv_sink
         self._enqueue(req)
 
     def abort(self, request_id: str) -> None:
@@ -399,10 +409,26 @@ class TorchEngine:
 
     # --- KV export / import (engine-specific: kv_movement.py) -----------------------------
 
-    def export_kv(self, request_id: str, *, release: bool = False) -> KvExport:
-        """The KV a request has computed so far: a running request, or a finished one added
-        with ``retain_kv``; ``release`` drops a retained one's KV afterwards."""
-        return self._kv_moves.export(request_id, release=release)
+    def export_kv(
+        self, request_id: str, *, release: bool = False, first_token: int = 0
+    ) -> KvExport:
+        """The KV a request has computed so far, from ``first_token`` on (the importer holds
+        the rest): a running request, or a finished one added with ``retain_kv``;
+        ``release`` drops a retained one's KV afterwards."""
+        return self._kv_moves.export(request_id, release=release, first_token=first_token)
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        cfg = self.config
+        return KvLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def held_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of ``token_ids`` whose KV this instance's prefix cache holds now
+        (device or host tier): what an import need not bring (``KvExport.first_token``)."""
+        if not self.prefix_cache.enabled:
+            return 0
+        found, _ = self.prefix_cache.probe(chain_hashes(list(token_ids), self.block_size))
+        return min(found * self.block_size, len(token_ids) - 1)
 
     def import_kv(self, export: KvExport, request: EngineRequest) -> None:
         """Queue ``request`` to continue where ``export`` (from this model, on any instance)
@@ -461,12 +487,14 @@ class TorchEngine:
         return self.runner.forward(self._batch(scheduled), self.cache)
 
     def _batch(self, scheduled: Sequence[Seq]) -> ForwardBatch:
-        return build_batch(
+        batch = build_batch(
             [r.chunk() for r in scheduled],
             block_size=self._sched.block_size,
             device=self.torch_device,
             sampled=[r.samples for r in scheduled],
         )
+        hook = layer_hook(scheduled, self.cache, self.block_size, self.torch_device)
+        return batch if hook is None else dataclasses.replace(batch, on_layer=hook)
 
     def _advance(self, scheduled: Sequence[Seq], logits: torch.Tensor) -> list[EngineOutput]:
         sampled = [r for r in scheduled if r.samples]
@@ -490,6 +518,8 @@ class TorchEngine:
                 continue
             token = next(new_tokens)
             req.num_computed = len(req.token_ids)
+            if req.kv_sink is not None and req.num_output == 0:
+                catch_up(req, self.cache, bs, self.torch_device)  # all of it before its token
             req.token_ids.append(token)
             if req.first_token_at is None:
                 req.first_token_at = time.monotonic()

@@ -15,6 +15,7 @@ import torch
 
 from services.task_executor.dtypes import dtype_name
 from services.task_executor.engines.base import EngineRequest
+from services.task_executor.engines.torch_engine.kv_stream import token_slots
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from services.task_executor.engines.torch_engine.prefix_cache import PrefixMatch
 from services.task_executor.engines.torch_engine.scheduler import blocks_for
@@ -30,7 +31,7 @@ class KvMovement:
 
     # --- export / import ------------------------------------------------------------------
 
-    def export(self, request_id: str, *, release: bool = False) -> KvExport:
+    def export(self, request_id: str, *, release: bool = False, first_token: int = 0) -> KvExport:
         engine = self._engine
         engine._check_open()
         engine._quiesce()
@@ -40,16 +41,17 @@ class KvMovement:
         if req.num_computed == 0:
             raise ValueError(f"request {request_id!r} has no KV yet (waiting or preempted)")
         n, bs, cfg = req.num_computed, engine.block_size, engine.config
-        idx = torch.tensor(req.blocks[: blocks_for(n, bs)], device=engine.torch_device)
-        kv = torch.stack(
-            [
-                torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                for k, v in engine.cache.layers()
-            ]
-        ).cpu()
-        # The last block's slots past n hold stale data from earlier owners; zero keeps the
-        # bytes deterministic.
-        kv.view(cfg.num_layers, 2, -1, cfg.num_kv_heads, cfg.head_dim)[:, :, n:] = 0
+        first = min(max(first_token, 0), n)
+        # The tokens' KV in blocks of bs from ``first`` (zero past n keeps the bytes
+        # deterministic: the last block's slots past n hold stale data in the cache).
+        nb = blocks_for(n - first, bs)
+        kv = torch.zeros(
+            (cfg.num_layers, 2, nb * bs, cfg.num_kv_heads, cfg.head_dim), dtype=engine.dtype
+        )
+        slots = token_slots(req.blocks, bs, first, n, engine.torch_device)
+        for layer, (k, v) in enumerate(engine.cache.layers()):
+            kv[layer, 0, : n - first] = k.view(-1, *k.shape[2:]).index_select(0, slots).cpu()
+            kv[layer, 1, : n - first] = v.view(-1, *v.shape[2:]).index_select(0, slots).cpu()
         export = KvExport(
             token_ids=list(req.token_ids),
             num_prompt_tokens=req.prompt_len,
@@ -60,7 +62,8 @@ class KvMovement:
             head_dim=cfg.head_dim,
             dtype=dtype_name(engine.dtype),
             model_fingerprint=engine.model_fingerprint,
-            kv=kv,
+            kv=kv.view(cfg.num_layers, 2, nb, bs, cfg.num_kv_heads, cfg.head_dim),
+            first_token=first,
         )
         if release and request_id in engine._retained:
             engine._release(engine._retained.pop(request_id))
@@ -88,24 +91,29 @@ class KvMovement:
             for _ in range(req.num_output):
                 torch.rand(1, generator=req.generator)
         req.imported_kv = export.token_kv().to(engine.dtype)
+        req.imported_from = export.first_token
         return req
 
     def admit_imported(self, req: Seq, match: PrefixMatch) -> None:
         """Write an imported request's KV past what the prefix cache matched (``match``)
-        into its blocks, as it joins the batch."""
+        into its blocks, as it joins the batch. An import that starts past the match (the
+        blocks it relied on left the cache meanwhile) is dropped: the request computes its
+        prompt from the match instead, and its output is the same."""
         engine = self._engine
         pc, bs = engine.prefix_cache, engine.block_size
         assert req.imported_kv is not None
         kv, req.imported_kv = req.imported_kv, None
-        start, n = match.num_tokens, kv.shape[2]
+        first = req.imported_from
+        start, n = match.num_tokens, first + kv.shape[2]
+        if start < first:
+            req.num_computed = min(start, len(req.token_ids) - 1)
+            req.num_cached_tokens = req.num_computed
+            return
         pc.append(req.blocks, n)
-        slots = torch.tensor(
-            [req.blocks[p // bs] * bs + p % bs for p in range(start, n)],
-            device=engine.torch_device,
-        )
+        slots = token_slots(req.blocks, bs, start, n, engine.torch_device)
         for layer in range(engine.config.num_layers):
-            k = kv[layer, 0, start:].to(engine.torch_device)
-            v = kv[layer, 1, start:].to(engine.torch_device)
+            k = kv[layer, 0, start - first :].to(engine.torch_device)
+            v = kv[layer, 1, start - first :].to(engine.torch_device)
             engine.cache.write(layer, slots, k, v)
         req.num_computed = n
         req.num_committed = pc.commit(req.blocks, req.block_hashes, n, req.num_committed)

@@ -42,14 +42,27 @@ def model_fingerprint(model_dir: Path | str) -> str:
     return h.hexdigest()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvLayout:
+    """The shape of one token's KV in an engine: what a peer receiving it must allocate."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class KvExport:
-    """The KV of a request's first ``num_computed_tokens`` tokens and the request's tokens.
+    """The KV of a request's tokens ``[first_token, num_computed_tokens)`` and the request's
+    tokens.
 
     ``kv`` is ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` on the
-    host; slots past ``num_computed_tokens`` in the last block are zero. ``token_ids`` is the
-    whole sequence so far (prompt, then generated tokens); the tokens past
-    ``num_computed_tokens`` (the last sampled one) are the input of the next step.
+    host, its first block starting at ``first_token``; slots past ``num_computed_tokens`` in
+    the last block are zero. ``token_ids`` is the whole sequence so far (prompt, then
+    generated tokens); the tokens past ``num_computed_tokens`` (the last sampled one) are the
+    input of the next step. ``first_token`` > 0: the importer already holds the KV of the
+    tokens before it (PD sends only the blocks the decode side lacks).
     """
 
     token_ids: list[int]
@@ -62,11 +75,14 @@ class KvExport:
     dtype: str  # "float32", "bfloat16", "float16"
     model_fingerprint: str
     kv: torch.Tensor
+    first_token: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
-        nb = -(-self.num_computed_tokens // self.block_size)
+        if not 0 <= self.first_token <= self.num_computed_tokens:
+            raise ValueError("first_token must lie within the computed tokens")
+        nb = -(-(self.num_computed_tokens - self.first_token) // self.block_size)
         want = (self.num_layers, 2, nb, self.block_size, self.num_kv_heads, self.head_dim)
         if tuple(self.kv.shape) != want:
             raise ValueError(f"kv has shape {tuple(self.kv.shape)}, metadata implies {want}")
@@ -78,10 +94,12 @@ class KvExport:
             raise ValueError("the prompt must be computed before its KV is exported")
 
     def token_kv(self) -> torch.Tensor:
-        """``[num_layers, 2, num_computed_tokens, num_kv_heads, head_dim]``: blocks flattened,
-        so an importer with another block size can lay the tokens out its own way."""
+        """``[num_layers, 2, num_computed_tokens - first_token, num_kv_heads, head_dim]``:
+        blocks flattened, so an importer with another block size can lay the tokens out its
+        own way."""
         L, _, nb, bs, kvh, hd = self.kv.shape
-        return self.kv.reshape(L, 2, nb * bs, kvh, hd)[:, :, : self.num_computed_tokens]
+        n = self.num_computed_tokens - self.first_token
+        return self.kv.reshape(L, 2, nb * bs, kvh, hd)[:, :, :n]
 
     def to_bytes(self) -> bytes:
         meta = {
@@ -95,6 +113,7 @@ class KvExport:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "model_fingerprint": self.model_fingerprint,
+            "first_token": self.first_token,
         }
         return st_save({"kv": self.kv.contiguous()}, metadata={_META_KEY: json.dumps(meta)})
 

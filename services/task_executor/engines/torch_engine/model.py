@@ -70,6 +70,8 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None  # [D] tokens each decode request attends to
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size], True = attend
     prefills: tuple[_Prefill, ...]
+    # called with each layer's index once its K/V are in the cache (kv_stream.layer_hook)
+    on_layer: Callable[[int], None] | None = None
 
 
 def to_device(
@@ -258,6 +260,8 @@ class Transformer:
             q, k = rotate(qkv[:, : n_heads + n_kv])
             q, k, v = q[:, :n_heads], k[:, n_heads:], qkv[:, n_heads + n_kv :]
             cache.write(i, batch.slots, k, v)
+            if batch.on_layer is not None:
+                batch.on_layer(i)
             attn = self._attention(i, batch, cache, q, k, v, decode_bias)
             x = self._add_norm(h, linear(attn, lw.o), lw.post_norm)
             delta = linear(self._silu_mul(linear(x, lw.gate_up)), lw.down)

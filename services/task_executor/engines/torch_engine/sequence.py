@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from services.task_executor.engines.torch_engine.kv_stream import KvSink
 from services.task_executor.engines.torch_engine.model import SeqChunk
 from services.task_executor.engines.torch_engine.prefix_cache import PrefixCache
 from services.task_executor.engines.torch_engine.scheduler import Pacing, SeqView, tpot_slack
@@ -31,6 +32,9 @@ class Seq:
     reported_cached: bool = False  # the first output (which carries num_cached_tokens) is out
     retain_kv: bool = False  # keep the KV after finishing, for export_kv
     imported_kv: torch.Tensor | None = None  # [layers, 2, tokens, kv_heads, hd], until admitted
+    imported_from: int = 0  # the first token imported_kv covers (the rest is cached here)
+    kv_sink: KvSink | None = None  # its prompt's KV streams there as it is computed (PD)
+    kv_sent: int = 0  # leading tokens whose KV (every layer) went to kv_sink
     # Sampling draws taken for the next tokens but not yet spent (a launch ahead takes its draw
     # early; if its token is thrown away, the recomputation reuses it).
     uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -56,7 +60,8 @@ class Seq:
         """Hashes of the blocks it may take from the cache while waiting: all its full
         blocks, or, imported, those its KV covers (the rest comes from the import)."""
         if self.imported_kv is not None:
-            return self.block_hashes[: self.imported_kv.shape[2] // block_size]
+            covered = self.imported_from + self.imported_kv.shape[2]
+            return self.block_hashes[: covered // block_size]
         return self.block_hashes
 
     def ttft_left(self) -> float:
@@ -92,7 +97,7 @@ def waiting_view(seq: Seq, prefix_cache: PrefixCache, block_size: int) -> SeqVie
     n = len(seq.token_ids)
     left = seq.ttft_left()
     if seq.imported_kv is not None:
-        cached_kv = seq.imported_kv.shape[2]
+        cached_kv = seq.imported_from + seq.imported_kv.shape[2]
         return SeqView(seq.request_id, n, in_use, num_cached_tokens=cached_kv, ttft_left_s=left)
     cached = found * block_size
     # A fully cached sequence still computes its last token, into a copy of the last block.
