@@ -121,6 +121,23 @@ def test_bench_multicast_times_both_schedules_side_by_side(tmp_path: Path) -> No
     assert "fan-out ÷ pipeline" in printed
 
 
+def test_bench_kv_transport_pulls_over_both_transports_next_to_the_baselines(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "kv-transfer.json"
+    printed = _bench(
+        "bench.kv_transport", "--tokens", "64,300", "--repeats", "1", "--chunk", "128",
+        "--quiet-wait", "0", "--out", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [r["tokens"] for r in result["rows"]] == [64, 300]
+    for row in result["rows"]:
+        for key in ("shm_gbps", "tcp_gbps", "memcpy_gbps", "socket_gbps", "shm_first_gbps"):
+            assert row[key] > 0
+        assert row["shm_vs_memcpy"] == row["shm_gbps"] / row["memcpy_gbps"]
+    assert "shm/memcpy" in printed and "tcp/socket" in printed
+
+
 def test_bench_coldstart_times_each_way_back_from_zero(tmp_path: Path) -> None:
     model = _write_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "coldstart.json"

@@ -1,0 +1,401 @@
+"""The KV data plane of PD disaggregation (``services/task_executor/kv_transport``) against
+what its two transports are made of, in the same run: a prefill TE's KV pulled by a decode
+TE over shared memory and over loopback TCP, next to a plain memory copy of the same bytes
+(torch ``copy_``) and a plain socket copy (two processes, blocking ``sendall``/``recv_into``).
+
+The KV is that of one prompt of ``--tokens`` tokens in the Qwen2-0.5B shape (24 layers, 2 KV
+heads, head dim 64, bf16: 12 KiB a token), offered in chunks of ``--chunk`` tokens per layer
+as a chunked prefill writes it. The server (``KvServer``) and the puller are processes of
+their own, each on its own event loop (uvloop, as a TE runs), and the puller's process sets
+the allocator up as a TE does (``host_malloc``: large tensors from a warm heap). The whole KV
+is offered before the pull starts, so a pull's time (``Pulled.seconds``, from the call to its
+return, connection included) is the transfer alone; its bytes are checked against the
+source's after each pull.
+
+The baselines run in the puller's process on buffers made the same way as the pull's result
+(``torch.empty``): ``memcpy`` copies into one, ``socket`` receives into one (with the socket
+buffers the transport sets, ``wire.SOCKET_BUFFER``, over one connection kept for all runs;
+a pull connects anew, as each pull does). Each size starts with an untimed round, after
+which a shared-memory pull lands in a segment the pool made in that round (as in a decode TE
+that has pulled before): ``shm 1st`` is that first pull, into new pages, and ``fresh`` a copy
+into fresh anonymous pages, what new memory costs on the host.
+
+    scripts/bench-kv-transfer [--tokens 1024,2048,4096,8192,16384] [--repeats 5] [--chunk 512]
+
+Writes bench-results/kv-transfer.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS, KV_HEADS, HEAD_DIM = 24, 2, 64
+TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # bf16
+
+
+def _reply(body: dict[str, Any]) -> None:
+    print(json.dumps(body), flush=True)
+
+
+def _digest(t: Any) -> str:
+    import torch
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _install_uvloop() -> None:
+    import uvloop
+
+    uvloop.install()
+
+
+# --- the prefill side (a process) -----------------------------------------------------------
+
+
+def _server(max_tokens: int, chunk: int) -> int:
+    import torch
+
+    from services.task_executor.kv_transport.outbox import Outbox
+    from services.task_executor.kv_transport.server import KvServer
+
+    _install_uvloop()
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(LAYERS, 2, max_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+    raw = src.reshape(-1).view(torch.uint8).numpy()
+    ended: dict[str, str] = {}
+    plain = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_plain_sender, args=(plain, memoryview(raw)), daemon=True).start()
+
+    async def main() -> None:
+        server = KvServer(on_end=lambda key, reason: ended.__setitem__(key, reason))
+        await server.start()
+        _reply({"address": server.address, "plain": f"127.0.0.1:{plain.getsockname()[1]}"})
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                break
+            command = json.loads(line)
+            if command["op"] == "offer":
+                n = int(command["tokens"])
+                box = Outbox(
+                    command["key"],
+                    num_layers=LAYERS,
+                    num_kv_heads=KV_HEADS,
+                    head_dim=HEAD_DIM,
+                    dtype=torch.bfloat16,
+                    num_prompt_tokens=n,
+                    lease_s=30.0,
+                )
+                for s in range(0, n, chunk):
+                    for layer in range(LAYERS):
+                        e = min(s + chunk, n)
+                        box.layer(layer, s, src[layer, 0, s:e].clone(), src[layer, 1, s:e].clone())
+                box.done([*range(n), 1], n, None)
+                server.offer(box)
+                _reply({"digest": _digest(src[:, :, :n])})
+            elif command["op"] == "ended":
+                _reply({"reason": ended.get(command["key"])})
+        await server.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def _plain_sender(listener: socket.socket, raw: memoryview) -> None:
+    """The socket baseline's sender: for each 8-byte request ``n``, ``n`` bytes at once."""
+    from services.task_executor.kv_transport.wire import SOCKET_BUFFER
+
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    while True:
+        ask = conn.recv(8, socket.MSG_WAITALL)
+        if len(ask) < 8:
+            return
+        conn.sendall(raw[: int.from_bytes(ask, "little")])
+
+
+# --- the decode side (a process) ------------------------------------------------------------
+
+
+def _client() -> int:
+    # A TE's process: the engine imported, large allocations from a warm heap.
+    import services.task_executor.engines.torch_engine.engine  # noqa: F401
+    from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
+    from services.task_executor.kv_transport.client import pull
+    from services.task_executor.kv_transport.wire import SOCKET_BUFFER
+
+    keep_large_allocations()
+    _install_uvloop()
+    plain: socket.socket | None = None
+
+    async def main() -> None:  # one loop for every pull, as in a TE
+        nonlocal plain
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            command = json.loads(line)
+            op = command["op"]
+            if op == "pull":
+                p = await pull(
+                    command["address"],
+                    command["key"],
+                    skip_tokens=0,
+                    deadline_s=60,
+                    renew_s=1.0,
+                    shm=command["shm"],
+                )
+                digest = _digest(p.kv)
+                _reply(
+                    {
+                        "seconds": p.seconds,
+                        "nbytes": p.nbytes,
+                        "transport": p.transport,
+                        "digest": digest,
+                    }
+                )
+                del p
+            elif op == "socket":
+                if plain is None:  # buffers as the transport's (wire.SOCKET_BUFFER)
+                    host, _, port = command["address"].rpartition(":")
+                    plain = socket.socket()
+                    plain.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+                    plain.connect((host, int(port)))
+                    plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _reply({"seconds": _plain_receive(plain, int(command["bytes"]))})
+            elif op == "memcpy":
+                _reply(_memcpy(int(command["bytes"])))
+
+    asyncio.run(main())
+    return 0
+
+
+def _plain_receive(conn: socket.socket, n: int) -> float:
+    """The socket baseline's receiver: ``n`` bytes into a new tensor, the seconds it took."""
+    import torch
+
+    t = time.perf_counter()
+    buf = torch.empty(n, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    conn.sendall(n.to_bytes(8, "little"))
+    got = 0
+    while got < n:
+        got += conn.recv_into(view[got:])
+    return time.perf_counter() - t
+
+
+def _memcpy(n: int) -> dict[str, float]:
+    """``n`` bytes copied into a new tensor (``seconds``) and into fresh pages (``fresh``)."""
+    import torch
+
+    src = torch.ones(n, dtype=torch.uint8)
+    t = time.perf_counter()
+    torch.empty(n, dtype=torch.uint8).copy_(src)
+    warm = time.perf_counter() - t
+    mm = mmap.mmap(-1, n)
+    t = time.perf_counter()
+    torch.frombuffer(mm, dtype=torch.uint8).copy_(src)
+    fresh = time.perf_counter() - t
+    mm.close()
+    return {"seconds": warm, "fresh_seconds": fresh}
+
+
+# --- the parent -----------------------------------------------------------------------------
+
+
+class Proc:
+    def __init__(self, *args: str) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "bench.kv_transport", *args],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def ask(self, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps(body) + "\n")
+        self.p.stdin.flush()
+        return self.answer()
+
+    def answer(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.p.args} exited with {self.p.wait()} (its stderr above)")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> list[dict[str, Any]]:
+    from bench.common import Col, Neighbours, Table
+
+    table = Table(
+        [
+            Col("tokens", "tokens"),
+            Col("mb", "MB", ".1f"),
+            Col("shm_gbps", "shm GB/s", ".2f"),
+            Col("memcpy_gbps", "memcpy GB/s", ".2f"),
+            Col("shm_vs_memcpy", "shm/memcpy", ".0%"),
+            Col("tcp_gbps", "tcp GB/s", ".2f"),
+            Col("socket_gbps", "socket GB/s", ".2f"),
+            Col("tcp_vs_socket", "tcp/socket", ".0%"),
+            Col("shm_first_gbps", "shm 1st GB/s", ".2f"),
+            Col("fresh_gbps", "fresh GB/s", ".2f"),
+            Col("neighbour_cores", "others' cores", ".2f"),
+        ]
+    )
+    server = Proc("--role", "server", "--max-tokens", str(max(tokens)), "--chunk", str(chunk))
+    client = Proc("--role", "client")
+    neighbours = Neighbours(lambda: [server.p.pid, client.p.pid])
+    rows = []
+    try:
+        address = server.answer()
+        keys = iter(range(1 << 62))
+        for n in tokens:
+            nbytes = n * TOKEN_BYTES
+            times: dict[str, list[float]] = {k: [] for k in ("shm", "tcp", "socket", "memcpy")}
+            firsts: dict[str, float] = {}
+            fresh: list[float] = []
+            neighbours.wait_quiet(max_wait_s=max_wait_s)
+            start = neighbours.sample()
+            for rep in range(repeats + 1):  # the first round is untimed (but for shm 1st)
+                for transport in ("shm", "tcp"):
+                    seconds = _pull_once(server, client, address, f"{transport}-{next(keys)}", n)
+                    if rep:
+                        times[transport].append(seconds)
+                    else:
+                        firsts[transport] = seconds
+                sock = client.ask({"op": "socket", "address": address["plain"], "bytes": nbytes})
+                copy = client.ask({"op": "memcpy", "bytes": nbytes})
+                if rep:
+                    times["socket"].append(sock["seconds"])
+                    times["memcpy"].append(copy["seconds"])
+                    fresh.append(copy["fresh_seconds"])
+            rate = {k: _gbps(nbytes, v) for k, v in times.items()}
+            rows.append(
+                {
+                    "tokens": n,
+                    "mb": nbytes / 1e6,
+                    "shm_gbps": rate["shm"],
+                    "memcpy_gbps": rate["memcpy"],
+                    "shm_vs_memcpy": rate["shm"] / rate["memcpy"],
+                    "tcp_gbps": rate["tcp"],
+                    "socket_gbps": rate["socket"],
+                    "tcp_vs_socket": rate["tcp"] / rate["socket"],
+                    "shm_first_gbps": nbytes / firsts["shm"] / 1e9,
+                    "fresh_gbps": _gbps(nbytes, fresh),
+                    "seconds": times,
+                    "fresh_seconds": fresh,
+                    "neighbour_cores": neighbours.cores_used(start),
+                }
+            )
+            table.row(rows[-1])
+    finally:
+        server.close()
+        client.close()
+    return rows
+
+
+def _pull_once(server: Proc, client: Proc, address: dict[str, Any], key: str, n: int) -> float:
+    """One offer and its pull, checked (bytes, transport, lease); the pull's seconds."""
+    digest = server.ask({"op": "offer", "key": key, "tokens": n})["digest"]
+    transport = key.partition("-")[0]
+    got = client.ask(
+        {"op": "pull", "address": address["address"], "key": key, "shm": transport == "shm"}
+    )
+    if got["digest"] != digest or got["nbytes"] != n * TOKEN_BYTES:
+        raise RuntimeError(f"{key}: the pulled KV is not the source's")
+    if got["transport"] != transport:
+        raise RuntimeError(f"{key}: pulled over {got['transport']}")
+    for _ in range(20):  # the release may still be on its way
+        ended = server.ask({"op": "ended", "key": key})["reason"]
+        if ended is not None:
+            break
+        time.sleep(0.01)
+    if ended != "released":
+        raise RuntimeError(f"{key}: the lease ended {ended!r}")
+    seconds: float = got["seconds"]
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokens", default="1024,2048,4096,8192,16384", help="prompt lengths")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per size (median)")
+    ap.add_argument("--chunk", type=int, default=512, help="tokens per layer write")
+    ap.add_argument(
+        "--quiet-wait", type=float, default=20.0, help="seconds to wait for a quiet host per size"
+    )
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "kv-transfer.json")
+    ap.add_argument("--role", choices=["server", "client"], help=argparse.SUPPRESS)
+    ap.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role == "server":
+        return _server(args.max_tokens, args.chunk)
+    if args.role == "client":
+        return _client()
+
+    from bench.common import numbers, write_result
+
+    tokens = numbers(args.tokens)
+    print(
+        f"KV of {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM} (bf16, {TOKEN_BYTES} B a token), "
+        f"written in chunks of {args.chunk} tokens; medians of {args.repeats}",
+        flush=True,
+    )
+    rows = measure(tokens, args.repeats, args.chunk, args.quiet_wait)
+    write_result(
+        args.out,
+        {
+            "bench": "kv-transfer",
+            "shape": {
+                "layers": LAYERS,
+                "kv_heads": KV_HEADS,
+                "head_dim": HEAD_DIM,
+                "dtype": "bfloat16",
+            },
+            "chunk": args.chunk,
+            "repeats": args.repeats,
+            "cpus": os.cpu_count(),
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

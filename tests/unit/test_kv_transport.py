@@ -1,0 +1,465 @@
+"""The KV data plane (services/task_executor/kv_transport): a real server and real pulls over
+loopback TCP and /dev/shm, the KV checked byte for byte, and every way a lease ends."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from services.task_executor.kv_transport import shm, wire
+from services.task_executor.kv_transport.client import Pulled, TransferFailed, pull, reject
+from services.task_executor.kv_transport.mapped import MappedSegments
+from services.task_executor.kv_transport.outbox import Outbox
+from services.task_executor.kv_transport.pool import SegmentPool
+from services.task_executor.kv_transport.server import KvServer
+
+LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 200
+TRANSPORTS = ["tcp", "shm"]
+
+
+def _ours() -> set[str]:
+    return {
+        p.name
+        for p in shm.SHM_DIR.iterdir()
+        if p.name.startswith((shm.PROBE_PREFIX, shm.SEGMENT_PREFIX))
+    }
+
+
+POOL: SegmentPool | None = None  # the current test's segment pool
+
+
+@pytest.fixture(autouse=True)
+def pool() -> Iterator[SegmentPool]:
+    """The test's segment pool; once it is closed, no file of ours may be left in /dev/shm."""
+    global POOL
+    before = _ours()
+    POOL = SegmentPool()
+    yield POOL
+    POOL.close()
+    deadline = time.monotonic() + 1.0
+    while _ours() - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _ours() - before == set()
+
+
+class Ends:
+    """on_end's calls, and a way to wait for one."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.event = asyncio.Event()
+
+    def __call__(self, key: str, reason: str) -> None:
+        assert key not in self.of, f"on_end called twice for {key}"
+        self.calls.append((key, reason))
+        self.event.set()
+
+    @property
+    def of(self) -> dict[str, str]:
+        return dict(self.calls)
+
+    async def wait(self, key: str, timeout: float = 2.0) -> str:
+        async with asyncio.timeout(timeout):
+            while key not in self.of:
+                self.event.clear()
+                await self.event.wait()
+        return self.of[key]
+
+
+@pytest.fixture
+async def ends() -> Ends:
+    return Ends()
+
+
+@pytest.fixture
+async def server(ends: Ends) -> AsyncIterator[KvServer]:
+    srv = KvServer(on_end=ends, grace_s=0.3)
+    await srv.start()
+    yield srv
+    await srv.close()
+
+
+def source(dtype: torch.dtype = torch.bfloat16, tokens: int = TOKENS) -> torch.Tensor:
+    g = torch.Generator().manual_seed(tokens)
+    return torch.randn(LAYERS, 2, tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
+
+
+def outbox(key: str, src: torch.Tensor, lease_s: float = 1.0) -> Outbox:
+    return Outbox(
+        key,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=src.dtype,
+        num_prompt_tokens=src.shape[2],
+        lease_s=lease_s,
+    )
+
+
+def write(box: Outbox, src: torch.Tensor, chunk: int = 64, shuffle: bool = False) -> None:
+    writes = [(layer, s) for s in range(0, src.shape[2], chunk) for layer in range(LAYERS)]
+    if shuffle:
+        random.Random(7).shuffle(writes)
+    for layer, s in writes:
+        box.layer(
+            layer, s, src[layer, 0, s : s + chunk].clone(), src[layer, 1, s : s + chunk].clone()
+        )
+
+
+def finish(box: Outbox, src: torch.Tensor) -> None:
+    n = src.shape[2]
+    box.done([*range(n), 7], n, None)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def row_bytes(dtype: torch.dtype) -> int:
+    return HEADS * HEAD_DIM * dtype.itemsize
+
+
+async def pull_from(
+    server: KvServer | str, key: str, transport: str = "shm", **kw: float
+) -> Pulled:
+    args = {"skip_tokens": 0, "deadline_s": 5.0, "renew_s": 0.1} | kw
+    address = server if isinstance(server, str) else server.address
+    return await pull(address, key, shm=transport == "shm", pool=POOL, **args)  # type: ignore[arg-type]
+
+
+# --- the bytes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_pull_holds_the_source_kv_byte_for_byte(server, ends, transport, dtype):
+    src = source(dtype)
+    box = outbox("a", src)
+    server.offer(box)
+    write(box, src)
+    finish(box, src)
+    p = await pull_from(server, "a", transport)
+    assert p.transport == transport
+    assert same_bytes(p.kv, src)
+    assert p.dtype == dtype and p.first_token == 0
+    assert (p.num_prompt_tokens, p.num_computed_tokens) == (TOKENS, TOKENS)
+    assert p.token_ids == [*range(TOKENS), 7] and p.finish_reason is None
+    assert p.nbytes == LAYERS * 2 * TOKENS * row_bytes(dtype) and p.seconds > 0
+    assert await ends.wait("a") == "released"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_skipped_tokens_are_not_sent(server, ends, transport):
+    src = source()
+    box = outbox("s", src)
+    server.offer(box)
+    write(box, src, chunk=50)  # 37 falls inside the first chunk: the rest of it is sent
+    box.done([*range(TOKENS), 1], TOKENS, "stop")
+    p = await pull_from(server, "s", transport, skip_tokens=37)
+    assert p.first_token == 37 and p.finish_reason == "stop"
+    assert p.nbytes == LAYERS * 2 * (TOKENS - 37) * row_bytes(torch.bfloat16)
+    assert same_bytes(p.kv, src[:, :, 37:])
+    assert await ends.wait("s") == "released"
+
+
+async def test_skipping_every_computed_token_sends_nothing(server, ends):
+    src = source()
+    box = outbox("all", src)
+    server.offer(box)
+    write(box, src)
+    box.done([*range(TOKENS), 1], 150, None)
+    p = await pull_from(server, "all", "shm", skip_tokens=TOKENS)
+    assert p.nbytes == 0 and p.kv.shape == (LAYERS, 2, 0, HEADS, HEAD_DIM)
+    assert (p.first_token, p.num_computed_tokens) == (150, 150)
+    assert await ends.wait("all") == "released"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_layers_written_from_another_thread_while_the_puller_waits(server, ends, transport):
+    src = source()
+    box = outbox("o", src)
+    server.offer(box)
+    puller = asyncio.create_task(pull_from(server, "o", transport))
+    await asyncio.sleep(0.1)  # the puller is connected and waiting
+
+    def engine() -> None:  # out of order, a chunk at a time, one range computed twice
+        write(box, src, chunk=32, shuffle=True)
+        box.layer(2, 40, src[2, 0, 40:90].clone(), src[2, 1, 40:90].clone())
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    await asyncio.to_thread(thread.join)
+    finish(box, src)
+    p = await puller
+    assert same_bytes(p.kv, src)
+    assert p.nbytes == (LAYERS * TOKENS + 50) * 2 * row_bytes(torch.bfloat16)
+    assert await ends.wait("o") == "released"
+
+
+async def test_an_incomplete_kv_fails_the_pull(server, ends):
+    src = source()
+    box = outbox("gap", src)
+    server.offer(box)
+    write(box, src[:, :, :100])
+    box.layer(3, 100, src[3, 0, 100:].clone(), src[3, 1, 100:].clone())
+    finish(box, src)
+    with pytest.raises(TransferFailed, match=r"layer 0 lacks tokens \[100, 200\)"):
+        await pull_from(server, "gap", "tcp")
+    assert (await ends.wait("gap")).startswith("failed: layer 0")
+
+
+# --- finding the key ------------------------------------------------------------------------
+
+
+async def test_a_puller_before_the_offer_waits_for_it(ends):
+    srv = KvServer(on_end=ends, grace_s=2.0)
+    await srv.start()
+    try:
+        src = source()
+        puller = asyncio.create_task(pull_from(srv.address, "late"))
+        await asyncio.sleep(0.3)
+        box = outbox("late", src)
+        srv.offer(box)
+        write(box, src)
+        finish(box, src)
+        assert same_bytes((await puller).kv, src)
+    finally:
+        await srv.close()
+
+
+async def test_an_unknown_key_fails_after_the_grace(server):
+    t = time.monotonic()
+    with pytest.raises(TransferFailed, match="no KV under key"):
+        await pull_from(server, "nobody", "tcp")
+    assert 0.25 < time.monotonic() - t < 1.5
+
+
+async def test_a_second_puller_is_refused(server, ends):
+    src = source()
+    box = outbox("two", src)
+    server.offer(box)
+    first = asyncio.create_task(pull_from(server, "two", "shm"))
+    await asyncio.sleep(0.1)
+    with pytest.raises(TransferFailed, match="already being pulled"):
+        await pull_from(server, "two", "tcp")
+    write(box, src)
+    finish(box, src)
+    assert same_bytes((await first).kv, src)
+    with pytest.raises(TransferFailed, match="released"):  # and once it ended, too
+        await pull_from(server, "two", "tcp")
+
+
+async def test_a_connection_that_cannot_be_made_fails(server):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(TransferFailed, match="cannot connect"):
+            await pull(f"127.0.0.1:{port}", "x", skip_tokens=0, deadline_s=2, renew_s=1)
+
+
+# --- leases ---------------------------------------------------------------------------------
+
+
+async def test_an_offer_nobody_pulls_expires(server, ends):
+    t = time.monotonic()
+    server.offer(outbox("idle", source(), lease_s=0.3))
+    assert await ends.wait("idle") == "expired"
+    assert 0.25 < time.monotonic() - t < 1.5
+    with pytest.raises(TransferFailed, match="expired"):
+        await pull_from(server, "idle", "tcp")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_renewals_keep_a_slow_prefill_alive(server, ends, transport):
+    src = source()
+    box = outbox("slow", src, lease_s=0.3)
+    server.offer(box)
+    puller = asyncio.create_task(pull_from(server, "slow", transport, renew_s=0.1))
+    await asyncio.sleep(1.0)  # more than three leases
+    assert "slow" not in ends.of
+    write(box, src)
+    finish(box, src)
+    assert same_bytes((await puller).kv, src)
+    assert await ends.wait("slow") == "released"
+
+
+async def test_a_puller_that_does_not_renew_loses_the_lease(server, ends):
+    server.offer(outbox("lapse", source(), lease_s=0.3))
+    with pytest.raises(TransferFailed, match="lease expired"):
+        await pull_from(server, "lapse", "tcp", renew_s=5.0)
+    assert ends.of["lapse"] == "expired"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_puller_cancelled_mid_transfer_ends_the_lease_at_once(server, ends, transport):
+    src = source()
+    box = outbox("gone", src, lease_s=5.0)
+    server.offer(box)
+    write(box, src[:, :, :128])  # part of it sent, no done
+    puller = asyncio.create_task(pull_from(server, "gone", transport))
+    await asyncio.sleep(0.2)
+    puller.cancel()
+    t = time.monotonic()
+    assert await ends.wait("gone") == "disconnected"
+    assert time.monotonic() - t < 1.0  # the lease had 5 s left
+    write(box, src[:, :, 128:])  # the engine still writing: dropped
+    with pytest.raises(asyncio.CancelledError):
+        await puller
+
+
+async def test_a_connection_closed_mid_transfer_ends_the_lease(server, ends):
+    src = source()
+    box = outbox("cut", src, lease_s=5.0)
+    server.offer(box)
+    write(box, src)
+    reader, writer = await asyncio.open_connection(*wire.parse_address(server.address))
+    writer.write(wire.frame_head(wire.Pull("cut", 0)))
+    await reader.read(100)  # Meta and the start of the KV
+    writer.close()
+    assert await ends.wait("cut") == "disconnected"
+
+
+async def test_reject_ends_the_lease(server, ends):
+    server.offer(outbox("no", source()))
+    await reject(server.address, "no", "decode pool is full")
+    assert ends.of["no"] == "rejected: decode pool is full"
+    with pytest.raises(TransferFailed, match="no KV under key"):
+        await reject(server.address, "never", "whatever")
+
+
+async def test_withdraw_fails_a_waiting_puller(server, ends):
+    server.offer(outbox("w", source()))
+    puller = asyncio.create_task(pull_from(server, "w", "shm"))
+    await asyncio.sleep(0.1)
+    server.withdraw("w", "task cancelled")
+    with pytest.raises(TransferFailed, match="withdrawn: task cancelled"):
+        await puller
+    assert ends.of["w"] == "task cancelled"
+    server.withdraw("w", "again")  # a lease ends once
+    assert ends.calls == [("w", "task cancelled")]
+
+
+@pytest.mark.parametrize("before_pull", [False, True])
+async def test_a_failed_prefill_fails_the_pull(server, ends, before_pull):
+    src = source()
+    box = outbox("f", src)
+    server.offer(box)
+    write(box, src[:, :, :64])
+    if before_pull:
+        box.fail("out of memory")
+        assert await ends.wait("f") == "failed: out of memory"
+    else:
+        asyncio.get_running_loop().call_later(0.1, box.fail, "out of memory")
+    with pytest.raises(TransferFailed, match="out of memory"):
+        await pull_from(server, "f", "tcp")
+    assert ends.of["f"] == "failed: out of memory"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_stalled_prefill_fails_the_pull_at_its_deadline(server, ends, transport):
+    src = source()
+    box = outbox("stall", src, lease_s=5.0)
+    server.offer(box)
+    write(box, src)  # everything but done
+    t = time.monotonic()
+    with pytest.raises(TransferFailed, match=r"within 0\.5 s"):
+        await pull_from(server, "stall", transport, deadline_s=0.5)
+    assert 0.45 < time.monotonic() - t < 2.0  # the lease had 5 s
+    assert await ends.wait("stall") == "disconnected"
+
+
+async def test_closing_the_server_ends_every_lease(ends):
+    srv = KvServer(on_end=ends)
+    await srv.start()
+    srv.offer(outbox("c1", source()))
+    srv.offer(outbox("c2", source()))
+    puller = asyncio.create_task(pull_from(srv.address, "c1"))
+    await asyncio.sleep(0.1)
+    await srv.close()
+    assert ends.of == {"c1": "closed", "c2": "closed"}
+    with pytest.raises(TransferFailed, match="shutting down"):
+        await puller
+
+
+# --- shared-memory segments -----------------------------------------------------------------
+
+
+async def test_a_segment_is_reused_once_its_result_is_gone(server, pool):
+    src = source()
+
+    async def one(key: str) -> Pulled:
+        box = outbox(key, src)
+        server.offer(box)
+        write(box, src)
+        finish(box, src)
+        p = await pull_from(server, key)
+        assert same_bytes(p.kv, src)
+        return p
+
+    kept = (await one("r1")).kv[1]  # a view of the result holds its segment
+    await one("r2")  # so this one needs another
+    assert (pool.created, pool.reused) == (2, 0)
+    assert same_bytes(kept, src[1])
+    del kept
+    await one("r3")
+    assert (pool.created, pool.reused) == (2, 1)
+
+
+async def test_a_failed_pull_does_not_return_its_segment(server, pool):
+    server.offer(outbox("x", source()))
+    puller = asyncio.create_task(pull_from(server, "x"))
+    await asyncio.sleep(0.1)
+    server.withdraw("x", "gone")
+    with pytest.raises(TransferFailed):
+        await puller
+    assert pool.created == 1 and pool.idle_bytes == 0  # the server may still be writing it
+
+
+def test_sweep_removes_only_what_dead_processes_left(monkeypatch):
+    monkeypatch.setattr(shm, "SWEEP_MIN_AGE_S", -1.0)
+    live = SegmentPool()
+    lent = live.lend(100)
+    orphan = shm.new_name(shm.SEGMENT_PREFIX)
+    orphan.write_bytes(b"left by a process that died")
+    try:
+        shm.sweep()
+        assert not orphan.exists()
+        assert shm.SHM_DIR.joinpath(lent.path).exists()
+    finally:
+        lent.discard()
+        live.close()
+        shm.remove(orphan)
+
+
+def test_the_server_drops_its_mapping_of_a_segment_its_owner_unlinked(pool):
+    mapped = MappedSegments()
+    lent = pool.lend(4096)
+    mapped.get(lent.path, 4096)[:3].copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    assert bytes(lent.buffer()[:3]) == b"\x01\x02\x03"
+    assert mapped.mapped_bytes == shm.SHM_DIR.joinpath(lent.path).stat().st_size
+    lent.discard()
+    mapped.prune()
+    assert mapped.mapped_bytes == 0
+    with pytest.raises(OSError, match="not a KV segment"):
+        mapped.get("/etc/passwd", 10)
+
+
+async def test_a_puller_that_does_not_share_dev_shm_gets_tcp(server, pool, monkeypatch):
+    monkeypatch.setattr(shm, "probe_matches", lambda path, data: False)  # another /dev/shm
+    src = source()
+    box = outbox("far", src)
+    server.offer(box)
+    write(box, src)
+    finish(box, src)
+    p = await pull_from(server, "far", "shm")
+    assert p.transport == "tcp" and same_bytes(p.kv, src)
+    assert pool.created == 0
