@@ -232,8 +232,13 @@ def _print_summary(s: dict, out: Path) -> None:
         f"E2E  p50/p90/p99 ms  {p(s['e2e_ms'])}",
         f"throughput {s['throughput_tok_s']:.1f} tok/s  goodput {s['goodput_rps']:.2f} req/s  "
         f"SLO attainment {'-' if att is None else f'{att:.1%}'} ({s['slo']['text']})",
-        f"results in {out}/ (summary.json, requests.jsonl, *.png)",
     ]
+    for name, g in s.get("pd", {}).items():  # the server's PD split (X-Meshserve-Pd)
+        lines.append(
+            f"  {name}: {g['requests']} requests  TTFT p50/p90/p99 ms {p(g['ttft_ms'])}  "
+            f"TPOT {p(g['tpot_ms'])}"
+        )
+    lines.append(f"results in {out}/ (summary.json, requests.jsonl, *.png)")
     print("\n".join(lines))
 
 

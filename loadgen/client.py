@@ -28,6 +28,9 @@ class Record:
     status: int = 0
     error: str | None = None
     cached_tokens: int = 0
+    # How the server placed it (meshserve's X-Meshserve-Pd): True disaggregated, False
+    # colocated, None not said.
+    disaggregated: bool | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -70,6 +73,8 @@ async def _stream(
             url, json=body, headers={"Authorization": f"Bearer {api_key}"}
         ) as resp:
             rec.status = resp.status
+            if pd := resp.headers.get("X-Meshserve-Pd"):
+                rec.disaggregated = pd.startswith("disaggregated")
             if resp.status != 200:
                 rec.error = (await resp.text())[:500]
                 return rec

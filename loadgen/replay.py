@@ -118,6 +118,7 @@ def _result(p: Planned, sent_s: float, expected: int | None, rec: Record) -> Res
         prompt_tokens=rec.prompt_tokens,
         completion_tokens=completion,
         cached_tokens=rec.cached_tokens,
+        disaggregated=rec.disaggregated,
         ttft_s=rec.ttft_s,
         e2e_s=rec.e2e_s if rec.error is None else None,
         gaps_s=gaps,

@@ -100,6 +100,12 @@ def summarize(results: Sequence[Result], slo: SLO, *, exact_prompts: bool = True
     }
     # A mix mapped onto fewer served models (--models-map a=demo,b=demo) is still reported
     # per function of the trace.
+    # PD: the requests the server disaggregated and those it ran whole, apart.
+    if any(r.disaggregated is not None for r in results):
+        out["pd"] = {
+            name: metrics([r for r in results if r.disaggregated is flag], slo, duration)
+            for name, flag in (("disaggregated", True), ("colocated", False))
+        }
     trace_models = sorted({r.trace_model for r in results if r.trace_model is not None})
     if trace_models and trace_models != models:
         out["per_trace_model"] = {

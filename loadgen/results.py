@@ -35,6 +35,7 @@ class Result:
     error: str | None = None
     trace_model: str | None = None
     session_id: str | None = None
+    disaggregated: bool | None = None  # how the server placed it, where it says (PD)
 
     @property
     def ok(self) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from shared.messages.cluster import CachedWeights, JobShare, TEHeartbeat, TEState
 from shared.messages.scaling import InstanceCapacity
+from shared.messages.tasks import TaskMode
 
 RECENT_MODELS = 8  # models a TE remembers loading (their files are likely in page cache)
 
@@ -51,6 +52,9 @@ class TEView:
     # its work by the job executor that placed it, and the placements it had taken then
     shares: Mapping[str, JobShare] = dataclasses.field(default_factory=dict)
     placements: int = 0
+    role: TaskMode = TaskMode.COLOCATED  # what it serves its model as (prefill: prompts only)
+    kv_address: str = ""  # a prefill TE's KV server, where decode TEs pull
+    kv_import: bool = False  # its engine continues requests from imported KV (a decode side)
 
     @property
     def load(self) -> int:
@@ -84,4 +88,7 @@ def te_view(hb: TEHeartbeat) -> TEView:
         relay_address=hb.relay_address,
         shares=hb.shares,
         placements=hb.placements,
+        role=hb.role,
+        kv_address=hb.kv_address,
+        kv_import=hb.engine_capabilities is not None and hb.engine_capabilities.kv_import,
     )

@@ -14,7 +14,7 @@ from shared.messages.base import Message
 from shared.messages.cluster import ClusterView, GetView, Leave
 from shared.messages.jobs import ChatJob, JobAccepted
 from shared.messages.scaling import ControlAck, OutcomeReport, TrafficReport
-from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted
+from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskMode
 from shared.runner import Lifecycle
 from shared.subjects import Subjects
 
@@ -44,11 +44,14 @@ class TaskExecutorClient:
             request_id=task.request_id,
         )
 
-    async def cancel(self, te_id: str, request_id: str, attempt: int) -> None:
+    async def cancel(
+        self, te_id: str, request_id: str, attempt: int, *, mode: TaskMode = TaskMode.COLOCATED
+    ) -> None:
+        """``mode`` PREFILL: the attempt's prefill task (its KV is freed)."""
         # Fire and forget: a TE that is gone has nothing left to cancel.
         await self._bus.publish(
             self._s.te_task(te_id),
-            CancelTask(request_id=request_id, attempt=attempt),
+            CancelTask(request_id=request_id, attempt=attempt, mode=mode),
             request_id=request_id,
         )
 

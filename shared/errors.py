@@ -163,6 +163,16 @@ class Internal(MeshserveError):
     code = "internal_error"
 
 
+class KvTransferFailed(MeshserveError):
+    """A disaggregated request's KV did not reach its decode instance (the prefill instance
+    failed or vanished, the transfer broke or stalled) and the deployment chose to fail
+    rather than recompute (``MESHSERVE_PD_FALLBACK=fail``)."""
+
+    status = 502
+    error_type = "server_error"
+    code = "kv_transfer_failed"
+
+
 _ALL: tuple[type[MeshserveError], ...] = (
     BadRequest,
     Unauthorized,
@@ -179,6 +189,7 @@ _ALL: tuple[type[MeshserveError], ...] = (
     NoCapacity,
     InstanceLost,
     Internal,
+    KvTransferFailed,
 )
 _BY_KIND: dict[str, type[MeshserveError]] = {cls.__name__: cls for cls in _ALL}
 # A peer that predates ``kind`` (or an unknown kind): the status decides, as it did then, as

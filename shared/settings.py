@@ -238,6 +238,35 @@ class JobExecutorSettings(Section):
         description="Block size the JE hashes prompts with for TEs that publish no KV events "
         "(those that do tell their own).",
     )
+    pd: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Prefill/decode disaggregation, decided per request after the decode "
+        "instance is picked: `auto` sends the prompt to a prefill instance only when the part "
+        "its decode instance does not hold is long enough (pd_min_uncached_tokens, "
+        "pd_min_uncached_ratio) and the prefill instances are not backed up "
+        "(pd_max_prefill_queue_tokens); `always` whenever a prefill instance of the model is "
+        "ready; `never`: every request runs colocated. Only models with prefill instances "
+        "(loaded with role `prefill`) are ever disaggregated.",
+    )
+    pd_min_uncached_tokens: int = Field(
+        default=2048,
+        ge=0,
+        description="`auto` disaggregates a request only when its decode instance lacks at "
+        "least this many of its prompt tokens (Dynamo's max_local_prefill_length).",
+    )
+    pd_min_uncached_ratio: float = Field(
+        default=0.7,
+        ge=0,
+        le=1,
+        description="... and at least this share of the prompt (a mostly cached prompt "
+        "prefills locally).",
+    )
+    pd_max_prefill_queue_tokens: int = Field(
+        default=32768,
+        ge=0,
+        description="`auto` prefills locally when the least busy prefill instance has this "
+        "many prompt tokens queued already.",
+    )
 
 
 class ModelScaling(BaseModel):
@@ -380,6 +409,31 @@ class TaskExecutorSettings(Section):
     )
     torch_threads: int = Field(
         default=0, ge=0, description="Intra-op threads per TE; 0: torch's default."
+    )
+    kv_host: str = Field(
+        default="127.0.0.1",
+        description="Where a prefill TE's KV server listens and is found by decode TEs, which "
+        "pull a disaggregated request's KV from it (shared memory when both are on one host, "
+        "else TCP): this host's address on the cluster network when pools run on several "
+        "hosts.",
+    )
+    pd_fallback: Literal["recompute", "fail"] = Field(
+        default="recompute",
+        description="What a decode TE does when a disaggregated request's KV does not arrive "
+        "(the prefill TE failed or vanished, the transfer broke or passed pd_transfer_timeout): "
+        "`recompute` prefills the prompt itself (same output, later first token); `fail` ends "
+        "the request with a 502 `kv_transfer_failed`.",
+    )
+    pd_transfer_timeout: Duration = Field(
+        default=timedelta(seconds=30),
+        description="How long a decode TE waits for a prompt's KV (its prefill included) "
+        "before it falls back.",
+    )
+    pd_lease: Duration = Field(
+        default=timedelta(seconds=3),
+        description="A prefill TE keeps a prompt's KV for its decode TE under a lease of this "
+        "length, renewed by the decode TE while it pulls; a lease not renewed frees the KV "
+        "(a decode TE that vanished), as does the decode TE's release or a dropped connection.",
     )
 
 

@@ -47,6 +47,33 @@ ROUTED_TOKENS = Counter(
 )
 
 
+PD_REQUESTS = Counter(
+    "meshserve_pd_requests",
+    "Placed requests by whether their prompt ran on a prefill instance (disaggregated) and "
+    "why (disaggregation.decide: always, long uncached prompt, short uncached prompt, mostly "
+    "cached prompt, prefill queue full, no prefill instance, ...)",
+    ["model", "disaggregated", "reason"],
+)
+KV_TRANSFER_BYTES = Counter(
+    "meshserve_kv_transfer_bytes",
+    "Prompt KV bytes moved from prefill to decode instances, by transport (shm, tcp)",
+    ["model", "transport"],
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "meshserve_kv_transfer_seconds",
+    "A disaggregated request's KV pull, from its decode task's start to the KV in hand (its "
+    "prefill included: the transfer overlaps it)",
+    ["model", "transport"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+PD_FALLBACKS = Counter(
+    "meshserve_pd_fallbacks",
+    "Disaggregated requests whose KV did not arrive, so that the decode instance prefilled "
+    "them itself (MESHSERVE_PD_FALLBACK=recompute) or they failed (fail)",
+    ["model"],
+)
+
+
 def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
     """A request ended (however): its metrics, and its outcome for the scaler. ``t0``: when
     its job was first submitted (monotonic)."""
@@ -68,6 +95,15 @@ def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int,
         ROUTED_TOKENS.labels(model, "matched").inc(routed.matched_tokens)
         ROUTED_TOKENS.labels(model, "best").inc(routed.best_matched_tokens)
         ROUTED_TOKENS.labels(model, "cached").inc(gen.cached_tokens)
+    if routed is not None and routed.pd:
+        disaggregated = "yes" if routed.prefill_te_id else "no"
+        PD_REQUESTS.labels(model, disaggregated, routed.pd).inc()
+    if (kv := gen.kv) is not None:
+        if kv.fallback:
+            PD_FALLBACKS.labels(model).inc()
+        else:
+            KV_TRANSFER_BYTES.labels(model, kv.transport).inc(kv.bytes)
+            KV_TRANSFER_SECONDS.labels(model, kv.transport).observe(kv.seconds)
     met = outcomes.record(
         model,
         ok=gen.finish_reason is not None,

@@ -111,7 +111,7 @@ class Answerer:
                 build(rid, req.model, created, text, finish_reason(gen, stops, lease), usage)
             ),
             content_type="application/json",
-            headers=lease.headers,
+            headers={**lease.headers, **pd_headers(gen)},
         )
 
     async def _stream(
@@ -142,6 +142,7 @@ class Answerer:
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
                 **lease.headers,
+                **pd_headers(gen),
             }
         )
         await resp.prepare(request)
@@ -204,3 +205,18 @@ class Answerer:
                         )
                 raise
         return resp
+
+
+PD_HEADER = "X-Meshserve-Pd"  # placed: "disaggregated" or "colocated", then why
+
+
+def pd_headers(gen: Generation) -> dict[str, str]:
+    """How the request was placed, for clients that split their numbers by it (the load
+    generator): ``disaggregated; long uncached prompt``, ``colocated; short uncached
+    prompt``. None for a request placed by a JE that decided nothing (no prefill instance
+    anywhere)."""
+    routed = gen.routed
+    if routed is None or not routed.pd:
+        return {}
+    how = "disaggregated" if routed.prefill_te_id else "colocated"
+    return {PD_HEADER: f"{how}; {routed.pd}"}

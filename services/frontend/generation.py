@@ -34,7 +34,7 @@ from shared.logging import get_logger
 from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
-from shared.messages.tasks import TokenChunk, attempt_key
+from shared.messages.tasks import KvTransferNote, TokenChunk, attempt_key
 from shared.settings import Settings
 from shared.subjects import Subjects
 
@@ -279,6 +279,7 @@ class Generation:
     routed: JobAccepted | None = None  # the first placement: where routing sent it, and why
     accepted_at: float | None = None  # when the first placement's answer came (monotonic)
     te_s: float = 0.0  # the first chunk's TokenChunk.te_s
+    kv: KvTransferNote | None = None  # disaggregated: how its prompt's KV came (first chunk)
     on_attempt: Callable[[int, str], None] | None = None
     _placed: tuple[str, int] | None = None  # (te_id, attempt) of the attempt now streaming
 
@@ -455,6 +456,8 @@ class Generation:
                 return
             ids = chunk.token_ids[max(0, have - start) :]
             have = max(have, chunk.completion_tokens)
+            if chunk.kv is not None and self.kv is None:
+                self.kv = chunk.kv
             if chunk.failure is not None:
                 error = from_reply(chunk.failure)
                 if not error.retryable:

@@ -253,6 +253,7 @@ class Frontend:
                     "id": te.te_id,
                     "state": str(te.state),
                     "model": te.model,
+                    "role": str(te.role),
                     "engine": te.engine,
                     "engine_reason": te.engine_reason,
                     "device": te.device,

@@ -15,6 +15,7 @@ from services.job_executor.admission import (
     mean_output_tokens,
     shed,
 )
+from services.job_executor.disaggregation import PdConfig, decide, prefill_instances
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
@@ -39,7 +40,7 @@ from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import TrafficReport
-from shared.messages.tasks import ChatTask, TaskProgress
+from shared.messages.tasks import ChatTask, KvSource, TaskMode, TaskProgress
 from shared.native import Toolchain
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -66,6 +67,12 @@ class JobExecutor:
             balance_tokens=je.routing_balance_tokens,
         )
         self._speculative_ttl_s = je.routing_speculative_ttl.total_seconds()
+        self._pd = PdConfig(
+            mode=je.pd,
+            min_uncached_tokens=je.pd_min_uncached_tokens,
+            min_uncached_ratio=je.pd_min_uncached_ratio,
+            max_prefill_queue_tokens=je.pd_max_prefill_queue_tokens,
+        )
         self._feed = IndexFeed(
             bus,
             self._subjects,
@@ -187,7 +194,10 @@ class JobExecutor:
                     self._report_soon(urgent=True)  # the scaler retries, with backoff
                     raise Internal(f"The model `{job.model}` failed to load: {failure}")
                 unreported = self._ledger.unreported
-                tes = self._te_views(view)
+                every = self._te_views(view)
+                # Prefill instances take prefill tasks only: routing and admission see the rest.
+                tes = [te for te in every if te.role != TaskMode.PREFILL]
+                prefill_tes = prefill_instances(job.model, every)
                 if job.attempt == 0:  # an accepted request that moves is never shed
                     self._admit(job, tes)
                 candidates = [
@@ -195,7 +205,9 @@ class JobExecutor:
                 ]
                 request = Request(
                     prompt_tokens=len(job.prompt_token_ids),
-                    cached_tokens=self._feed.cached_tokens(job.model, hashes, candidates),
+                    cached_tokens=self._feed.cached_tokens(
+                        job.model, hashes, candidates + [te.te_id for te in prefill_tes]
+                    ),
                     spread=spread,
                 )
                 step = next_step(
@@ -219,15 +231,35 @@ class JobExecutor:
                             if te.te_id in candidates
                         },
                     )
+                    pd = decide(
+                        self._pd,
+                        decode=next(te for te in tes if te.te_id == step.te_id),
+                        prompt_tokens=request.prompt_tokens,
+                        cached_tokens=matched,
+                        max_tokens=job.sampling.max_tokens,
+                        prefill_tes=[te for te in prefill_tes if te.te_id not in pending.refused],
+                        unreported=unreported,
+                    )
+                    source = None
+                    if pd.prefill_te is not None:
+                        prefill_te = next(te for te in prefill_tes if te.te_id == pd.prefill_te)
+                        source = await self._place_prefill(job, prefill_te, request)
+                        if source is None:  # refused or unanswered: prefill on the decode TE
+                            pending = dataclasses.replace(
+                                pending, refused=pending.refused | {prefill_te.te_id}
+                            )
                     # Its prefill work there (the prompt tokens after the prefix it holds),
                     # counted before the answer so that jobs placed meanwhile see it.
-                    task = self._task(job, matched)
+                    task = self._task(job, matched, source)
                     key = task.key
-                    self._ledger.placed(step.te_id, key, len(job.prompt_token_ids) - matched)
+                    prefill_work = 0 if source else len(job.prompt_token_ids) - matched
+                    self._ledger.placed(step.te_id, key, prefill_work)
                     try:
                         taken = await self._tes.place(step.te_id, task)
                     except (Refused, PeerUnreachable) as e:
                         self._ledger.ended(key, step.te_id)
+                        if source is not None:  # its prompt's KV goes at once
+                            await self._cancel_prefill(job, source.te_id)
                         if isinstance(e, PeerUnreachable):
                             # No answer in time: it may still have taken the task, so cancel
                             # it there before trying elsewhere.
@@ -248,6 +280,8 @@ class JobExecutor:
                         attempt=job.attempt,
                         routing=step.branch,
                         matched_tokens=matched,
+                        prefill_te=source.te_id if source else None,
+                        pd=pd.reason,
                     )
                     return JobAccepted(
                         request_id=job.request_id,
@@ -257,6 +291,9 @@ class JobExecutor:
                         matched_tokens=matched,
                         best_matched_tokens=max(request.cached_tokens.values(), default=0),
                         routing=step.branch,
+                        prefill_te_id=source.te_id if source else "",
+                        # Said only where PD is in play (the model has prefill instances).
+                        pd=pd.reason if prefill_tes and self._pd.mode != "never" else "",
                     )
                 if isinstance(step, GiveUp) or self._life.stopping:
                     self._traffic.missed(job.model)
@@ -350,7 +387,16 @@ class JobExecutor:
             except MeshserveError as e:
                 log.warning("traffic report failed", error=str(e))
 
-    def _task(self, job: ChatJob, matched_tokens: int) -> ChatTask:
+    def _task(
+        self,
+        job: ChatJob,
+        matched_tokens: int,
+        source: KvSource | None = None,
+        *,
+        mode: TaskMode | None = None,
+    ) -> ChatTask:
+        """The job's task that streams its tokens: colocated, or, with ``source``, the decode
+        task continuing from a prefill TE's KV; ``mode`` PREFILL: that prefill task."""
         return ChatTask(
             request_id=job.request_id,
             model=job.model,
@@ -361,7 +407,35 @@ class JobExecutor:
             attempt=job.attempt,
             matched_tokens=matched_tokens,
             je_id=self.je_id,
+            mode=mode or (TaskMode.DECODE if source else TaskMode.COLOCATED),
+            kv_source=source,
         )
+
+    async def _place_prefill(self, job: ChatJob, te: TEView, request: Request) -> KvSource | None:
+        """The job's prefill task on a prefill TE; where its decode task pulls the KV from,
+        or None if the TE did not take it (the decode TE prefills itself)."""
+        matched = request.cached_tokens.get(te.te_id, 0)
+        task = self._task(job, matched, mode=TaskMode.PREFILL)
+        self._ledger.placed(te.te_id, task.key, len(job.prompt_token_ids) - matched)
+        try:
+            taken = await self._tes.place(te.te_id, task)
+        except (Refused, PeerUnreachable) as e:
+            log.info(
+                "prefill placement failed; prefilling on the decode TE",
+                te=te.te_id,
+                error=e.message,
+            )
+            self._ledger.ended(task.key, te.te_id)
+            if isinstance(e, PeerUnreachable):
+                await self._cancel_prefill(job, te.te_id)
+            return None
+        self._ledger.accepted(task.key, taken.seq)
+        return KvSource(te_id=te.te_id, address=te.kv_address, key=task.key)
+
+    async def _cancel_prefill(self, job: ChatJob, te_id: str) -> None:
+        """Free a prefill task's KV now (its decode task will not come)."""
+        with contextlib.suppress(MeshserveError):
+            await self._tes.cancel(te_id, job.request_id, job.attempt, mode=TaskMode.PREFILL)
 
 
 async def create(settings: Settings, bus: Bus) -> JobExecutor:

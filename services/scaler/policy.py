@@ -33,6 +33,7 @@ from services.scaler.state import ModelMemory, PendingLoad, ScalerConfig, Scaler
 from services.scaler.target import Target, target
 from services.views import TEView
 from shared.messages.cluster import TEState
+from shared.messages.tasks import TaskMode
 
 # -- actions -----------------------------------------------------------------------------------
 
@@ -141,9 +142,13 @@ def decide(
             and not mem.held
         ):
             continue  # at zero and no request: nothing to decide (most models, most ticks)
-        instances = [
+        serving = [
             te for te in by_model.get(model, ()) if te.serving and te.te_id not in state.draining
         ]
+        # Prefill instances (PD) take no whole requests: the model's count is the others'.
+        # They go with the model's keep-alive (loading them is an operator's choice so far).
+        instances = [te for te in serving if te.role != TaskMode.PREFILL]
+        prefill = [te for te in serving if te.role == TaskMode.PREFILL]
         # A load sent but not in the view yet is an instance too (it is coming).
         coming = pending_by_model.get(model, 0) - sum(
             1 for te in instances if te.te_id in state.pending
@@ -180,11 +185,10 @@ def decide(
         elif t.wanted < current:
             if t.idle:
                 # Down to min_replicas (``wanted``), once instances have been idle as long.
-                victims = _victims(
-                    instances,
-                    t.ready - t.wanted,
-                    idle_since=now - cfg.policy(model).keep_alive_s,
-                )
+                idle_since = now - cfg.policy(model).keep_alive_s
+                victims = _victims(instances, t.ready - t.wanted, idle_since=idle_since)
+                if not t.wanted:
+                    victims += _victims(prefill, len(prefill), idle_since=idle_since)
                 reason = "keep-alive expired"
             elif coming > 0 or t.panicking or t.current > t.ready:
                 victims, reason = [], ""

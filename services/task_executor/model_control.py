@@ -20,7 +20,11 @@ import msgspec
 from services.task_executor.capacity import find_or_measure
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, LoadReport
-from services.task_executor.engines.capabilities import EngineFeatures, bind_features
+from services.task_executor.engines.capabilities import (
+    EngineFeatures,
+    bind_features,
+    check_role,
+)
 from services.task_executor.engines.factory import engine_choice, preload
 from services.task_executor.host_cache_watch import HostCacheWatch
 from services.task_executor.kv_publisher import KvEventPublisher
@@ -36,6 +40,7 @@ from shared.messages.scaling import (
     PreloadModel,
     UnloadModel,
 )
+from shared.messages.tasks import TaskMode
 from shared.runner import Lifecycle
 from shared.settings import Settings
 
@@ -93,6 +98,7 @@ class ModelControl:
         self.model: str | None = None
         self.engine: Engine | None = None
         self.features = EngineFeatures()  # of the engine loaded: what it can do beyond generating
+        self.role = TaskMode.COLOCATED  # what it serves the model loaded as (LoadModel.role)
         self.capacity: InstanceCapacity | None = None  # of the model loaded
         self.choice = engine_choice(settings)  # for any model; for the model loaded once one is
         self.error: str | None = None
@@ -202,7 +208,7 @@ class ModelControl:
             self.state, self.model, self.error = TEState.IDLE, None, f"{type(e).__name__}: {e}"
             self.failed_model = cmd.model
         else:
-            self.engine, self.features = engine, features
+            self.engine, self.features, self.role = engine, features, cmd.role
             self._kv.block_size = features.kv_events.block_size if features.kv_events else 0
             heap.settle()  # the model lives as long as it is loaded: out of the collector's way
             self.state = TEState.READY
@@ -211,6 +217,7 @@ class ModelControl:
             log.info(
                 "model loaded",
                 model=cmd.model,
+                role=cmd.role,
                 seconds=round(time.monotonic() - t0, 2),
                 steps={k: round(v, 3) for k, v in steps.items()},
                 device=engine.device,
@@ -243,6 +250,7 @@ class ModelControl:
         steps.update({f"te_load_{name}": s for name, s in report.phases.items()})
         try:
             features = bind_features(engine)
+            check_role(engine, cmd.role)
             capacity = cmd.capacity or self._measure_capacity(engine, Path(cmd.path))
             if features.prefill_pacing is not None and capacity is not None:
                 slo = self._settings.scaler.slo()
@@ -304,7 +312,7 @@ class ModelControl:
             await self._kv.flush()
         if self.model is not None:
             await self._kv.forget(self.model)
-        self.features = EngineFeatures()
+        self.features, self.role = EngineFeatures(), TaskMode.COLOCATED
         self.capacity = None
         self.choice = engine_choice(self._settings)
         heap.unsettle()  # the model's reference cycles, if any, go now
@@ -320,6 +328,7 @@ class ModelControl:
             if self.engine is not engine:
                 return
             self.engine, self.features = None, EngineFeatures()
+            self.role = TaskMode.COLOCATED
         with contextlib.suppress(Exception):
             engine.close()
         log.error("engine process died; model unloaded", model=self.model, error=str(e))

@@ -2,7 +2,11 @@
 to the engine between iterations, run the iterations, and stream each iteration's tokens
 straight to the frontend while the next one runs; tell the job executor that placed a task
 when it prefilled and when it ended (``TaskProgress``); cancel a task, or every task of a
-frontend that is gone; end what is left with a retryable error when the TE drains."""
+frontend that is gone; end what is left with a retryable error when the TE drains.
+
+With PD disaggregation (``disaggregation``), a prefill task streams its prompt's KV to the
+decode TE that pulls it and sends no tokens; a decode task first pulls its prompt's KV, then
+streams tokens like any other, the prefill TE's first token first."""
 
 from __future__ import annotations
 
@@ -12,23 +16,39 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+import msgspec
+
+from services.task_executor.disaggregation import PrefillSide, prefill_request, pull_prompt
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.process import EngineProcessDied
+from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from services.task_executor.kv_publisher import KvEventPublisher
+from services.task_executor.kv_transport.client import TransferFailed
+from services.task_executor.kv_transport.outbox import Outbox
 from services.task_executor.model_control import ModelControl
 from shared.bus import Bus
 from shared.errors import (
     BadRequest,
     InstanceLost,
     Internal,
+    KvTransferFailed,
     MeshserveError,
     PeerUnreachable,
     Refused,
 )
 from shared.logging import get_logger
 from shared.messages.cluster import JobShare, MemberDown, TEState
-from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskProgress, TokenChunk
+from shared.messages.tasks import (
+    CancelTask,
+    ChatTask,
+    KvTransferNote,
+    TaskAccepted,
+    TaskMode,
+    TaskProgress,
+    TokenChunk,
+)
+from shared.settings import Settings
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -52,6 +72,27 @@ class _Stream:
     seq: int = 0
     generated: int = 0
     accepted_at: float = 0.0  # time.monotonic()
+    mode: TaskMode = TaskMode.COLOCATED
+    prompt: Sequence[int] = ()  # a prefill task's (its KV's tokens are the prompt and more)
+    outbox: Outbox | None = None  # a prefill task's KV, offered to its decode TE
+    head: list[int] = dataclasses.field(default_factory=list)  # a decode task's first tokens
+    kv_note: KvTransferNote | None = None  # a decode task's: how its prompt's KV came
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Import:
+    """A decode task whose prompt's KV arrived: the engine continues from it."""
+
+    request: EngineRequest
+    export: KvExport
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Prefill:
+    """A prefill task: its prompt's KV streams into the outbox as it is computed."""
+
+    request: EngineRequest
+    outbox: Outbox
 
 
 class TaskLoop:
@@ -65,8 +106,12 @@ class TaskLoop:
         thread: EngineThread,
         kv: KvEventPublisher,
         step_lock: asyncio.Lock,
+        settings: Settings,
     ) -> None:
         self._te_id = te_id
+        self._settings = settings
+        self.prefill = PrefillSide(settings, self._on_kv_end)
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # decode tasks' pulls, by key
         self._bus = bus
         self._subjects = subjects
         self._control = control
@@ -77,12 +122,14 @@ class TaskLoop:
         self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
         self.placements = 0
         self.generated_tokens = 0
+        self.kv_pulled_bytes = 0  # prompt KV pulled from prefill TEs (decode tasks)
+        self.kv_fallbacks = 0  # decode tasks whose KV did not arrive
         self.last_active = time.time()
         # Tasks that prefilled or ended since the last notice, by the JE that placed them.
         self._progress: dict[str, TaskProgress] = {}
         self._progress_due = asyncio.Event()
         # Accepted, not yet handed to the engine (between iterations), by attempt key.
-        self._adds: dict[str, EngineRequest] = {}
+        self._adds: dict[str, EngineRequest | _Import | _Prefill] = {}
         self._aborts: set[str] = set()  # engine ids
         self._work = asyncio.Event()
         self._closing = False
@@ -95,6 +142,10 @@ class TaskLoop:
     def queued(self) -> int:
         """Accepted, not yet handed to the engine."""
         return len(self._adds)
+
+    def kv_offers(self) -> list[str]:
+        """The prefill tasks whose KV this TE holds for a decode TE (keys)."""
+        return [s.key for s in self._streams.values() if s.outbox is not None]
 
     def shares(self) -> dict[str, JobShare]:
         """The streams by the JE that placed them (``TEHeartbeat.shares``; "": tasks
@@ -128,6 +179,8 @@ class TaskLoop:
         """Let running tasks finish within grace; hand the rest back for a retry."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace)
+        for pull in list(self._pulls.values()):
+            pull.cancel()
         for stream in list(self._streams.values()):
             self._aborts.add(stream.engine_id)
             await self._finish(stream, InstanceLost(f"task executor {self._te_id} is stopping"))
@@ -147,6 +200,10 @@ class TaskLoop:
                 f"(it runs: {', '.join(sorted(engine.capabilities.modes))})",
                 code="unsupported_task_mode",
             )
+        if (task.mode == TaskMode.PREFILL) != (control.role == TaskMode.PREFILL):
+            raise Refused(f"TE {self._te_id} serves {task.model} as {control.role}")
+        if task.mode == TaskMode.DECODE and task.kv_source is None:
+            raise BadRequest("a decode task names no prefill TE to pull its KV from")
         n = len(task.prompt_token_ids)
         if n == 0:
             raise BadRequest("the prompt is empty", param="messages")
@@ -171,15 +228,25 @@ class TaskLoop:
             engine_id=f"{task.key}@{self.placements}",
             reply_to=task.reply_to,
             prompt_tokens=n,
-            prefill_tokens=n - min(max(task.matched_tokens, 0), n - 1),
+            # a decode task's prompt is computed elsewhere
+            prefill_tokens=0
+            if task.mode == TaskMode.DECODE
+            else n - min(max(task.matched_tokens, 0), n - 1),
             je_id=task.je_id,
             placement=self.placements,
             accepted_at=time.monotonic(),
+            mode=task.mode,
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
-        self._adds[stream.key] = EngineRequest(
-            stream.engine_id, task.prompt_token_ids, task.sampling
-        )
+        request = EngineRequest(stream.engine_id, task.prompt_token_ids, task.sampling)
+        if task.mode == TaskMode.PREFILL and (exporter := control.features.kv_export):
+            stream.prompt = task.prompt_token_ids
+            stream.outbox = self.prefill.offer(stream.key, exporter, n)
+            self._adds[stream.key] = _Prefill(prefill_request(request), stream.outbox)
+        elif task.mode == TaskMode.DECODE:
+            self._pulls[stream.key] = asyncio.create_task(self._pull(stream, task, request))
+        else:
+            self._adds[stream.key] = request
         self.last_active = time.time()
         self._idle.clear()
         self._work.set()
@@ -195,6 +262,11 @@ class TaskLoop:
         )
 
     async def on_cancel(self, msg: CancelTask) -> None:
+        if (known := self._streams.get(msg.key)) is not None and known.mode == TaskMode.PREFILL:
+            self.prefill.withdraw(msg.key, "cancelled")  # its KV goes (_on_kv_end)
+            return
+        if (pull := self._pulls.pop(msg.key, None)) is not None:
+            pull.cancel()  # the connection drops: the prefill TE frees the KV
         if (stream := self._close_stream(msg.key)) is not None:
             log.debug("task cancelled", attempt=msg.attempt, generated=stream.generated)
             if self._adds.pop(msg.key, None) is None:  # not queued: in the engine
@@ -296,12 +368,19 @@ class TaskLoop:
             engine.abort(engine_id)
         self._aborts.clear()
         adds, self._adds = self._adds, {}
-        for req in adds.values():
+        features = self._control.features
+        for add in adds.values():
+            req = add if isinstance(add, EngineRequest) else add.request
             stream = self._engine_streams.get(req.request_id)
             if stream is None:
                 continue  # cancelled before it started
             try:
-                engine.add_request(req)
+                if isinstance(add, _Import) and features.kv_import is not None:
+                    features.kv_import.import_kv(add.export, req)
+                elif isinstance(add, _Prefill) and features.kv_export is not None:
+                    features.kv_export.add_request(req, retain_kv=True, kv_sink=add.outbox)
+                else:
+                    engine.add_request(req)
             except ValueError as e:  # a prompt this engine can never serve
                 await self._finish(stream, BadRequest(str(e), param="messages"))
 
@@ -312,6 +391,12 @@ class TaskLoop:
             stream = self._engine_streams.get(out.request_id)
             if stream is None:
                 continue  # cancelled (the task may run again as another copy: not this one)
+            if stream.mode == TaskMode.PREFILL:
+                self._prefilled(stream, out)
+                continue
+            if stream.head:  # a decode task's first output: the prefill TE's tokens first
+                out = msgspec.structs.replace(out, new_token_ids=[*stream.head, *out.new_token_ids])
+                stream.head = []
             if not stream.generated and out.new_token_ids:
                 if self._control.ready_at:
                     # The first task's first token after a load: the end of the scale-up.
@@ -332,6 +417,7 @@ class TaskLoop:
                 cached_tokens=out.num_cached_tokens,
                 te_id=self._te_id,
                 te_s=0.0 if stream.seq else time.monotonic() - stream.accepted_at,
+                kv=None if stream.seq else stream.kv_note,
             )
             stream.seq += 1
             if out.finished:
@@ -348,8 +434,123 @@ class TaskLoop:
             except PeerUnreachable as e:
                 log.warning("token publish failed", request_id=stream.request_id, error=str(e))
 
+    def _prefilled(self, stream: _Stream, out: EngineOutput) -> None:
+        """A prefill task's prompt is computed (its KV all in the outbox): the decode TE may
+        take it. The KV stays until the lease ends (``_on_kv_end``)."""
+        if not out.finished or stream.outbox is None:
+            return
+        self._progress_of(stream).prefilled.append(stream.key)
+        stream.generated = len(out.new_token_ids)
+        # Its one token ends the request only where the request itself would end.
+        reason = out.finish_reason if out.finish_reason == "stop" else None
+        stream.outbox.done(
+            [*stream.prompt, *out.new_token_ids], len(stream.prompt), finish_reason=reason
+        )
+
+    def _on_kv_end(self, key: str, reason: str) -> None:
+        """A prefill task's lease ended (the decode TE released it, said no, went away or
+        went silent; the task was cancelled or failed): its KV is freed now."""
+        stream = self._close_stream(key)
+        if stream is None:
+            return
+        if self._adds.pop(key, None) is None:
+            self._aborts.add(stream.engine_id)  # drops the retained KV
+        self._work.set()
+        log.debug("prefill KV freed", request_id=stream.request_id, reason=reason)
+
+    async def _pull(self, stream: _Stream, task: ChatTask, request: EngineRequest) -> None:
+        """A decode task: its prompt's KV from the prefill TE, then into the engine; on a
+        failed or stalled transfer, the fallback (``MESHSERVE_PD_FALLBACK``)."""
+        assert task.kv_source is not None
+        importer = self._control.features.kv_import
+        try:
+            if importer is None:
+                raise TransferFailed("this engine imports no KV")
+            got = await pull_prompt(task.kv_source, task.prompt_token_ids, importer, self._settings)
+        except Exception as e:  # TransferFailed, or a KV that does not fit: never a hang
+            if not isinstance(e, TransferFailed):
+                log.exception("KV pull failed", request_id=stream.request_id)
+            if self._streams.get(stream.key) is not stream:
+                return
+            self.kv_fallbacks += 1
+            fallback = self._settings.task_executor.pd_fallback
+            stream.kv_note = KvTransferNote(prefill_te=task.kv_source.te_id, fallback=str(e))
+            log.warning(
+                "KV transfer failed",
+                request_id=stream.request_id,
+                prefill_te=task.kv_source.te_id,
+                error=str(e),
+                fallback=fallback,
+            )
+            if fallback == "fail":
+                await self._finish(
+                    stream,
+                    KvTransferFailed(
+                        f"the prompt's KV did not arrive from prefill instance "
+                        f"{task.kv_source.te_id}: {e}"
+                    ),
+                )
+                return
+            self._adds[stream.key] = request  # prefill it here
+        else:
+            if self._streams.get(stream.key) is not stream:
+                return
+            pulled = got.pulled
+            self.kv_pulled_bytes += pulled.nbytes
+            stream.kv_note = KvTransferNote(
+                prefill_te=task.kv_source.te_id,
+                transport=pulled.transport,
+                bytes=pulled.nbytes,
+                seconds=pulled.seconds,
+                held_tokens=pulled.first_token,
+            )
+            log.info(
+                "KV pulled",
+                request_id=stream.request_id,
+                prefill_te=task.kv_source.te_id,
+                transport=pulled.transport,
+                bytes=pulled.nbytes,
+                seconds=round(pulled.seconds, 4),
+                held_tokens=pulled.first_token,
+            )
+            if got.finish_reason is not None:  # the prefill's token ended it
+                stream.head = []
+                await self._end_with(stream, got.head, got.finish_reason)
+                return
+            stream.head = got.head
+            self._adds[stream.key] = _Import(request, got.export)
+        finally:
+            self._pulls.pop(stream.key, None)
+        self._work.set()
+
+    async def _end_with(self, stream: _Stream, token_ids: list[int], reason: str) -> None:
+        """End a decode task with the tokens its prefill produced (they finished it)."""
+        self._close_stream(stream.key)
+        stream.generated = len(token_ids)
+        self.generated_tokens += len(token_ids)
+        chunk = TokenChunk(
+            request_id=stream.request_id,
+            attempt=stream.attempt,
+            seq=stream.seq,
+            token_ids=token_ids,
+            finish_reason=reason,
+            prompt_tokens=stream.prompt_tokens,
+            completion_tokens=stream.generated,
+            te_id=self._te_id,
+            te_s=time.monotonic() - stream.accepted_at,
+            kv=stream.kv_note,
+        )
+        with contextlib.suppress(PeerUnreachable):
+            await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
+
     async def _finish(self, stream: _Stream, failure: MeshserveError) -> None:
-        """End a stream with an error: a retryable one sends the request elsewhere."""
+        """End a stream with an error: a retryable one sends the request elsewhere. A
+        prefill task's decode TE hears it instead (the pull fails: it falls back)."""
+        if stream.outbox is not None:
+            if self._streams.get(stream.key) is stream:
+                stream.outbox.fail(failure.message)
+                self.prefill.withdraw(stream.key, f"failed: {failure.message}")
+            return
         if self._close_stream(stream.key) is None:
             return
         log.info(
@@ -370,6 +571,7 @@ class TaskLoop:
             error=failure.message,
             te_id=self._te_id,
             failure=failure.to_reply(),
+            kv=None if stream.seq else stream.kv_note,
         )
         with contextlib.suppress(PeerUnreachable):
             await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)

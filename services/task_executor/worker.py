@@ -30,7 +30,7 @@ from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.messages.cluster import MemberDown, TEHeartbeat, TEState
 from shared.messages.scaling import ControlAck, Drain, LoadModel, PreloadModel, UnloadModel
-from shared.messages.tasks import CancelTask, ChatTask
+from shared.messages.tasks import CancelTask, ChatTask, TaskMode
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.store import Store
@@ -104,6 +104,7 @@ class TaskExecutor:
             thread=self._thread,
             kv=self._kv,
             step_lock=step_lock,
+            settings=settings,
         )
         self.ready = asyncio.Event()  # set once the TE listens for tasks and commands
 
@@ -144,6 +145,8 @@ class TaskExecutor:
             cache_free_bytes=cache.free_bytes,
             weight_relay=self._settings.host_cache.relay,
             relay_address=control.relay_address,
+            role=control.role,
+            kv_address=tasks.prefill.address if control.role == TaskMode.PREFILL else "",
         )
         if (engine := control.engine) is not None:
             st = engine.stats()
@@ -164,6 +167,7 @@ class TaskExecutor:
 
     async def run(self) -> None:
         tasks, control = self.tasks, self.control
+        await tasks.prefill.start()  # where decode TEs pull, should it serve as prefill
         await self._bus.subscribe(
             self._subjects.te_task(self.te_id),
             {ChatTask: tasks.on_task, CancelTask: tasks.on_cancel},
@@ -203,6 +207,7 @@ class TaskExecutor:
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.te_id)
             await control.close()
+            await tasks.prefill.close()
             if self._store is not None:
                 await self._store.close()
             self._thread.shutdown()

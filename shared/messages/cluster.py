@@ -96,6 +96,8 @@ class TEHeartbeat(Message):
     # taken when it counted it (TaskAccepted.seq of the last)
     shares: dict[str, JobShare] = msgspec.field(default_factory=dict)
     placements: int = 0
+    role: TaskMode = TaskMode.COLOCATED  # what it loaded its model as (LoadModel.role)
+    kv_address: str = ""  # host:port of its KV server (a prefill TE): decode TEs pull there
 
 
 class JEHeartbeat(Message):

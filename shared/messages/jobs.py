@@ -36,6 +36,8 @@ class JobAccepted(Message):
     best_matched_tokens: int = 0  # the most any ready TE of the model held (an oracle's hit)
     routing: str = ""  # the routing branch that chose the TE (routing.route)
     je_s: float = 0.0  # the JE's time on it: the job received to the TE's answer
+    prefill_te_id: str = ""  # disaggregated: the TE that prefills it (te_id decodes it)
+    pd: str = ""  # why it was or was not disaggregated (disaggregation.decide)
 
 
 class JobTaken(Message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.messages.base import Message
+from shared.messages.tasks import TaskMode
 
 
 class ModelTraffic(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -92,6 +93,10 @@ class LoadModel(Message):
     # several loads of the model at once: the weights arrive by multicast (then, on failure,
     # by a fork from weights_from)
     multicast: Multicast | None = None
+    # What the instance serves: colocated (whole requests; also decode tasks, and prompts
+    # whose KV it imports), prefill (prefill tasks only) or decode (as colocated, counted by
+    # the scaler as the decode side of a disaggregated model). The engine must support it.
+    role: TaskMode = TaskMode.COLOCATED
 
 
 class PreloadModel(Message):

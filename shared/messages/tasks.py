@@ -26,6 +26,22 @@ def attempt_key(request_id: str, attempt: int) -> str:
     return f"{request_id}-{attempt}"
 
 
+def task_key(request_id: str, attempt: int, mode: TaskMode) -> str:
+    """One task of an attempt: the attempt's key for the task that streams tokens (colocated
+    or decode), with a suffix for the prefill task of a disaggregated attempt."""
+    key = attempt_key(request_id, attempt)
+    return f"{key}/prefill" if mode == TaskMode.PREFILL else key
+
+
+class KvSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decode task pulls its prompt's KV from: the prefill TE's KV server, and the
+    prefill task's key there (``task_key``). The bytes go TE to TE, never over NATS."""
+
+    te_id: str
+    address: str  # host:port of the prefill TE's KV server
+    key: str
+
+
 class ChatTask(Message):
     request_id: str  # the client's request, the same in every attempt (and in every log line)
     model: str
@@ -41,10 +57,12 @@ class ChatTask(Message):
     # The job executor that placed it: the TE tells it when the task starts decoding and when
     # it ends (TaskProgress), and reports its share of the TE's load (TEHeartbeat.shares).
     je_id: str = ""
+    # A decode task: where its prompt's KV comes from (None: any other mode).
+    kv_source: KvSource | None = None
 
     @property
     def key(self) -> str:
-        return attempt_key(self.request_id, self.attempt)
+        return task_key(self.request_id, self.attempt, self.mode)
 
 
 class TaskAccepted(Message):
@@ -70,10 +88,23 @@ class TaskProgress(Message):
 class CancelTask(Message):
     request_id: str
     attempt: int = 0
+    mode: TaskMode = TaskMode.COLOCATED  # PREFILL: the attempt's prefill task
 
     @property
     def key(self) -> str:
-        return attempt_key(self.request_id, self.attempt)
+        return task_key(self.request_id, self.attempt, self.mode)
+
+
+class KvTransferNote(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a decode task's prompt KV came from its prefill TE (on the task's first chunk):
+    for the request's metrics and the load generator's split."""
+
+    prefill_te: str
+    transport: str = ""  # "shm" or "tcp"; "" when it did not arrive
+    bytes: int = 0  # KV bytes moved (the tokens the decode TE held are not sent)
+    seconds: float = 0.0  # the pull, from the decode task's start to the KV in hand
+    held_tokens: int = 0  # prompt tokens the decode TE's cache held already
+    fallback: str = ""  # why the decode TE prefilled itself instead ("": it did not)
 
 
 class TokenChunk(Message):
@@ -94,6 +125,7 @@ class TokenChunk(Message):
     attempt: int = 0
     failure: ErrorReply | None = None
     te_s: float = 0.0  # on an attempt's first chunk: the TE's time, task accepted to sent
+    kv: KvTransferNote | None = None  # on a decode task's first chunk
 
     @property
     def key(self) -> str:

@@ -54,7 +54,9 @@ def test_health_shows_what_each_engine_can_do(client, cluster_up):
     ready = [te for te in health(cluster_up.url)["task_executors"] if te["state"] == "ready"]
     assert ready and ready[0]["engine"] == "torch"
     caps = ready[0]["capabilities"]
-    assert caps["modes"] == ["colocated"] and caps["prefix_cache"] and caps["kv_events"]
+    assert set(caps["modes"]) == {"colocated", "prefill", "decode"}
+    assert caps["prefix_cache"] and caps["kv_events"] and caps["kv_export"]
+    assert ready[0]["role"] == "colocated"  # what the scaler loaded it as
 
 
 def test_chat_non_streaming(client):

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -17,8 +19,14 @@ from services.cluster_manager.service import ClusterManager
 from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from shared.bus import Bus
+from shared.clients import JobExecutorClient, TaskExecutorClient, ViewWatcher
+from shared.messages.api import SamplingParams
+from shared.messages.jobs import ChatJob, JobAccepted
+from shared.messages.tasks import ChatTask, TokenChunk
+from shared.runner import Lifecycle
 from shared.settings import Settings, process_environment
 from shared.store import Store
+from shared.subjects import Subjects
 
 
 class Running:
@@ -97,3 +105,114 @@ async def control_plane(
     finally:
         await run.stop()
         await store.close()
+
+
+class BusClient:
+    """The test's hands: jobs straight to the job executors (their JobAccepted says where
+    each went), tasks straight to a TE, and the cluster view."""
+
+    def __init__(self, settings: Settings, bus: Bus) -> None:
+        self.bus, self.subjects = bus, Subjects(settings.cluster)
+        self.jobs = JobExecutorClient(bus, self.subjects)
+        self.tes = TaskExecutorClient(bus, self.subjects, timeout=10)
+        self.view = ViewWatcher(bus, self.subjects)
+        self._life = Lifecycle("test client")
+        self.started = asyncio.Event()
+
+    async def run(self) -> None:
+        await self.view.start(self._life)
+        self.started.set()
+        await self._life.wait()
+        await self._life.cancel_tasks()
+        self._life.stopped()
+
+    async def shutdown(self) -> None:
+        self._life.request_stop()
+
+    @contextlib.asynccontextmanager
+    async def inbox(self) -> AsyncIterator[tuple[str, asyncio.Queue[TokenChunk]]]:
+        subject = f"{self.subjects.cluster}.test.inbox.{uuid.uuid4().hex}"
+        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+        async def on_chunk(chunk: TokenChunk) -> None:
+            queue.put_nowait(chunk)
+
+        sub = await self.bus.subscribe(subject, {TokenChunk: on_chunk})
+        try:
+            yield subject, queue
+        finally:
+            await sub.close()
+
+    async def complete(self, prompt: list[int], max_tokens: int = 2) -> tuple[JobAccepted, int]:
+        """Place a job through the job executors and wait for its end: (where it went, the
+        prompt tokens the TE found cached)."""
+        accepted, _, cached = await self.generate(prompt, max_tokens)
+        return accepted, cached
+
+    async def generate(
+        self, prompt: list[int], max_tokens: int = 2
+    ) -> tuple[JobAccepted, list[int], int]:
+        """A greedy generation through the job executors: (where it went, its tokens, the
+        prompt tokens the TE found cached)."""
+        async with self.inbox() as (subject, queue):
+            job = ChatJob(
+                request_id=uuid.uuid4().hex,
+                model="demo",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                reply_to=subject,
+                deadline=time.time() + 20,
+            )
+            accepted = await self.jobs.submit(job, timeout=25)
+            return accepted, *(await self._collect(queue))
+
+    async def run_on(
+        self, te_id: str, prompt: list[int], max_tokens: int = 2
+    ) -> tuple[list[int], int]:
+        """A greedy generation placed on one TE directly, colocated: (its tokens, the prompt
+        tokens the TE found cached)."""
+        async with self.inbox() as (subject, queue):
+            task = ChatTask(
+                request_id=uuid.uuid4().hex,
+                model="demo",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                reply_to=subject,
+                deadline=time.time() + 20,
+            )
+            await self.tes.place(te_id, task)
+            return await self._collect(queue)
+
+    @staticmethod
+    async def _collect(queue: asyncio.Queue[TokenChunk]) -> tuple[list[int], int]:
+        tokens: list[int] = []
+        cached = 0
+        while True:
+            chunk = await asyncio.wait_for(queue.get(), 30)
+            cached = max(cached, chunk.cached_tokens)
+            tokens += chunk.token_ids
+            if chunk.finish_reason is not None:
+                assert chunk.finish_reason != "error", chunk.error
+                return tokens, cached
+
+    async def busy(self, te_id: str, n: int) -> list[str]:
+        """``n`` long decodes placed on ``te_id`` directly (another JE's work)."""
+        ids = []
+        for i in range(n):
+            task = ChatTask(
+                request_id=f"busy-{uuid.uuid4().hex}",
+                model="demo",
+                prompt_token_ids=[30 + i, *range(31, 230)],  # queued: 200 tokens each
+                sampling=SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True),
+                reply_to=f"{self.subjects.cluster}.test.sink",
+                deadline=time.time() + 60,
+            )
+            await self.tes.place(te_id, task)
+            ids.append(task.request_id)
+        return ids
+
+    async def until(self, ok, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while not ok(self.view.view):
+            assert time.monotonic() < deadline, self.view.view
+            await self.view.wait_change(0.2)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,106 +16,20 @@ import pytest
 
 from services.job_executor.service import JobExecutor
 from services.task_executor.worker import TaskExecutor
-from shared.bus import Bus
-from shared.clients import JobExecutorClient, TaskExecutorClient, ViewWatcher
 from shared.embedded import free_port
 from shared.kv_index_store import KvIndexStore
-from shared.messages.api import SamplingParams
 from shared.messages.cluster import TEState
-from shared.messages.jobs import ChatJob, JobAccepted
 from shared.messages.scaling import LoadModel
-from shared.messages.tasks import ChatTask, TokenChunk
-from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
-from shared.subjects import Keys, Subjects
-from tests.integration.services import Running, control_plane
+from shared.subjects import Keys
+from tests.integration.services import BusClient, Running, control_plane
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
 
 TES = ("te-1", "te-2", "te-3")
 BLOCK = 16  # the torch engine's block size
 PREFIX = [(7 * i + 3) % 500 + 20 for i in range(40 * BLOCK)]  # 40 blocks shared
-
-
-class _Client:
-    """The test's hands: jobs straight to the job executors (their JobAccepted says where
-    each went), tasks straight to a TE, and the cluster view."""
-
-    def __init__(self, settings: Settings, bus: Bus) -> None:
-        self.bus, self.subjects = bus, Subjects(settings.cluster)
-        self.jobs = JobExecutorClient(bus, self.subjects)
-        self.tes = TaskExecutorClient(bus, self.subjects, timeout=10)
-        self.view = ViewWatcher(bus, self.subjects)
-        self._life = Lifecycle("test client")
-        self.started = asyncio.Event()
-
-    async def run(self) -> None:
-        await self.view.start(self._life)
-        self.started.set()
-        await self._life.wait()
-        await self._life.cancel_tasks()
-        self._life.stopped()
-
-    async def shutdown(self) -> None:
-        self._life.request_stop()
-
-    @contextlib.asynccontextmanager
-    async def _inbox(self) -> AsyncIterator[tuple[str, asyncio.Queue[TokenChunk]]]:
-        subject = f"{self.subjects.cluster}.test.inbox.{uuid.uuid4().hex}"
-        queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-
-        async def on_chunk(chunk: TokenChunk) -> None:
-            queue.put_nowait(chunk)
-
-        sub = await self.bus.subscribe(subject, {TokenChunk: on_chunk})
-        try:
-            yield subject, queue
-        finally:
-            await sub.close()
-
-    async def complete(self, prompt: list[int], max_tokens: int = 2) -> tuple[JobAccepted, int]:
-        """Place a job through the job executors and wait for its end: (where it went, the
-        prompt tokens the TE found cached)."""
-        async with self._inbox() as (subject, queue):
-            job = ChatJob(
-                request_id=uuid.uuid4().hex,
-                model="demo",
-                prompt_token_ids=prompt,
-                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                reply_to=subject,
-                deadline=time.time() + 20,
-            )
-            accepted = await self.jobs.submit(job, timeout=25)
-            cached = 0
-            while True:
-                chunk = await asyncio.wait_for(queue.get(), 30)
-                cached = max(cached, chunk.cached_tokens)
-                if chunk.finish_reason is not None:
-                    assert chunk.finish_reason != "error", chunk.error
-                    return accepted, cached
-
-    async def busy(self, te_id: str, n: int) -> list[str]:
-        """``n`` long decodes placed on ``te_id`` directly (another JE's work)."""
-        ids = []
-        for i in range(n):
-            task = ChatTask(
-                request_id=f"busy-{uuid.uuid4().hex}",
-                model="demo",
-                prompt_token_ids=[30 + i, *range(31, 230)],  # queued: 200 tokens each
-                sampling=SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True),
-                reply_to=f"{self.subjects.cluster}.test.sink",
-                deadline=time.time() + 60,
-            )
-            await self.tes.place(te_id, task)
-            ids.append(task.request_id)
-        return ids
-
-    async def until(self, ok, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout
-        while not ok(self.view.view):
-            assert time.monotonic() < deadline, self.view.view
-            await self.view.wait_change(0.2)
 
 
 async def test_prefix_routing_across_job_executors_restarts_and_load(
@@ -152,7 +64,7 @@ async def test_prefix_routing_across_job_executors_restarts_and_load(
 
 async def _scenario(run: Running, settings: Settings, store, stores: list[Store]) -> None:  # type: ignore[no-untyped-def]
     # The control plane's own JE has no Redis copy: it is the one killed first.
-    client: _Client = await run.start(lambda bus: _Client(settings, bus))
+    client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
     await client.started.wait()
     for te_id in TES:
         te_store = await store()

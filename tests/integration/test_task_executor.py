@@ -119,11 +119,14 @@ async def test_a_loaded_torch_engine_is_paced_with_its_capacity_and_says_why_it_
     assert hb.engine == "torch" and "checkpoint's precision" in hb.engine_reason
 
 
-async def test_refuses_a_task_mode_its_engine_cannot_run(te, cluster: str):
+async def test_refuses_a_task_its_role_does_not_run(te, cluster: str):
+    """A colocated instance runs no prefill tasks (the JE tries a prefill instance); a
+    decode task must say where its KV is."""
     _, client = te
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(Refused, match="serves demo as colocated"):
         await client.place("te-t", task(cluster, "r2", mode=TaskMode.PREFILL))
-    assert e.value.code == "unsupported_task_mode" and "torch" in e.value.message
+    with pytest.raises(BadRequest, match="names no prefill TE"):
+        await client.place("te-t", task(cluster, "r2", mode=TaskMode.DECODE))
 
 
 async def test_refuses_another_model_and_expired_deadlines(te, cluster: str):

@@ -137,3 +137,12 @@ def test_table_side_by_side() -> None:
     assert "meshserve" in lines[0] and "vllm" in lines[0]
     ttft = next(line for line in lines if line.startswith("ttft p50"))
     assert ttft.split()[-2:] == ["100.0", "300.0"]
+
+
+def test_pd_split_where_the_server_said() -> None:
+    rs = [res(0), res(1, ttft=0.5), res(2, ttft=0.2)]
+    assert "pd" not in summarize(rs, SLO())  # the server said nothing
+    rs[0].disaggregated, rs[1].disaggregated, rs[2].disaggregated = False, True, True
+    pd = summarize(rs, SLO())["pd"]
+    assert pd["disaggregated"]["requests"] == 2 and pd["colocated"]["requests"] == 1
+    assert pd["disaggregated"]["ttft_ms"]["p50"] == pytest.approx(350.0)
