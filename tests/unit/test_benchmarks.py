@@ -138,6 +138,25 @@ def test_bench_kv_transport_pulls_over_both_transports_next_to_the_baselines(
     assert "shm/memcpy" in printed and "tcp/socket" in printed
 
 
+def test_bench_output_length_scores_the_predictor_on_a_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {
+            "arrival_s": i,
+            "input_length": 4000 if i % 2 else 50,
+            "output_length": 30 if i % 2 else 700,
+        }
+        for i in range(40)
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "output-length.json"
+    printed = _bench("bench.output_length", str(trace), "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] == 40 and row["predicted"] == 39
+    assert row["exact"] > 0.9 > row["constant_exact"]  # the prompt's length tells them apart
+    assert "const exact" in printed
+
+
 def test_bench_coldstart_times_each_way_back_from_zero(tmp_path: Path) -> None:
     model = _write_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "coldstart.json"
