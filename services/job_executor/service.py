@@ -40,7 +40,7 @@ from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import TrafficReport
-from shared.messages.tasks import ChatTask, KvSource, TaskMode, TaskProgress
+from shared.messages.tasks import ChatTask, KvSource, TaskAccepted, TaskMode, TaskProgress
 from shared.native import Toolchain
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -251,28 +251,14 @@ class JobExecutor:
                     # Its prefill work there (the prompt tokens after the prefix it holds),
                     # counted before the answer so that jobs placed meanwhile see it.
                     task = self._task(job, matched, source)
-                    key = task.key
                     prefill_work = 0 if source else len(job.prompt_token_ids) - matched
-                    self._ledger.placed(step.te_id, key, prefill_work)
-                    try:
-                        taken = await self._tes.place(step.te_id, task)
-                    except (Refused, PeerUnreachable) as e:
-                        self._ledger.ended(key, step.te_id)
+                    if await self._offer(step.te_id, task, prefill_work) is None:
                         if source is not None:  # its prompt's KV goes at once
-                            await self._cancel_prefill(job, source.te_id)
-                        if isinstance(e, PeerUnreachable):
-                            # No answer in time: it may still have taken the task, so cancel
-                            # it there before trying elsewhere.
-                            log.info("placement unanswered", te=step.te_id, error=e.message)
-                            with contextlib.suppress(MeshserveError):
-                                await self._tes.cancel(step.te_id, job.request_id, job.attempt)
-                        else:
-                            log.info("placement refused", te=step.te_id, error=e.message)
+                            await self._cancel(source.te_id, job, TaskMode.PREFILL)
                         pending = dataclasses.replace(
                             pending, refused=pending.refused | {step.te_id}
                         )
                         continue
-                    self._ledger.accepted(key, taken.seq)
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     log.info(
                         "job placed",
@@ -416,26 +402,32 @@ class JobExecutor:
         or None if the TE did not take it (the decode TE prefills itself)."""
         matched = request.cached_tokens.get(te.te_id, 0)
         task = self._task(job, matched, mode=TaskMode.PREFILL)
-        self._ledger.placed(te.te_id, task.key, len(job.prompt_token_ids) - matched)
-        try:
-            taken = await self._tes.place(te.te_id, task)
-        except (Refused, PeerUnreachable) as e:
-            log.info(
-                "prefill placement failed; prefilling on the decode TE",
-                te=te.te_id,
-                error=e.message,
-            )
-            self._ledger.ended(task.key, te.te_id)
-            if isinstance(e, PeerUnreachable):
-                await self._cancel_prefill(job, te.te_id)
+        if await self._offer(te.te_id, task, len(job.prompt_token_ids) - matched) is None:
             return None
-        self._ledger.accepted(task.key, taken.seq)
         return KvSource(te_id=te.te_id, address=te.kv_address, key=task.key)
 
-    async def _cancel_prefill(self, job: ChatJob, te_id: str) -> None:
-        """Free a prefill task's KV now (its decode task will not come)."""
+    async def _offer(self, te_id: str, task: ChatTask, prefill_tokens: int) -> TaskAccepted | None:
+        """Place ``task`` on ``te_id``, its ``prefill_tokens`` counted there from before the
+        answer (jobs placed meanwhile see them); None if the TE refused it or did not answer
+        (then it is cancelled there: it may still have taken it)."""
+        self._ledger.placed(te_id, task.key, prefill_tokens)
+        try:
+            taken = await self._tes.place(te_id, task)
+        except (Refused, PeerUnreachable) as e:
+            self._ledger.ended(task.key, te_id)
+            if isinstance(e, PeerUnreachable):
+                log.info("placement unanswered", te=te_id, mode=task.mode, error=e.message)
+                await self._cancel(te_id, task, task.mode)
+            else:
+                log.info("placement refused", te=te_id, mode=task.mode, error=e.message)
+            return None
+        self._ledger.accepted(task.key, taken.seq)
+        return taken
+
+    async def _cancel(self, te_id: str, job: ChatJob | ChatTask, mode: TaskMode) -> None:
+        """Cancel the job's task of ``mode`` on ``te_id`` (a prefill task's KV is freed)."""
         with contextlib.suppress(MeshserveError):
-            await self._tes.cancel(te_id, job.request_id, job.attempt, mode=TaskMode.PREFILL)
+            await self._tes.cancel(te_id, job.request_id, job.attempt, mode=mode)
 
 
 async def create(settings: Settings, bus: Bus) -> JobExecutor:

@@ -38,6 +38,7 @@ from shared.errors import (
     Refused,
 )
 from shared.logging import get_logger
+from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
 from shared.messages.tasks import (
     CancelTask,
@@ -406,20 +407,12 @@ class TaskLoop:
                     self._progress_of(stream).prefilled.append(stream.key)
             stream.generated += len(out.new_token_ids)
             self.generated_tokens += len(out.new_token_ids)
-            chunk = TokenChunk(
-                request_id=stream.request_id,
-                attempt=stream.attempt,
-                seq=stream.seq,
-                token_ids=out.new_token_ids,
-                finish_reason=out.finish_reason if out.finished else None,
-                prompt_tokens=stream.prompt_tokens,
-                completion_tokens=stream.generated,
+            chunk = self._chunk(
+                stream,
+                out.new_token_ids,
+                out.finish_reason if out.finished else None,
                 cached_tokens=out.num_cached_tokens,
-                te_id=self._te_id,
-                te_s=0.0 if stream.seq else time.monotonic() - stream.accepted_at,
-                kv=None if stream.seq else stream.kv_note,
             )
-            stream.seq += 1
             if out.finished:
                 self._close_stream(stream.key)
                 log.debug(
@@ -528,20 +521,38 @@ class TaskLoop:
         self._close_stream(stream.key)
         stream.generated = len(token_ids)
         self.generated_tokens += len(token_ids)
-        chunk = TokenChunk(
-            request_id=stream.request_id,
-            attempt=stream.attempt,
-            seq=stream.seq,
-            token_ids=token_ids,
-            finish_reason=reason,
-            prompt_tokens=stream.prompt_tokens,
-            completion_tokens=stream.generated,
-            te_id=self._te_id,
-            te_s=time.monotonic() - stream.accepted_at,
-            kv=stream.kv_note,
-        )
+        chunk = self._chunk(stream, token_ids, reason)
         with contextlib.suppress(PeerUnreachable):
             await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
+
+    def _chunk(
+        self,
+        stream: _Stream,
+        token_ids: list[int],
+        finish_reason: str | None,
+        *,
+        cached_tokens: int = 0,
+        error: str | None = None,
+        failure: ErrorReply | None = None,
+    ) -> TokenChunk:
+        """The stream's next chunk (its first carries the TE's time and how the KV came)."""
+        first = stream.seq == 0
+        stream.seq += 1
+        return TokenChunk(
+            request_id=stream.request_id,
+            attempt=stream.attempt,
+            seq=stream.seq - 1,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            prompt_tokens=stream.prompt_tokens,
+            completion_tokens=stream.generated,
+            cached_tokens=cached_tokens,
+            error=error,
+            te_id=self._te_id,
+            failure=failure,
+            te_s=time.monotonic() - stream.accepted_at if first else 0.0,
+            kv=stream.kv_note if first else None,
+        )
 
     async def _finish(self, stream: _Stream, failure: MeshserveError) -> None:
         """End a stream with an error: a retryable one sends the request elsewhere. A
@@ -560,19 +571,7 @@ class TaskLoop:
             failure=type(failure).__name__,
             error=failure.message,
         )
-        chunk = TokenChunk(
-            request_id=stream.request_id,
-            attempt=stream.attempt,
-            seq=stream.seq,
-            token_ids=[],
-            finish_reason="error",
-            prompt_tokens=stream.prompt_tokens,
-            completion_tokens=stream.generated,
-            error=failure.message,
-            te_id=self._te_id,
-            failure=failure.to_reply(),
-            kv=None if stream.seq else stream.kv_note,
-        )
+        chunk = self._chunk(stream, [], "error", error=failure.message, failure=failure.to_reply())
         with contextlib.suppress(PeerUnreachable):
             await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
 

@@ -123,6 +123,15 @@ class PagedKVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[num_tokens, num_kv_heads, head_dim]`` at flat ``slots`` (``write``'s
+        twin), as new tensors on the cache's device."""
+        tail = self.k[layer].shape[2:]
+        return (
+            self.k[layer].view(-1, *tail).index_select(0, slots),
+            self.v[layer].view(-1, *tail).index_select(0, slots),
+        )
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole blocks, per request: ``[batch, num_kv_heads, max_blocks * block_size,
         head_dim]`` from a padded ``[batch, max_blocks]`` block table.

@@ -49,9 +49,9 @@ class KvMovement:
             (cfg.num_layers, 2, nb * bs, cfg.num_kv_heads, cfg.head_dim), dtype=engine.dtype
         )
         slots = token_slots(req.blocks, bs, first, n, engine.torch_device)
-        for layer, (k, v) in enumerate(engine.cache.layers()):
-            kv[layer, 0, : n - first] = k.view(-1, *k.shape[2:]).index_select(0, slots).cpu()
-            kv[layer, 1, : n - first] = v.view(-1, *v.shape[2:]).index_select(0, slots).cpu()
+        for layer in range(cfg.num_layers):
+            k, v = engine.cache.read(layer, slots)
+            kv[layer, 0, : n - first], kv[layer, 1, : n - first] = k.cpu(), v.cpu()
         export = KvExport(
             token_ids=list(req.token_ids),
             num_prompt_tokens=req.prompt_len,

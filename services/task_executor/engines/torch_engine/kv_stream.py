@@ -42,14 +42,8 @@ def token_slots(
 
 
 def _send(cache: PagedKVCache, layer: int, sink: KvSink, start: int, slots: torch.Tensor) -> None:
-    k, v = cache.k[layer], cache.v[layer]
-    tail = k.shape[2:]
-    sink.layer(
-        layer,
-        start,
-        k.view(-1, *tail).index_select(0, slots).cpu(),
-        v.view(-1, *tail).index_select(0, slots).cpu(),
-    )
+    k, v = cache.read(layer, slots)
+    sink.layer(layer, start, k.cpu(), v.cpu())
 
 
 def catch_up(req: Seq, cache: PagedKVCache, block_size: int, device: torch.device) -> None:
