@@ -15,7 +15,12 @@ from services.job_executor.admission import (
     mean_output_tokens,
     shed,
 )
-from services.job_executor.disaggregation import PdConfig, decide, prefill_instances
+from services.job_executor.disaggregation import (
+    PdConfig,
+    PdDecision,
+    decide,
+    prefill_instances,
+)
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
@@ -248,6 +253,7 @@ class JobExecutor:
                             pending = dataclasses.replace(
                                 pending, refused=pending.refused | {prefill_te.te_id}
                             )
+                            pd = PdDecision(None, "prefill instance refused")
                     # Its prefill work there (the prompt tokens after the prefix it holds),
                     # counted before the answer so that jobs placed meanwhile see it.
                     task = self._task(job, matched, source)
