@@ -443,6 +443,19 @@ def test_chunked_prefill_leaves_a_second_prompt_waiting_for_budget_but_not_preem
     assert d.preempt == ("b",) and d.running == ("a",)
 
 
+def test_a_preempted_requests_budget_goes_to_the_prompt_holding_the_blocks() -> None:
+    """A long prompt mid-way holds most of the cache; a recomputed request (due first) takes
+    the budget and needs blocks that are not free: it goes back to waiting, and its budget
+    goes to the long prompt, which progresses. (Before, the long prompt got no budget, the
+    recomputed one was admitted again and preempted again: nothing ever ran.)"""
+    cfg = dataclasses.replace(CHUNKED, max_prefill_tokens=8)
+    long = SeqView("long", 60, 10, 40, ttft_left_s=5.0)
+    again = SeqView("again", 30, 2, 8, ttft_left_s=-math.inf)  # recomputed, due first
+    d = schedule([long, again], [], free_blocks=1, config=cfg)
+    assert d.preempt == ("again",)
+    assert d.running == ("long",) and d.cache_len == {"long": 48}
+
+
 def test_without_chunked_prefill_a_long_prompt_runs_whole() -> None:
     d = schedule([], [SeqView("long", 25)], free_blocks=100, config=CFG)
     assert d.prefill == ("long",) and d.cache_len == {"long": 25}

@@ -244,30 +244,41 @@ def schedule(
         if first is not None and urgent(config.pacing, first, budget, contexts):
             budget = prefill_budget(config.pacing, contexts, length, slack, urgent=True)
     # What each running prompt computes now: what the budget leaves after the prompts due
-    # before it (waiting ones reserve theirs; the queue below spends it).
-    chunk_of: dict[str, int] = {}
-    left = budget
-    for seq in by_deadline:
-        take = min(seq.num_tokens - seq.num_cached_tokens, max(left, 0))
-        chunk_of[seq.request_id] = take
-        left -= take
-    cache_len: dict[str, int] = {}
-    for seq in running:
-        end = seq.num_tokens
-        if chunked and seq.num_tokens - seq.num_cached_tokens > 1:  # a prompt, mid-way
-            take = chunk_of[seq.request_id]
-            budget -= take
-            end = seq.num_cached_tokens + take
-        cache_len[seq.request_id] = end
+    # before it (waiting ones reserve theirs; the queue below spends it). Then, while the
+    # blocks do not suffice, the newest running request goes back to waiting, and the budget
+    # is shared again among those left: a budget given to a request preempted for want of
+    # blocks goes to the others, so a prompt mid-way holding the blocks still progresses
+    # (else a recomputed request due first could be admitted and preempted forever while
+    # the older prompt never gets a token of budget).
     keep = list(running)  # those not preempted (a prompt left without budget waits its turn)
     preempt: list[str] = []
-    need = sum(blocks_needed(s, bs, cache_len[s.request_id]) for s in keep)
     free = free_blocks
-    while keep and need > free:
+    waiting_ids = {s.request_id for s in head}
+    while True:
+        kept = {s.request_id for s in keep}
+        chunk_of: dict[str, int] = {}
+        left = budget
+        for seq in by_deadline:
+            if seq.request_id in kept or seq.request_id in waiting_ids:
+                take = min(seq.num_tokens - seq.num_cached_tokens, max(left, 0))
+                chunk_of[seq.request_id] = take
+                left -= take
+        cache_len: dict[str, int] = {}
+        spent = 0
+        for seq in keep:
+            end = seq.num_tokens
+            if chunked and seq.num_tokens - seq.num_cached_tokens > 1:  # a prompt, mid-way
+                take = chunk_of[seq.request_id]
+                spent += take
+                end = seq.num_cached_tokens + take
+            cache_len[seq.request_id] = end
+        need = sum(blocks_needed(s, bs, cache_len[s.request_id]) for s in keep)
+        if not keep or need <= free:
+            break
         victim = keep.pop()
         preempt.append(victim.request_id)
         free += victim.num_blocks - victim.num_shared_blocks
-        need -= blocks_needed(victim, bs, cache_len.pop(victim.request_id))
+    budget -= spent
     free -= need
 
     prefill: list[str] = []
