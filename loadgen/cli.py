@@ -28,6 +28,7 @@ from loadgen.progress import Progress
 from loadgen.prompts import PromptError, TokenPool, approximate_pool, tokenizer_pool
 from loadgen.replay import EndpointError, SendOptions, list_models, replay
 from loadgen.traces import FORMATS, TraceError, TraceRequest, read_trace, write_trace
+from services.job_executor.disaggregation import PdConfig
 from services.job_executor.routing import RoutingConfig
 from shared.slo import SLO, parse_slo
 
@@ -350,6 +351,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes,
         preload_window_s=args.preload_window,
         max_queued_per_slot=args.max_queued_per_slot,
+        pd=_pd(args),
+        max_prefill_replicas=args.max_prefill_replicas,
+        kv_bandwidth=args.kv_bandwidth,
     )
     calibration = None
     if args.calibrate:
@@ -423,6 +427,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{100 * stats.hit_rate:.1f}; routing {stats.routed}"
         )
     print(_weight_cache_line(stats, cfg.host_cache_bytes))
+    if stats.prefill_loads or stats.pd_reasons:
+        print(
+            f"PD: {stats.prefill_loads} prefill instance loads, {stats.disaggregated} "
+            f"requests disaggregated, {stats.kv_bytes / 1e9:.2f} GB of KV moved; "
+            f"decisions {stats.pd_reasons}"
+        )
     if args.routing == "all":
         _compare_routing(planned, profiles, cfg, slo, args.out, (summary, stats))
     if ideal is not None:
@@ -476,6 +486,15 @@ def _routing(args: argparse.Namespace) -> RoutingConfig:
         if args.balance_tokens is None
         else args.balance_tokens,
     )
+
+
+def _pd(args: argparse.Namespace) -> PdConfig:
+    """The JE's PD rule from the settings (``MESHSERVE_PD*``), with ``--pd`` over its mode."""
+    from services.job_executor.disaggregation import pd_config
+    from shared.settings import Settings
+
+    config = pd_config(Settings.load().job_executor)
+    return dataclasses.replace(config, mode=args.pd) if args.pd else config
 
 
 def _compare_routing(planned: list, profiles: dict, cfg, slo, out: Path, done: tuple) -> None:
@@ -858,6 +877,26 @@ def parser() -> argparse.ArgumentParser:
         help="admission control, as the JE's MESHSERVE_MAX_QUEUED_PER_SLOT: refuse a request "
         "at once when every ready instance has N times its batch queued and no capacity is "
         "coming; 0 = never",
+    )
+    m.add_argument(
+        "--max-prefill-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="PD disaggregation: the scaler loads up to N prefill instances per model, sized "
+        "by the prompts the JE's PD rule sends them (MESHSERVE_MAX_PREFILL_REPLICAS); 0 = none",
+    )
+    m.add_argument(
+        "--pd",
+        choices=("auto", "always", "never"),
+        help="the JE's PD rule (default: MESHSERVE_PD's, with its MESHSERVE_PD_MIN_UNCACHED_*)",
+    )
+    m.add_argument(
+        "--kv-bandwidth",
+        type=float,
+        default=1.25e9,
+        metavar="BYTES_PER_S",
+        help="how fast a decode TE pulls a prefill TE's KV (default 10 Gb/s)",
     )
     m.add_argument("--heartbeat", type=float, default=1.0, help="seconds between TE reports")
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")

@@ -69,6 +69,9 @@ class EngineProfile:
     # ``cached_load_s``).
     weight_bytes: int = 0
     load_cached_s: float | None = None
+    # One token's KV in bytes, as PD moves it (``KvLayout.token_bytes``); 0: the engine moves
+    # no KV (no prefill or decode role for it).
+    kv_bytes_per_token: int = 0
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured
 
     def __post_init__(self) -> None:

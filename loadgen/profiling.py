@@ -28,6 +28,7 @@ from services.task_executor.capacity import (
     prefill_s,
 )
 from services.task_executor.checkpoint import shard_files
+from services.task_executor.engines.capabilities import bind_features
 from services.task_executor.engines.factory import choose_engine, create_engine
 from shared.settings import Settings
 
@@ -91,6 +92,11 @@ def measure_profile(
             block_size=getattr(engine, "block_size", 16),
             max_model_len=max_len,
             weight_bytes=checkpoint_bytes(model_dir),
+            kv_bytes_per_token=(
+                exporter.kv_layout.token_bytes
+                if (exporter := bind_features(engine).kv_export) is not None
+                else 0
+            ),
             source={
                 "engine": engine.name,
                 "device": engine.device,

@@ -45,7 +45,20 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   long as a load from the same source takes, then stores the model and is idle again. Its
   time counts in ``SimStats.preload_seconds``, not in ``instance_seconds`` (no engine).
 
-Not modelled yet (they grow with the policy issues): PD disaggregation, TE failures;
+- PD disaggregation: the JE's ``disaggregation.decide`` after routing picked the decode
+  instance (prefill-role TEs take no whole requests, as in the JE), and
+  ``PdDecision.wanted`` for the traffic report the scaler sizes prefill instances by
+  (``SimConfig.max_prefill_replicas``; the scaler's ``Load.role``). A disaggregated request
+  runs its prompt on the prefill TE (scheduled like any prompt there, first token
+  included); its KV (the tokens the decode TE lacks, ``EngineProfile.kv_bytes_per_token``
+  each) streams layer by layer during that prefill, so it lands at the later of the prefill's
+  end and its start plus the bytes over ``kv_bandwidth``, plus one hop. The prefill TE holds
+  the blocks until then (its lease). The decode TE then admits the request like any other
+  (its blocks from the free pool, only the token after the prompt to compute), and the
+  first chunk the client gets carries the prefill's token and the first decoded one, as the
+  TE sends them.
+
+Not modelled yet (they grow with the policy issues): TE failures (so no PD fallbacks);
 multicast loads (``plan_multicasts`` needs relay addresses, which the simulated TEs do not
 report, so scale-outs fork one by one); a host cache holding part of a model (a real store
 keeps the tensors that fit; here a model is cached whole or not at all); the store after a
@@ -79,6 +92,12 @@ from services.job_executor.admission import (
     mean_output_tokens,
     shed,
 )
+from services.job_executor.disaggregation import (
+    PdConfig,
+    decide,
+    pd_config,
+    prefill_instances,
+)
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
 from services.job_executor.ledger import PlacementLedger
 from services.job_executor.placement import Request
@@ -107,6 +126,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView, queued_prompt_tokens, remember_model
 from shared.messages.cluster import JobShare, TEState
+from shared.messages.tasks import TaskMode
 from shared.settings import ModelScaling, Settings
 from shared.slo import SLO
 
@@ -150,6 +170,12 @@ class SimConfig:
     slo_target: float = 0.95  # MESHSERVE_SLO_TARGET
     # MESHSERVE_MODEL_SCALING: per-model bounds over the defaults above
     model_scaling: Mapping[str, ModelScaling] = dataclasses.field(default_factory=dict)
+    # PD disaggregation: the JE's rule (MESHSERVE_PD*), the scaler's prefill instances
+    # (MESHSERVE_MAX_PREFILL_REPLICAS; 0: none, so no request is disaggregated), and the
+    # bytes/s a decode TE pulls a prefill TE's KV at (10 Gb/s TCP; shared memory is faster).
+    pd: PdConfig = dataclasses.field(default_factory=PdConfig)
+    max_prefill_replicas: int = 0
+    kv_bandwidth: float = 1.25e9
 
     def settings(self) -> Settings:
         """The simulated cluster's settings, as far as they decide anything: the scaler
@@ -169,8 +195,15 @@ class SimConfig:
                 "slo_ttft_per_token": self.slo.ttft_per_input_token_s,
                 "slo_tpot": self.slo.tpot_s,
                 "slo_target": self.slo_target,
+                "max_prefill_replicas": self.max_prefill_replicas,
             },
             host_cache={"load_bandwidth": self.load_bandwidth},
+            job_executor={
+                "pd": self.pd.mode,
+                "pd_min_uncached_tokens": self.pd.min_uncached_tokens,
+                "pd_min_uncached_ratio": self.pd.min_uncached_ratio,
+                "pd_max_prefill_queue_tokens": self.pd.max_prefill_queue_tokens,
+            },
         )
 
     def scaler_config(self) -> ScalerConfig:
@@ -219,6 +252,12 @@ class SimStats:
     # instance still loading): how many, and their TTFT percentiles (seconds).
     cold_requests: int = 0
     cold_ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # PD: requests whose prompt ran on a prefill instance, why each placement went the way
+    # it did (where the model had prefill instances), and the KV bytes moved.
+    disaggregated: int = 0
+    pd_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    kv_bytes: int = 0
+    prefill_loads: int = 0
 
     @property
     def weight_cache_hit_rate(self) -> float:
@@ -261,6 +300,14 @@ class _Seq:
     admitted: bool = False  # admitted to an engine once (a later one recomputes)
     placement: int = 0  # its TE's number for it (TaskAccepted.seq)
     due: float = math.inf  # when its first token is due at its TE (the TTFT target)
+    # PD. A prefill task: the request it prefills for, and that request's decode TE.
+    kv_for: _Seq | None = None
+    decode_te: _TE | None = None
+    started_at: float = 0.0  # a prefill task: admitted (its KV starts streaming)
+    # A request whose prompt KV came from a prefill TE, until its decode TE admits it (then
+    # its first chunk carries the prefill's token too).
+    imported: bool = False
+    head_token: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -289,6 +336,9 @@ class _TE:
     weights: str = ""  # where the weights of its load or pre-load come from
     preloading: str | None = None  # the model it pre-loads
     placements: int = 0  # tasks it took (TaskAccepted.seq of the last)
+    role: TaskMode = TaskMode.COLOCATED  # what it loaded its model as (LoadModel.role)
+    transfers: int = 0  # PD, a prefill TE: KV it holds until a decode TE has pulled it
+    incoming: list[_Seq] = dataclasses.field(default_factory=list)  # PD, decode: KV due
 
     def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
         """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
@@ -322,11 +372,14 @@ class _TE:
             capacity=profile.capacity() if profile is not None else None,
             shares={JE_ID: share} if share.sequences else {},
             placements=self.placements,
+            role=self.role,
+            kv_address=f"{self.te_id}:kv" if profile and self.role == TaskMode.PREFILL else "",
+            kv_import=profile is not None and profile.kv_bytes_per_token > 0,
         )
 
     def share(self) -> JobShare:
         """Its work, all placed by the one simulated JE (``TEHeartbeat.shares``)."""
-        seqs = list(itertools.chain(self.waiting, self.running))
+        seqs = list(itertools.chain(self.waiting, self.running, self.incoming))
         return JobShare(
             sequences=len(seqs),
             decoding=sum(1 for s in seqs if s.generated),
@@ -380,6 +433,7 @@ class Simulation:
         for model in sorted({p.model for p in planned}):
             self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())
         self._traffic = TrafficLedger()  # the JE's, since its last report
+        self._pd = pd_config(cfg.settings().job_executor)
         self._outcomes = Outcomes(cfg.slo)
         # As a TE paces its engine: with the capacity it measured and the SLO's TPOT.
         self._pacing = {
@@ -423,6 +477,7 @@ class Simulation:
             "report": self._report_traffic,
             "scaler": self._scaler_tick,
             "expire": self._expire,
+            "kv_done": self._kv_done,
         }
         while self._events:
             t, _, kind, arg = heapq.heappop(self._events)
@@ -503,7 +558,9 @@ class Simulation:
         """The JE's step (``holding.next_step``) on the view it has."""
         model = seq.plan.model
         assert seq.job is not None
-        tes = [self._view[t] for t in self._by_model.get(model, ())]
+        every = [self._view[t] for t in self._by_model.get(model, ())]
+        # Prefill instances take prefill tasks only: routing and admission see the rest.
+        tes = [v for v in every if v.role != TaskMode.PREFILL]
         cached = {
             v.te_id: c
             for v in tes
@@ -531,7 +588,8 @@ class Simulation:
             return False  # its expire event fails it
         matched = cached.get(step.te_id, 0)
         key = seq.plan.key
-        self._ledger.placed(step.te_id, key, seq.prompt - matched)
+        prefill_te = self._disaggregate(seq, self._view[step.te_id], matched, every)
+        self._ledger.placed(step.te_id, key, 0 if prefill_te else seq.prompt - matched)
         te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
             # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
@@ -556,11 +614,109 @@ class Simulation:
         # In deadline order, as the engine queues.
         paced = self._pacing.get(model)
         seq.due = self.now + paced.ttft_limit_s(seq.prompt) if paced else math.inf
-        enqueue(te.waiting, seq, lambda s: queue_due(s.due, started=s.generated > 0))
         te.last_active = self.now
+        if prefill_te is not None:  # the decode TE waits for the KV
+            self._start_prefill(seq, te, prefill_te)
+            return True
+        self._enqueue(te, seq)
+        return True
+
+    def _enqueue(self, te: _TE, seq: _Seq) -> None:
+        """In deadline order, as the engine queues."""
+        enqueue(te.waiting, seq, lambda s: queue_due(s.due, started=s.generated > 0))
         self._dirty.add(te.te_id)
         self._kick(te, delay=2 * self.cfg.network_s)
-        return True
+
+    # -- PD disaggregation --------------------------------------------------------------------
+
+    def _disaggregate(
+        self, seq: _Seq, decode: TEView, matched: int, every: Sequence[TEView]
+    ) -> _TE | None:
+        """The JE's PD decision for a request routed to ``decode``: the prefill TE its prompt
+        runs on, or None. Its prefill work goes into the traffic report once."""
+        model = seq.plan.model
+        prefill_tes = prefill_instances(model, every)
+        assert seq.job is not None
+        pd = decide(
+            self._pd,
+            decode=decode,
+            prompt_tokens=seq.prompt,
+            cached_tokens=matched,
+            max_tokens=seq.plan.output_tokens,
+            prefill_tes=[v for v in prefill_tes if v.te_id not in seq.job.refused],
+            unreported=self._ledger.unreported,
+        )
+        if pd.wanted and not seq.placed:
+            self._traffic.prefill_wanted(model, seq.prompt - matched)
+        prefill = self._by_id[pd.prefill_te] if pd.prefill_te else None
+        reason = pd.reason
+        if prefill is not None and (prefill.state != TEState.READY or prefill.model != model):
+            prefill, reason = None, "prefill instance refused"  # a stale view
+        if prefill_tes and self._pd.mode != "never":  # the JE says it where PD is in play
+            self.stats.pd_reasons[reason] = self.stats.pd_reasons.get(reason, 0) + 1
+            seq.result.disaggregated = prefill is not None
+        return prefill
+
+    def _start_prefill(self, seq: _Seq, decode: _TE, prefill: _TE) -> None:
+        """The prefill task (key ``<request>/prefill``) on ``prefill``; ``seq`` waits for
+        its KV, its decode TE expecting it."""
+        task = _Seq(
+            plan=seq.plan,
+            result=seq.result,
+            prompt=seq.plan.input_tokens,
+            keys=seq.keys,
+            kv_for=seq,
+            decode_te=decode,
+            due=seq.due,
+        )
+        task.matched = prefill.cached_prefix(task)
+        key = f"{seq.plan.key}/prefill"
+        self._ledger.placed(prefill.te_id, key, task.prompt - task.matched)
+        prefill.placements += 1
+        task.placement = prefill.placements
+        self._ledger.accepted(key, task.placement)
+        seq.result.disaggregated = True
+        seq.matched = seq.prompt  # no prefill work on its decode TE
+        self.stats.disaggregated += 1
+        decode.incoming.append(seq)
+        prefill.last_active = self.now
+        self._enqueue(prefill, task)
+
+    def _prefilled(self, te: _TE, task: _Seq) -> None:
+        """A prefill task's prompt is done: its blocks stay leased until the decode TE has
+        pulled what it lacks, streamed layer by layer since the prefill started."""
+        assert task.kv_for is not None and task.decode_te is not None and te.profile is not None
+        te.running.remove(task)
+        if te.cache is not None and task.keys:
+            te.cache.insert(task.keys, task.plan.block_size)
+        held = task.decode_te.cached_prefix(task.kv_for)
+        nbytes = (task.plan.input_tokens - held) * te.profile.kv_bytes_per_token
+        self.stats.kv_bytes += nbytes
+        pulled = max(self.now, task.started_at + nbytes / self.cfg.kv_bandwidth)
+        te.transfers += 1
+        self._at(pulled + self.cfg.network_s, "kv_done", (te, task))
+
+    def _kv_done(self, arg: tuple[_TE, _Seq]) -> None:
+        """The decode TE has the KV: the prefill TE's lease ends (its blocks go back), and
+        the request joins the decode TE's queue with its prompt's KV and the prefill's
+        token."""
+        te, task = arg
+        seq, decode = task.kv_for, task.decode_te
+        assert seq is not None and decode is not None
+        te.transfers -= 1
+        te.free_blocks += task.blocks - task.shared_blocks
+        task.blocks = task.shared_blocks = 0
+        self._ledger.ended(f"{seq.plan.key}/prefill", te.te_id)
+        self._dirty.add(te.te_id)
+        self._kick(te)
+        self._maybe_unloaded(te)
+        decode.incoming.remove(seq)
+        seq.generated, seq.imported, seq.head_token = 1, True, True
+        seq.prompt = seq.num_tokens
+        seq.admitted = True  # its prompt was computed (and counted) on the prefill TE
+        self._ledger.prefilled(seq.plan.key, decode.te_id)
+        self._enqueue(decode, seq)
+        self._maybe_unloaded(decode)
 
     def _place_held(self, model: str) -> None:
         held = self._held.pop(model, [])
@@ -678,6 +834,8 @@ class Simulation:
             if isinstance(action, Load) and te.state == TEState.IDLE:
                 profile = self.profiles[action.model]
                 te.state, te.model, te.profile = TEState.LOADING, action.model, profile
+                te.role = action.role
+                self.stats.prefill_loads += action.role == TaskMode.PREFILL
                 te.since = self.now
                 te.epoch += 1
                 self._state_changed(te)
@@ -766,7 +924,10 @@ class Simulation:
         """A draining TE unloads once its last request finished."""
         if te.state != TEState.DRAINING or te.running or te.waiting or te.busy:
             return
+        if te.transfers or te.incoming:  # PD: KV leased out, or due in
+            return
         te.state, te.model, te.profile, te.cache = TEState.IDLE, None, None, None
+        te.role = TaskMode.COLOCATED
         te.epoch += 1
         self._state_changed(te)
         self.stats.unloads += 1
@@ -838,7 +999,8 @@ class Simulation:
                 str(id(s)),
                 s.prompt,
                 hits[s] // bs,
-                num_cached_tokens=hits[s],
+                # imported (PD): its prompt's KV is here, past the prefix this cache holds
+                num_cached_tokens=s.plan.input_tokens if s.imported else hits[s],
                 ttft_left_s=self._ttft_left(s),
             )
             for s in head
@@ -869,6 +1031,10 @@ class Simulation:
             if hit:
                 te.cached_prefix(s, touch=True)
             s.computed, s.blocks, s.shared_blocks = hit, hit // bs, hit // bs
+            if s.imported:  # the rest of its prompt's KV is the import's, in new blocks
+                s.computed, s.imported = s.plan.input_tokens, False
+            if s.kv_for is not None and not s.started_at:
+                s.started_at = self.now  # its KV streams from now on, layer by layer
             if not s.admitted:
                 s.admitted = True
                 self.stats.cached_tokens += hit
@@ -887,6 +1053,8 @@ class Simulation:
                 chunks.append(end - s.computed)
                 cached.append(s.computed)
         if not ends:
+            if decision.preempt:  # the engine schedules again at once (its loop goes on)
+                self._kick(te)
             return  # nothing fits (a prompt larger than the cache): stays queued
         step = prof.iteration_s(len(ends) - len(chunks), ctx, chunks, cached)
         self.stats.iterations += 1
@@ -903,6 +1071,9 @@ class Simulation:
             s.computed = end
             if end < s.num_tokens:
                 continue  # a prompt chunk: the prompt goes on in the next iteration
+            if s.kv_for is not None:
+                self._prefilled(te, s)  # a prefill task: its token goes with the KV
+                continue
             if not s.generated and te.cache is not None and s.keys:
                 te.cache.insert(s.keys, s.plan.block_size)  # its prompt's blocks stay
             s.generated += 1
@@ -912,6 +1083,8 @@ class Simulation:
             if r.ttft_s is None:
                 r.ttft_s = arrive - EPOCH - r.sent_s
                 s.first_token_at = arrive
+                if s.head_token and self.cfg.record_gaps:  # the prefill's token, just before
+                    r.gaps_s.append(0.0)
             elif self.cfg.record_gaps:
                 r.gaps_s.append(arrive - s.last_token_at)
             s.last_token_at = arrive

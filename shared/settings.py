@@ -278,6 +278,7 @@ class ModelScaling(BaseModel):
     max_replicas: int | None = Field(default=None, ge=1)
     target_utilization: float | None = Field(default=None, gt=0, le=1)
     keep_alive: Duration | None = None
+    max_prefill_replicas: int | None = Field(default=None, ge=0)
 
 
 class ScalerSettings(Section):
@@ -296,6 +297,14 @@ class ScalerSettings(Section):
         default=0, ge=0, description="Instances every model keeps (0: it may scale to zero)."
     )
     max_replicas: int = Field(default=8, ge=1, description="Most instances of one model.")
+    max_prefill_replicas: int = Field(
+        default=0,
+        ge=0,
+        description="PD disaggregation: most prefill instances of one model, besides its "
+        "max_replicas. The scaler sizes them by the prompt tokens the job executors' PD rule "
+        "would send to them (MESHSERVE_PD, MESHSERVE_PD_MIN_UNCACHED_*), the rest of the load "
+        "by the model's other instances. 0: the scaler loads none (an operator may).",
+    )
     target_utilization: float = Field(
         default=0.7,
         gt=0,
@@ -307,7 +316,7 @@ class ScalerSettings(Section):
         default_factory=dict,
         description="Per-model bounds over the defaults above, as JSON: "
         '{"demo": {"min_replicas": 1, "max_replicas": 4, "target_utilization": 0.6, '
-        '"keep_alive": 30}}.',
+        '"keep_alive": 30, "max_prefill_replicas": 2}}.',
     )
     stable_window: Duration = Field(
         default=timedelta(seconds=60),

@@ -23,6 +23,7 @@ from services.job_executor import ledger
 from services.views import TEView
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
+from shared.settings import JobExecutorSettings
 
 PdMode = Literal["auto", "always", "never"]
 
@@ -35,10 +36,24 @@ class PdConfig:
     max_prefill_queue_tokens: int = 32768
 
 
+def pd_config(settings: JobExecutorSettings) -> PdConfig:
+    """The rule's parameters from the job executor's settings (``MESHSERVE_PD*``): the
+    service and ``meshserve-loadgen simulate`` build them here."""
+    return PdConfig(
+        mode=settings.pd,
+        min_uncached_tokens=settings.pd_min_uncached_tokens,
+        min_uncached_ratio=settings.pd_min_uncached_ratio,
+        max_prefill_queue_tokens=settings.pd_max_prefill_queue_tokens,
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PdDecision:
     prefill_te: str | None  # None: the decode instance prefills the prompt itself
     reason: str  # why, for logs, metrics and the scale events
+    # The rule would send it to a prefill instance were one ready and not backed up
+    # (the size test, with a decode instance that imports KV): its uncached prompt tokens are prefill work for the scaler.
+    wanted: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -57,6 +72,30 @@ def prefill_instances(model: str, tes: Sequence[TEView]) -> list[TEView]:
     ]
 
 
+def _stays_whole(config: PdConfig, decode: TEView, max_tokens: int) -> str | None:
+    """Why the request runs on its decode instance whatever its prompt, or None."""
+    if config.mode == "never":
+        return "pd off"
+    if max_tokens <= 1:
+        return "nothing to decode"
+    if not decode.kv_import:
+        return "decode instance imports no KV"
+    return None
+
+
+def _too_small(config: PdConfig, prompt_tokens: int, cached_tokens: int) -> str | None:
+    """Why the prompt is not worth moving (``auto``: the uncached part is short or a small
+    share of it), or None."""
+    if config.mode == "always":
+        return None
+    uncached = max(prompt_tokens - cached_tokens, 0)
+    if uncached < config.min_uncached_tokens:
+        return "short uncached prompt"
+    if uncached < config.min_uncached_ratio * prompt_tokens:
+        return "mostly cached prompt"
+    return None
+
+
 def decide(
     config: PdConfig,
     *,
@@ -69,22 +108,19 @@ def decide(
 ) -> PdDecision:
     """``decode``: the instance routing chose; ``cached_tokens``: the prompt tokens it holds;
     ``prefill_tes``: the model's ready prefill instances (``prefill_instances``)."""
-    if config.mode == "never":
-        return PdDecision(None, "pd off")
-    if max_tokens <= 1:
-        return PdDecision(None, "nothing to decode")
-    if not decode.kv_import:
-        return PdDecision(None, "decode instance imports no KV")
+    if reason := _stays_whole(config, decode, max_tokens):
+        return PdDecision(None, reason)
+    too_small = _too_small(config, prompt_tokens, cached_tokens)
+    wanted = too_small is None
     if not prefill_tes:
-        return PdDecision(None, "no prefill instance")
+        return PdDecision(None, "no prefill instance", wanted)
     prefill = min(prefill_tes, key=lambda te: (ledger.prefill_tokens(te, unreported), te.te_id))
-    if config.mode == "always":
-        return PdDecision(prefill.te_id, "always")
-    uncached = max(prompt_tokens - cached_tokens, 0)
-    if uncached < config.min_uncached_tokens:
-        return PdDecision(None, "short uncached prompt")
-    if uncached < config.min_uncached_ratio * prompt_tokens:
-        return PdDecision(None, "mostly cached prompt")
-    if ledger.prefill_tokens(prefill, unreported) >= config.max_prefill_queue_tokens:
-        return PdDecision(None, "prefill queue full")
-    return PdDecision(prefill.te_id, "long uncached prompt")
+    if too_small:
+        return PdDecision(None, too_small)
+    if config.mode != "always" and (
+        ledger.prefill_tokens(prefill, unreported) >= config.max_prefill_queue_tokens
+    ):
+        return PdDecision(None, "prefill queue full", wanted)
+    return PdDecision(
+        prefill.te_id, "always" if config.mode == "always" else "long uncached prompt", wanted
+    )

@@ -16,9 +16,9 @@ from services.job_executor.admission import (
     shed,
 )
 from services.job_executor.disaggregation import (
-    PdConfig,
     PdDecision,
     decide,
+    pd_config,
     prefill_instances,
 )
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
@@ -72,12 +72,7 @@ class JobExecutor:
             balance_tokens=je.routing_balance_tokens,
         )
         self._speculative_ttl_s = je.routing_speculative_ttl.total_seconds()
-        self._pd = PdConfig(
-            mode=je.pd,
-            min_uncached_tokens=je.pd_min_uncached_tokens,
-            min_uncached_ratio=je.pd_min_uncached_ratio,
-            max_prefill_queue_tokens=je.pd_max_prefill_queue_tokens,
-        )
+        self._pd = pd_config(je)
         self._feed = IndexFeed(
             bus,
             self._subjects,
@@ -183,6 +178,7 @@ class JobExecutor:
             model=job.model, deadline=job.deadline, exclude=frozenset(job.exclude_te_ids)
         )
         held = False
+        counted = False  # its prefill work, in the traffic report (once)
         hashes = self._feed.prompt_hashes(job.model, job.prompt_token_ids)
         self._round_robin += 1
         spread = spread_of(self._routing, self._round_robin, job.request_id)
@@ -245,6 +241,9 @@ class JobExecutor:
                         prefill_tes=[te for te in prefill_tes if te.te_id not in pending.refused],
                         unreported=unreported,
                     )
+                    if pd.wanted and not counted:  # the scaler sizes prefill instances by it
+                        counted = True
+                        self._traffic.prefill_wanted(job.model, request.prompt_tokens - matched)
                     source = None
                     if pd.prefill_te is not None:
                         prefill_te = next(te for te in prefill_tes if te.te_id == pd.prefill_te)

@@ -26,6 +26,13 @@ class TrafficLedger:
         t.prompt_tokens += prompt_tokens
         t.max_output_tokens += max_output_tokens
 
+    def prefill_wanted(self, model: str, uncached_tokens: int) -> None:
+        """A job placed whose prompt the PD rule would prefill on a prefill instance
+        (``PdDecision.wanted``), with the prompt tokens it would compute there."""
+        t = self._of(model)
+        t.pd_arrivals += 1
+        t.pd_prompt_tokens += uncached_tokens
+
     def held(self, model: str, prompt_tokens: int) -> None:
         """A job waits for an instance of ``model`` (none can take it now)."""
         t = self._of(model)

@@ -14,6 +14,7 @@ def scaler_config(settings: Settings) -> ScalerConfig:
         max_replicas=s.max_replicas,
         target_utilization=s.target_utilization,
         keep_alive_s=s.keep_alive.total_seconds(),
+        max_prefill_replicas=s.max_prefill_replicas,
     )
     models = {
         name: ModelPolicy(
@@ -23,6 +24,9 @@ def scaler_config(settings: Settings) -> ScalerConfig:
             keep_alive_s=m.keep_alive.total_seconds()
             if m.keep_alive is not None
             else default.keep_alive_s,
+            max_prefill_replicas=m.max_prefill_replicas
+            if m.max_prefill_replicas is not None
+            else default.max_prefill_replicas,
         )
         for name, m in s.model_scaling.items()
     }

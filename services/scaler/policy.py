@@ -21,6 +21,10 @@ target:
   with the most (max-min fair: nobody loses its last instance).
 - Loads of one model that would fork it from the same weight server go by multicast
   (``plan_multicasts``).
+- PD disaggregation: a model's prefill instances are counted apart (``target``'s
+  ``prefill_wanted``). They load after every model's other instances have taken the idle
+  TEs they need (a prefill instance helps only beside instances that decode), take no TE
+  by ``reclaim``, scale in after the stable window, and unload at the keep-alive.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Load:
     reason: str = ""
     weights_from: str | None = None  # another host's weight server to fork from
     multicast: MulticastPlan | None = None
+    role: TaskMode = TaskMode.COLOCATED  # PREFILL: a prefill instance (PD)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,6 +92,39 @@ def _victims(instances: Sequence[TEView], n: int, *, idle_since: float | None) -
     return ready[:n]
 
 
+def _loading(view: Sequence[TEView], te_id: str, model: str) -> list[TEView]:
+    """The view as the next placement of the same decision sees it: ``te_id`` loading."""
+    return [
+        dataclasses.replace(x, state=TEState.LOADING, model=model) if x.te_id == te_id else x
+        for x in view
+    ]
+
+
+def _prefill_step(
+    mem: ModelMemory,
+    t: Target,
+    prefill: Sequence[TEView],
+    coming: int,
+    now: float,
+    cfg: ScalerConfig,
+) -> tuple[ModelMemory, list[tuple[TEView, str]]]:
+    """A model's prefill instances to unload now: all of them once idle for the keep-alive;
+    where the scaler manages them, the surplus once the wanted count stayed below the
+    current one for the stable window (never while one loads)."""
+    if t.idle:
+        idle_since = now - cfg.policy(t.model).keep_alive_s
+        victims = _victims(prefill, len(prefill), idle_since=idle_since)
+        return mem, [(te, "keep-alive expired") for te in victims]
+    if t.prefill_wanted >= t.prefill_current or coming:
+        return dataclasses.replace(mem, prefill_below_since=None), []
+    since = now if mem.prefill_below_since is None else mem.prefill_below_since
+    if now - since < cfg.stable_window_s:
+        return dataclasses.replace(mem, prefill_below_since=since), []
+    victims = _victims(prefill, t.prefill_current - t.prefill_wanted, idle_since=None)
+    mem = dataclasses.replace(mem, prefill_below_since=None if victims else since)
+    return mem, [(te, "prefill load fell") for te in victims]
+
+
 def _not_below(mem: ModelMemory) -> ModelMemory:
     return mem if mem.below_since is None else dataclasses.replace(mem, below_since=None)
 
@@ -120,8 +158,11 @@ def decide(
     }
     short: dict[str, int] = {}  # instances a model wants that no idle TE could take
     pending_by_model: dict[str, int] = {}
+    prefill_pending: dict[str, int] = {}
     for p in state.pending.values():
-        pending_by_model[p.model] = pending_by_model.get(p.model, 0) + 1
+        counts = prefill_pending if p.role == TaskMode.PREFILL else pending_by_model
+        counts[p.model] = counts.get(p.model, 0) + 1
+    prefill_short: list[tuple[str, int]] = []  # prefill instances wanted, loaded last
     new_pending = dict(state.pending)
     new_draining = dict(state.draining)
     memories = dict(state.models)
@@ -137,6 +178,7 @@ def decide(
         if (
             model not in by_model
             and model not in pending_by_model
+            and model not in prefill_pending
             and pol.min_replicas == 0
             and now - mem.last_demand > pol.keep_alive_s
             and not mem.held
@@ -146,14 +188,25 @@ def decide(
             te for te in by_model.get(model, ()) if te.serving and te.te_id not in state.draining
         ]
         # Prefill instances (PD) take no whole requests: the model's count is the others'.
-        # They go with the model's keep-alive (loading them is an operator's choice so far).
         instances = [te for te in serving if te.role != TaskMode.PREFILL]
         prefill = [te for te in serving if te.role == TaskMode.PREFILL]
         # A load sent but not in the view yet is an instance too (it is coming).
         coming = pending_by_model.get(model, 0) - sum(
             1 for te in instances if te.te_id in state.pending
         )
-        t = target(model, mem, instances, coming=max(coming, 0), now=now, cfg=cfg)
+        prefill_coming = prefill_pending.get(model, 0) - sum(
+            1 for te in prefill if te.te_id in state.pending
+        )
+        t = target(
+            model,
+            mem,
+            instances,
+            coming=max(coming, 0),
+            prefill=prefill,
+            prefill_coming=max(prefill_coming, 0),
+            now=now,
+            cfg=cfg,
+        )
         current = t.current
         targets[model] = t
         if t.wanted > current and model in known:  # a model gone from the registry: no loads
@@ -175,20 +228,12 @@ def decide(
                     Load(te.te_id, model, t.reason, fork_source(model, te.pool_id, view))
                 )
                 new_pending[te.te_id] = PendingLoad(model, te.pool_id, now, t.reason)
-                # Seen by the next placement, so the model's instances spread.
-                view = [
-                    dataclasses.replace(x, state=TEState.LOADING, model=model)
-                    if x.te_id == te.te_id
-                    else x
-                    for x in view
-                ]
+                view = _loading(view, te.te_id, model)  # its instances spread
         elif t.wanted < current:
             if t.idle:
                 # Down to min_replicas (``wanted``), once instances have been idle as long.
                 idle_since = now - cfg.policy(model).keep_alive_s
                 victims = _victims(instances, t.ready - t.wanted, idle_since=idle_since)
-                if not t.wanted:
-                    victims += _victims(prefill, len(prefill), idle_since=idle_since)
                 reason = "keep-alive expired"
             elif coming > 0 or t.panicking or t.current > t.ready:
                 victims, reason = [], ""
@@ -206,10 +251,35 @@ def decide(
                 new_draining[te.te_id] = model
         else:
             mem = _not_below(mem)
+        mem, unload_prefill = _prefill_step(mem, t, prefill, max(prefill_coming, 0), now, cfg)
+        for te, reason in unload_prefill:
+            actions.append(Unload(te.te_id, model, reason))
+            new_draining[te.te_id] = model
+        if t.prefill_wanted > t.prefill_current and model in known:
+            prefill_short.append((model, t.prefill_wanted - t.prefill_current))
         if t.wanted <= current:  # wants no more: what was freed for it is free for all
             reserved = {te_id: m for te_id, m in reserved.items() if m != model}
         memories[model] = mem
     reserved = {te_id: m for te_id, m in reserved.items() if m in targets}
+    for model, n in prefill_short:  # what every model's other instances left idle
+        free = [te for te in idle if te.te_id not in reserved]
+        for _ in range(min(n, len(free))):
+            te = placement_order(model, free, view, cfg)[0]
+            idle.remove(te)
+            free.remove(te)
+            actions.append(
+                Load(
+                    te.te_id,
+                    model,
+                    "prefill load",
+                    fork_source(model, te.pool_id, view),
+                    role=TaskMode.PREFILL,
+                )
+            )
+            new_pending[te.te_id] = PendingLoad(
+                model, te.pool_id, now, "prefill load", TaskMode.PREFILL
+            )
+            view = _loading(view, te.te_id, model)
     reclaimed, reserved = reclaim(short, targets, by_model, reserved, new_draining)
     for te_id, model, reason in reclaimed:
         actions.append(Unload(te_id, model, reason))

@@ -240,6 +240,7 @@ class Scaler:
                     path=paths[action.model],
                     capacity=self._capacity(action.model, engine),
                     weights_from=action.weights_from,
+                    role=action.role,
                     multicast=(
                         Multicast(
                             node=m.node,

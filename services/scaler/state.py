@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from services.views import TEView
 from shared.messages.cluster import TEState
 from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
+from shared.messages.tasks import TaskMode
 
 BUCKET_S = 1.0  # arrivals and outcomes are kept in buckets of this width
 
@@ -31,6 +32,9 @@ class ModelPolicy:
     max_replicas: int = 8
     target_utilization: float = 0.7  # of an instance's capacity, in steady state
     keep_alive_s: float = 60.0  # no request for this long: down to min_replicas
+    # PD disaggregation: most prefill instances (0: the scaler loads none, and leaves alone
+    # any an operator loaded until the keep-alive).
+    max_prefill_replicas: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,6 +81,8 @@ class Bucket:
     slo_met: int = 0
     output_tokens: int = 0
     misses: int = 0
+    pd_arrivals: int = 0  # placed with a prompt the PD rule sends to a prefill instance
+    pd_prompt_tokens: int = 0  # the prompt tokens they compute there
 
 
 _ZERO = Bucket(at=0.0)
@@ -88,6 +94,8 @@ _TOTALS = (
     "slo_met",
     "output_tokens",
     "misses",
+    "pd_arrivals",
+    "pd_prompt_tokens",
 )
 
 
@@ -106,6 +114,7 @@ class ModelMemory:
     failures: int = 0  # failed loads in a row
     failed_at: float = 0.0
     below_since: float | None = None  # wanted < current since then (scale-in hysteresis)
+    prefill_below_since: float | None = None  # the same for its prefill instances
     capacity: InstanceCapacity | None = None
 
 
@@ -115,6 +124,7 @@ class PendingLoad:
     pool_id: str
     since: float
     reason: str
+    role: TaskMode = TaskMode.COLOCATED
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,7 +173,7 @@ def observe_traffic(
     for t in traffic:
         mem = models.get(t.model, ModelMemory())
         buckets = mem.buckets
-        if t.arrivals or t.misses:
+        if t.arrivals or t.misses or t.pd_arrivals:
             buckets = _add_to_bucket(
                 buckets,
                 now,
@@ -172,6 +182,8 @@ def observe_traffic(
                 prompt_tokens=t.prompt_tokens,
                 max_output_tokens=t.max_output_tokens,
                 misses=t.misses,
+                pd_arrivals=t.pd_arrivals,
+                pd_prompt_tokens=t.pd_prompt_tokens,
             )
         held = {k: v for k, v in mem.held.items() if k != je_id}
         if t.held > 0:
@@ -302,4 +314,6 @@ def window(mem: ModelMemory, now: float, window_s: float) -> Bucket:
         slo_met=end.slo_met - base.slo_met,
         output_tokens=end.output_tokens - base.output_tokens,
         misses=end.misses - base.misses,
+        pd_arrivals=end.pd_arrivals - base.pd_arrivals,
+        pd_prompt_tokens=end.pd_prompt_tokens - base.pd_prompt_tokens,
     )

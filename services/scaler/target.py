@@ -15,6 +15,13 @@
   that while recent requests miss their SLO with requests queueing. Within ``tolerance``
   of the current count, the current count. At least one while any request arrived within
   the keep-alive or is held; clamped to [min, max] replicas.
+- PD disaggregation (``max_prefill_replicas`` > 0): the job executors report the prompt
+  tokens their PD rule would send to a prefill instance (``pd_prompt_tokens``: the part the
+  decode instance lacks). That work, at the prefill cost of its mean prompt, sizes the
+  prefill instances (over the target utilisation, within ``tolerance``, at most
+  ``max_prefill_replicas``; none once idle); what the prefill instances up or coming can
+  take of it leaves the other instances' load. Prefill instances scale in after the stable
+  window, like the others.
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ class Target:
     panicking: bool
     idle: bool  # no request within the keep-alive
     reason: str
+    # PD: prefill instances up or coming, wanted, and their work (instances' worth, stable
+    # window); wanted is the current count where the scaler does not manage them.
+    prefill_current: int = 0
+    prefill_wanted: int = 0
+    prefill_load: float = 0.0
 
 
 def _instances_of_work(
@@ -61,6 +73,15 @@ def _instances_of_work(
         / cap.decode_tokens_per_s(round(prompt + output_per_request / 2))
     )
     return (prefill + decode) / window_s
+
+
+def _prefill_work(w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
+    """Instances kept busy by the window's prompts that the PD rule sends to prefill
+    instances."""
+    if not w.pd_arrivals:
+        return 0.0
+    mean = round(w.pd_prompt_tokens / w.pd_arrivals)
+    return w.pd_prompt_tokens / cap.prefill_tokens_per_s(mean) / window_s
 
 
 def _mean_prompt(w: Bucket) -> int:
@@ -81,11 +102,15 @@ def target(
     instances: Sequence[TEView],
     *,
     coming: int = 0,
+    prefill: Sequence[TEView] = (),
+    prefill_coming: int = 0,
     now: float,
     cfg: ScalerConfig,
 ) -> Target:
     """The replica count the model should have now, with the figures behind it.
-    ``coming``: loads sent that the view does not show yet."""
+    ``instances``: its instances that take whole requests; ``prefill``: its prefill
+    instances (PD); ``coming``, ``prefill_coming``: loads sent that the view does not show
+    yet."""
     pol = cfg.policy(model)
     ready = [te for te in instances if te.state == TEState.READY]
     current = len(instances) + coming
@@ -107,9 +132,16 @@ def target(
     stable_load = panic_load = 0.0
     backlog = 0
     waiting = sum(te.waiting for te in instances) + held_n
+    prefill_current = len(prefill) + prefill_coming
+    prefill_load = prefill_panic = 0.0
     if cap is not None:
         stable_load = _instances_of_work(stable, cfg.stable_window_s, out_per_req, cap)
         panic_load = _instances_of_work(panic, cfg.panic_window_s, out_per_req, cap)
+        prefill_load = _prefill_work(stable, cfg.stable_window_s, cap)
+        prefill_panic = _prefill_work(panic, cfg.panic_window_s, cap)
+        # What the prefill instances up or coming take of it is not the others' work.
+        stable_load -= min(prefill_load, prefill_current)
+        panic_load -= min(prefill_panic, prefill_current)
         active = sum(te.load for te in instances) + held_n
         queued_tokens = sum(te.queued_prompt_tokens for te in instances) + held_tokens
         if waiting:  # a queue: the batch slots or the prefill rate are the bottleneck
@@ -148,6 +180,11 @@ def target(
         wanted, reason = pol.min_replicas, "min_replicas"
     if wanted > pol.max_replicas:
         wanted, reason = pol.max_replicas, "max_replicas"
+    prefill_wanted = prefill_current
+    if pol.max_prefill_replicas:
+        work = max(prefill_load, prefill_panic) if panicking else prefill_load
+        prefill_wanted = 0 if idle else _replicas(work / target_u, prefill_current, cfg.tolerance)
+        prefill_wanted = min(prefill_wanted, pol.max_prefill_replicas)
     return Target(
         model=model,
         current=current,
@@ -160,4 +197,7 @@ def target(
         panicking=panicking,
         idle=idle,
         reason=reason,
+        prefill_current=prefill_current,
+        prefill_wanted=prefill_wanted,
+        prefill_load=prefill_load,
     )

@@ -18,6 +18,11 @@ class ModelTraffic(msgspec.Struct, kw_only=True, omit_defaults=True):
     held: int = 0  # jobs held now: no instance could take them
     held_prompt_tokens: int = 0
     misses: int = 0  # jobs failed since the last report: the placement deadline passed
+    # Of the jobs placed since the last report, those whose prompt the PD rule sends to a
+    # prefill instance (whether or not one is ready), and the prompt tokens they would
+    # compute there (the part their decode instance lacks): the scaler's prefill load.
+    pd_arrivals: int = 0
+    pd_prompt_tokens: int = 0
 
 
 class TrafficReport(Message):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.job_executor.disaggregation import PdConfig, decide, prefill_instances
+from services.job_executor.disaggregation import (
+    PdConfig,
+    decide,
+    prefill_instances,
+)
 from services.views import TEView
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
@@ -61,3 +65,34 @@ def test_prefill_instances_are_the_ready_prefill_role_ones_with_a_kv_server() ->
     other = dataclasses.replace(P1, te_id="p5", model="x")
     got = prefill_instances("m", [DECODE, P1, P2, loading, silent, other])
     assert [te.te_id for te in got] == ["p1", "p2"]
+
+
+def test_wanted_is_the_rule_without_the_prefill_fleet() -> None:
+    """What the job executor reports as prefill work for the scaler (``PdDecision.wanted``):
+    the requests ``decide`` would send to a prefill instance were one ready and not backed
+    up."""
+    auto = PdConfig(mode="auto")
+
+    def wants(config: PdConfig, prompt: int, cached: int = 0, **kw: object) -> bool:
+        args: dict[str, object] = {
+            "decode": DECODE,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "max_tokens": 64,
+            "prefill_tes": [],
+            "unreported": {},
+        } | kw
+        return decide(config, **args).wanted  # type: ignore[arg-type]
+
+    for prompt, cached in [(4096, 0), (1000, 0), (4096, 3000), (8192, 2048), (8192, 3000)]:
+        assert wants(auto, prompt, cached) == (_decide(auto, prompt, cached) is not None)
+        assert _decide(auto, prompt, cached, prefill_tes=[]) is None
+    # A backed-up prefill fleet keeps the prompt local, yet it is prefill work that wants
+    # more prefill instances.
+    full = PdConfig(mode="auto", max_prefill_queue_tokens=4000)
+    busy = {"p1": JobShare(prefill_tokens=4500)}
+    assert _decide(full, 4096, unreported=busy) is None
+    assert wants(full, 4096) and wants(full, 4096, prefill_tes=[P1], unreported=busy)
+    assert wants(PdConfig(mode="always"), 10) and not wants(PdConfig(mode="never"), 100_000)
+    assert not wants(auto, 4096, max_tokens=1)
+    assert not wants(auto, 4096, decode=dataclasses.replace(DECODE, kv_import=False))

@@ -51,6 +51,12 @@ class KvLayout:
     head_dim: int
     dtype: torch.dtype
 
+    @property
+    def token_bytes(self) -> int:
+        """One token's K and V over all layers, in bytes: what PD moves per prompt token."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
 
 @dataclasses.dataclass(slots=True, eq=False)
 class KvExport:
