@@ -489,12 +489,18 @@ def _routing(args: argparse.Namespace) -> RoutingConfig:
 
 
 def _pd(args: argparse.Namespace) -> PdConfig:
-    """The JE's PD rule from the settings (``MESHSERVE_PD*``), with ``--pd`` over its mode."""
+    """The JE's PD rule from the settings (``MESHSERVE_PD*``), with ``--pd`` over its mode
+    and ``--pd-heatmap`` over its heat maps."""
     from services.job_executor.disaggregation import pd_config
+    from services.job_executor.pd_heatmap import load
     from shared.settings import Settings
 
     config = pd_config(Settings.load().job_executor)
-    return dataclasses.replace(config, mode=args.pd) if args.pd else config
+    if args.pd:
+        config = dataclasses.replace(config, mode=args.pd)
+    if args.pd_heatmap:
+        config = dataclasses.replace(config, heatmaps=load(args.pd_heatmap))
+    return config
 
 
 def _compare_routing(planned: list, profiles: dict, cfg, slo, out: Path, done: tuple) -> None:
@@ -890,6 +896,12 @@ def parser() -> argparse.ArgumentParser:
         "--pd",
         choices=("auto", "always", "never"),
         help="the JE's PD rule (default: MESHSERVE_PD's, with its MESHSERVE_PD_MIN_UNCACHED_*)",
+    )
+    m.add_argument(
+        "--pd-heatmap",
+        type=Path,
+        metavar="FILE",
+        help="a PD heat map (scripts/bench-pd-heatmap) for auto (default: MESHSERVE_PD_HEATMAP)",
     )
     m.add_argument(
         "--kv-bandwidth",

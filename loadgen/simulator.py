@@ -92,17 +92,13 @@ from services.job_executor.admission import (
     mean_output_tokens,
     shed,
 )
-from services.job_executor.disaggregation import (
-    PdConfig,
-    decide,
-    pd_config,
-    prefill_instances,
-)
+from services.job_executor.disaggregation import Demand, PdConfig, decide, prefill_instances
 from services.job_executor.holding import GiveUp, Hold, PendingJob, next_step
 from services.job_executor.ledger import PlacementLedger
+from services.job_executor.output_length import OutputPredictor
 from services.job_executor.placement import Request
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
-from services.job_executor.traffic import TrafficLedger
+from services.job_executor.traffic import RateMeter, TrafficLedger
 from services.scaler.config import scaler_config
 from services.scaler.policy import Load, Unload
 from services.scaler.state import (
@@ -198,12 +194,6 @@ class SimConfig:
                 "max_prefill_replicas": self.max_prefill_replicas,
             },
             host_cache={"load_bandwidth": self.load_bandwidth},
-            job_executor={
-                "pd": self.pd.mode,
-                "pd_min_uncached_tokens": self.pd.min_uncached_tokens,
-                "pd_min_uncached_ratio": self.pd.min_uncached_ratio,
-                "pd_max_prefill_queue_tokens": self.pd.max_prefill_queue_tokens,
-            },
         )
 
     def scaler_config(self) -> ScalerConfig:
@@ -433,7 +423,11 @@ class Simulation:
         for model in sorted({p.model for p in planned}):
             self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())
         self._traffic = TrafficLedger()  # the JE's, since its last report
-        self._pd = pd_config(cfg.settings().job_executor)
+        # The JE's PD rule (the CLI builds it from the settings: ``pd_config``), its
+        # output-length predictor and arrival rates (what a heat map's cell needs).
+        self._pd = cfg.pd
+        self._outputs = OutputPredictor()
+        self._rates = RateMeter()
         self._outcomes = Outcomes(cfg.slo)
         # As a TE paces its engine: with the capacity it measured and the SLO's TPOT.
         self._pacing = {
@@ -532,6 +526,7 @@ class Simulation:
             seq.keys = chain_keys(p.hash_ids[: p.input_tokens // p.block_size])
         seq.job = PendingJob(model=p.model, deadline=self.now + self.cfg.placement_timeout_s)
         self._traffic.arrived(p.model, p.input_tokens, p.output_tokens)
+        self._rates.arrived(p.model, self.now)
         self._reports_due = True
         self._mean_output = mean_output_tokens(self._mean_output, p.output_tokens)
         verdict = shed(
@@ -599,6 +594,7 @@ class Simulation:
         te.placements += 1
         seq.placement = te.placements
         self._ledger.accepted(key, te.placements)
+        self._outputs.placed(key, model, seq.plan.input_tokens)
         if seq.held_at is not None:
             self.stats.held_wait_s += self.now - seq.held_at
             self._traffic.released(model, seq.plan.input_tokens)
@@ -645,6 +641,7 @@ class Simulation:
             max_tokens=seq.plan.output_tokens,
             prefill_tes=[v for v in prefill_tes if v.te_id not in seq.job.refused],
             unreported=self._ledger.unreported,
+            demand=self._demand(seq, every),
         )
         if pd.wanted and not seq.placed:
             self._traffic.prefill_wanted(model, seq.prompt - matched)
@@ -656,6 +653,19 @@ class Simulation:
             self.stats.pd_reasons[reason] = self.stats.pd_reasons.get(reason, 0) + 1
             seq.result.disaggregated = prefill is not None
         return prefill
+
+    def _demand(self, seq: _Seq, every: Sequence[TEView]) -> Demand | None:
+        """As the JE's: the predicted output and the rate per instance, for a heat map."""
+        model = seq.plan.model
+        if model not in self._pd.heatmaps:
+            return None
+        n = sum(1 for v in every if v.state == TEState.READY)  # all roles, as the JE
+        return Demand(
+            output_tokens=self._outputs.predict(
+                model, seq.plan.input_tokens, seq.plan.output_tokens
+            ),
+            rate_per_instance=self._rates.rate(model, self.now) / max(n, 1),
+        )
 
     def _start_prefill(self, seq: _Seq, decode: _TE, prefill: _TE) -> None:
         """The prefill task (key ``<request>/prefill``) on ``prefill``; ``seq`` waits for
@@ -1090,6 +1100,7 @@ class Simulation:
             s.last_token_at = arrive
             if s.generated >= s.plan.output_tokens:
                 self._ledger.ended(s.plan.key, te.te_id)
+                self._outputs.ended(s.plan.key, s.generated)
                 te.running.remove(s)
                 te.free_blocks += s.blocks - s.shared_blocks
                 s.blocks = s.shared_blocks = 0

@@ -267,6 +267,13 @@ class JobExecutorSettings(Section):
         description="`auto` prefills locally when the least busy prefill instance has this "
         "many prompt tokens queued already.",
     )
+    pd_heatmap: Path | None = Field(
+        default=None,
+        description="A PD heat map (scripts/bench-pd-heatmap): for the models it covers, "
+        "`auto` disaggregates where the cell of the request's uncached prompt, predicted "
+        "output over that prompt, and the model's request rate per instance says PD met the "
+        "SLO more often than colocated serving, instead of using pd_min_uncached_tokens.",
+    )
 
 
 class ModelScaling(BaseModel):

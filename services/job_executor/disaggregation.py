@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from services.job_executor import ledger
+from services.job_executor.pd_heatmap import PdHeatmap
+from services.job_executor.pd_heatmap import load as load_heatmaps
 from services.views import TEView
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
@@ -34,6 +36,9 @@ class PdConfig:
     min_uncached_tokens: int = 2048
     min_uncached_ratio: float = 0.7
     max_prefill_queue_tokens: int = 32768
+    # Measured heat maps by model (``pd_heatmap``): where one covers the model, it decides
+    # instead of ``min_uncached_tokens``.
+    heatmaps: Mapping[str, PdHeatmap] = dataclasses.field(default_factory=dict)
 
 
 def pd_config(settings: JobExecutorSettings) -> PdConfig:
@@ -44,6 +49,7 @@ def pd_config(settings: JobExecutorSettings) -> PdConfig:
         min_uncached_tokens=settings.pd_min_uncached_tokens,
         min_uncached_ratio=settings.pd_min_uncached_ratio,
         max_prefill_queue_tokens=settings.pd_max_prefill_queue_tokens,
+        heatmaps=load_heatmaps(settings.pd_heatmap) if settings.pd_heatmap else {},
     )
 
 
@@ -83,16 +89,34 @@ def _stays_whole(config: PdConfig, decode: TEView, max_tokens: int) -> str | Non
     return None
 
 
-def _too_small(config: PdConfig, prompt_tokens: int, cached_tokens: int) -> str | None:
-    """Why the prompt is not worth moving (``auto``: the uncached part is short or a small
-    share of it), or None."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Demand:
+    """What the heat map's cell of a request depends on besides its prompt: its predicted
+    output tokens (``output_length.OutputPredictor``) and the model's recent requests/s per
+    instance (``traffic.RateMeter``)."""
+
+    output_tokens: int
+    rate_per_instance: float
+
+
+def _too_small(
+    config: PdConfig, model: str, prompt_tokens: int, cached_tokens: int, demand: Demand | None
+) -> str | None:
+    """Why the prompt is not worth moving (``auto``: the uncached part is a small share of
+    it, or short, or where the model has a heat map, in a cell where PD does not pay), or
+    None."""
     if config.mode == "always":
         return None
     uncached = max(prompt_tokens - cached_tokens, 0)
-    if uncached < config.min_uncached_tokens:
-        return "short uncached prompt"
     if uncached < config.min_uncached_ratio * prompt_tokens:
         return "mostly cached prompt"
+    heatmap = config.heatmaps.get(model)
+    if heatmap is not None and demand is not None:
+        if heatmap.pays(uncached, demand.output_tokens, demand.rate_per_instance):
+            return None
+        return "heat map: colocated"
+    if uncached < config.min_uncached_tokens:
+        return "short uncached prompt"
     return None
 
 
@@ -105,12 +129,14 @@ def decide(
     max_tokens: int,
     prefill_tes: Sequence[TEView],
     unreported: Mapping[str, JobShare],
+    demand: Demand | None = None,
 ) -> PdDecision:
     """``decode``: the instance routing chose; ``cached_tokens``: the prompt tokens it holds;
-    ``prefill_tes``: the model's ready prefill instances (``prefill_instances``)."""
+    ``prefill_tes``: the model's ready prefill instances (``prefill_instances``); ``demand``:
+    what a heat map's cell needs besides the prompt (none: the thresholds decide)."""
     if reason := _stays_whole(config, decode, max_tokens):
         return PdDecision(None, reason)
-    too_small = _too_small(config, prompt_tokens, cached_tokens)
+    too_small = _too_small(config, decode.model or "", prompt_tokens, cached_tokens, demand)
     wanted = too_small is None
     if not prefill_tes:
         return PdDecision(None, "no prefill instance", wanted)

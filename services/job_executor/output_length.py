@@ -53,6 +53,22 @@ class OutputPredictor:
     decay: float = 0.999  # a learned request's weight after 1,000 more: 0.37
     _by_class: dict[tuple[str, int], _Counts] = dataclasses.field(default_factory=dict)
     _by_model: dict[str, _Counts] = dataclasses.field(default_factory=dict)
+    # Placed and not ended: key -> (model, prompt tokens), oldest first, at most max_pending
+    # (a task whose end never comes, its TE lost, is forgotten in time).
+    max_pending: int = 65536
+    _pending: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def placed(self, key: str, model: str, prompt_tokens: int) -> None:
+        """A task was placed: learn from it when it ends (``ended``)."""
+        self._pending[key] = (model, prompt_tokens)
+        while len(self._pending) > self.max_pending:
+            del self._pending[next(iter(self._pending))]
+
+    def ended(self, key: str, output_tokens: int | None) -> None:
+        """A placed task ended: finished with ``output_tokens`` (learned), or not (None)."""
+        placed = self._pending.pop(key, None)
+        if placed is not None and output_tokens is not None:
+            self.learn(*placed, output_tokens)
 
     def learn(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
         """A request of ``model`` finished with ``output_tokens`` tokens."""

@@ -16,6 +16,7 @@ from services.job_executor.admission import (
     shed,
 )
 from services.job_executor.disaggregation import (
+    Demand,
     PdDecision,
     decide,
     pd_config,
@@ -24,9 +25,10 @@ from services.job_executor.disaggregation import (
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
+from services.job_executor.output_length import OutputPredictor
 from services.job_executor.placement import Request, te_load
 from services.job_executor.routing import RoutingConfig, spread_of
-from services.job_executor.traffic import TrafficLedger
+from services.job_executor.traffic import RateMeter, TrafficLedger
 from services.views import TEView, te_view
 from shared import block_hash
 from shared.bus import Bus
@@ -100,6 +102,8 @@ class JobExecutor:
         self._inflight = 0
         self._started = time.time()
         self._mean_output_tokens = INITIAL_MEAN_OUTPUT_TOKENS  # admission's moving mean
+        self._outputs = OutputPredictor()  # learns from the tasks it placed, as they end
+        self._rates = RateMeter()  # each model's recent arrivals (PD's heat map)
 
     def _heartbeat(self) -> JEHeartbeat:
         return JEHeartbeat(
@@ -121,6 +125,7 @@ class JobExecutor:
             self._ledger.prefilled(key, msg.te_id)
         for key in msg.ended:
             self._ledger.ended(key, msg.te_id)
+            self._outputs.ended(key, msg.outputs.get(key))
 
     async def run(self) -> None:
         await self._feed.start(self._life)
@@ -171,6 +176,7 @@ class JobExecutor:
     async def _place(self, job: ChatJob) -> JobAccepted:
         log.debug("job received", model=job.model, attempt=job.attempt)
         self._traffic.arrived(job.model, len(job.prompt_token_ids), job.sampling.max_tokens)
+        self._rates.arrived(job.model, time.time())
         self._mean_output_tokens = mean_output_tokens(
             self._mean_output_tokens, job.sampling.max_tokens
         )
@@ -240,6 +246,7 @@ class JobExecutor:
                         max_tokens=job.sampling.max_tokens,
                         prefill_tes=[te for te in prefill_tes if te.te_id not in pending.refused],
                         unreported=unreported,
+                        demand=self._demand(job, len(candidates) + len(prefill_tes)),
                     )
                     if pd.wanted and not counted:  # the scaler sizes prefill instances by it
                         counted = True
@@ -265,6 +272,7 @@ class JobExecutor:
                         )
                         continue
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
+                    self._outputs.placed(task.key, job.model, request.prompt_tokens)
                     log.info(
                         "job placed",
                         te=step.te_id,
@@ -312,6 +320,17 @@ class JobExecutor:
         finally:
             if held:
                 self._traffic.released(job.model, len(job.prompt_token_ids))
+
+    def _demand(self, job: ChatJob, instances: int) -> Demand | None:
+        """What PD's heat map needs for the job (only where the model has one): its
+        predicted output, and the model's arrivals per ready instance (all roles)."""
+        if job.model not in self._pd.heatmaps:
+            return None
+        n = len(job.prompt_token_ids)
+        return Demand(
+            output_tokens=self._outputs.predict(job.model, n, job.sampling.max_tokens),
+            rate_per_instance=self._rates.rate(job.model, time.time()) / max(instances, 1),
+        )
 
     def _admit(self, job: ChatJob, tes: list[TEView]) -> None:
         """Refuse the job now if the cluster cannot serve it in time (``admission``)."""

@@ -5,6 +5,8 @@ simulate``'s job executor alike."""
 
 from __future__ import annotations
 
+import math
+
 from shared.messages.scaling import ModelTraffic
 
 
@@ -64,3 +66,22 @@ class TrafficLedger:
             if m.held
         }
         return models
+
+
+class RateMeter:
+    """Each model's recent arrival rate (requests/s), an exponentially weighted mean over
+    ``horizon_s``: what PD's heat map is indexed by (with the model's instances)."""
+
+    def __init__(self, horizon_s: float = 30.0) -> None:
+        self.horizon_s = horizon_s
+        self._models: dict[str, tuple[float, float]] = {}  # model -> (rate, at)
+
+    def _decayed(self, model: str, now: float) -> float:
+        rate, at = self._models.get(model, (0.0, now))
+        return rate * math.exp(-max(now - at, 0.0) / self.horizon_s)
+
+    def arrived(self, model: str, now: float) -> None:
+        self._models[model] = (self._decayed(model, now) + 1.0 / self.horizon_s, now)
+
+    def rate(self, model: str, now: float) -> float:
+        return self._decayed(model, now)

@@ -290,11 +290,15 @@ class TaskLoop:
                 n=len(orphans),
             )
 
-    def _close_stream(self, key: str) -> _Stream | None:
+    def _close_stream(self, key: str, *, finished: bool = False) -> _Stream | None:
+        """``finished``: it ran to its end (stop or length), with ``generated`` tokens."""
         stream = self._streams.pop(key, None)
         if stream is not None:
             del self._engine_streams[stream.engine_id]
-            self._progress_of(stream).ended.append(stream.key)
+            progress = self._progress_of(stream)
+            progress.ended.append(stream.key)
+            if finished:
+                progress.outputs[stream.key] = stream.generated
         return stream
 
     def _progress_of(self, stream: _Stream) -> TaskProgress:
@@ -414,7 +418,7 @@ class TaskLoop:
                 cached_tokens=out.num_cached_tokens,
             )
             if out.finished:
-                self._close_stream(stream.key)
+                self._close_stream(stream.key, finished=True)
                 log.debug(
                     "task finished",
                     request_id=stream.request_id,
@@ -518,8 +522,8 @@ class TaskLoop:
 
     async def _end_with(self, stream: _Stream, token_ids: list[int], reason: str) -> None:
         """End a decode task with the tokens its prefill produced (they finished it)."""
-        self._close_stream(stream.key)
         stream.generated = len(token_ids)
+        self._close_stream(stream.key, finished=True)
         self.generated_tokens += len(token_ids)
         chunk = self._chunk(stream, token_ids, reason)
         with contextlib.suppress(PeerUnreachable):

@@ -83,6 +83,9 @@ class TaskProgress(Message):
     te_id: str
     prefilled: list[str] = msgspec.field(default_factory=list)
     ended: list[str] = msgspec.field(default_factory=list)
+    # Of those ended, the ones that finished (stop or length): the tokens each produced, for
+    # the JE's output-length predictor (``services/job_executor/output_length.py``).
+    outputs: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class CancelTask(Message):

@@ -7,6 +7,7 @@ model at the keep-alive."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from services.scaler.service import Scaler
 from services.task_executor.worker import TaskExecutor
 from shared.embedded import free_port
 from shared.messages.cluster import ClusterView, TEState
-from shared.messages.tasks import TaskMode
+from shared.messages.tasks import TaskMode, TaskProgress
 from shared.settings import Settings
 from tests.integration.services import BusClient, control_plane
 
@@ -60,6 +61,15 @@ async def test_the_scaler_loads_a_prefill_instance_for_long_prompts_and_unloads_
     async with control_plane(settings, nats_url, redis_url) as run:
         watcher: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await watcher.started.wait()
+        # What the TEs tell the job executor as tasks end: the outputs its predictor learns.
+        outputs: dict[str, int] = {}
+
+        async def on_progress(msg: TaskProgress) -> None:
+            outputs.update(msg.outputs)
+
+        await watcher.bus.subscribe(
+            watcher.subjects.task_progress("*"), {TaskProgress: on_progress}
+        )
         for te_id in ("te-a", "te-b"):
             await run.start(
                 lambda bus, te_id=te_id: TaskExecutor(
@@ -103,6 +113,14 @@ async def test_the_scaler_loads_a_prefill_instance_for_long_prompts_and_unloads_
         _, how = await chat("Hello there.")
         assert how.startswith("colocated"), how
         assert again == first
+        # Every finished task said how many tokens it produced (prefill tasks are not
+        # finished requests: none of theirs).
+        for _ in range(50):  # the notices go out just after the last tokens
+            if len(outputs) == 4:
+                break
+            await asyncio.sleep(0.1)
+        assert len(outputs) == 4 and set(outputs.values()) == {12}, outputs
+        assert not any(k.endswith("/prefill") for k in outputs)
 
         # No requests: both instances go at the keep-alive.
         await watcher.until(lambda v: all(t.model is None for t in v.tes), 60)

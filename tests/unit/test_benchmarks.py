@@ -175,3 +175,24 @@ def test_bench_coldstart_times_each_way_back_from_zero(tmp_path: Path) -> None:
     assert rows["te-fork"]["fetched"] == stored and rows["te-fork"]["misses"] == 0
     assert result["loopback_gb_s"] > 0
     assert "te-cache-hit" in printed
+
+
+def test_bench_pd_heatmap_writes_the_table_auto_reads(tmp_path: Path) -> None:
+    from services.job_executor.pd_heatmap import load
+
+    out = tmp_path / "pd-heatmap.json"
+    printed = _bench(
+        "bench.pd_heatmap",
+        *("--prompts", "512,4096", "--ratios", "0.03125,0.5", "--loads", "0.3,0.8"),
+        *("--duration", "40", "--warmup", "10", "--prefill", "1", "--out", str(out)),
+    )
+    heatmap = load(out)["bench-qwen2-0.5b"]
+    assert heatmap.prompt_tokens == (512, 4096) and heatmap.output_ratio == (0.03125, 0.5)
+    assert len(heatmap.rate) == 2 and heatmap.rate[0] < heatmap.rate[1]
+    runs = json.loads((tmp_path / "pd-heatmap-runs.json").read_text())
+    assert len(runs["cells"]) == 8
+    for cell in runs["cells"]:
+        assert cell["requests"] > 0 and 0 <= cell["colocated"] <= 1
+        assert cell["gain"] == pytest.approx(cell["pd"]["1"]["attainment"] - cell["colocated"])
+    assert (tmp_path / "pd-heatmap.png").stat().st_size > 0
+    assert "PD − colocated" in printed
