@@ -35,7 +35,7 @@ from loadgen.simulator import SimConfig, simulate
 from loadgen.traces import TraceRequest
 from services.job_executor.disaggregation import PdConfig
 from services.job_executor.pd_heatmap import PdHeatmap, save
-from shared.slo import SLO
+from shared.slo import SLO, parse_slo
 
 OUT = ROOT / "bench-results"
 
@@ -169,10 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds not measured")
     ap.add_argument("--kv-bandwidth", type=float, default=1.25e9, help="bytes/s (10 Gb/s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo", help="e.g. 'ttft=500ms,ttft_per_token=1/16384,tpot=25ms'")
     ap.add_argument("--out", type=Path, default=OUT / "pd-heatmap.json")
     args = ap.parse_args(argv)
     args.prefill = [int(k) for k in _floats(args.prefill)]
-    args.slo = SLO()
+    args.slo = parse_slo(args.slo) if args.slo else SLO()
     profiles = load_profiles(args.profile)
     profile = profiles[args.model] if args.model else next(iter(profiles.values()))
     if not profile.kv_bytes_per_token:

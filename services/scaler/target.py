@@ -19,7 +19,8 @@
   tokens their PD rule would send to a prefill instance (``pd_prompt_tokens``: the part the
   decode instance lacks). That work, at the prefill cost of its mean prompt, sizes the
   prefill instances (over the target utilisation, within ``tolerance``, at most
-  ``max_prefill_replicas``; none once idle); what the prefill instances up or coming can
+  ``max_prefill_replicas``; none once idle), or, while prompts queue at them, as many as
+  drain that queue in ``backlog_drain_s``; what the prefill instances up or coming can
   take of it leaves the other instances' load. Prefill instances scale in after the stable
   window, like the others.
 """
@@ -183,8 +184,13 @@ def target(
     prefill_wanted = prefill_current
     if pol.max_prefill_replicas:
         work = max(prefill_load, prefill_panic) if panicking else prefill_load
-        prefill_wanted = 0 if idle else _replicas(work / target_u, prefill_current, cfg.tolerance)
-        prefill_wanted = min(prefill_wanted, pol.max_prefill_replicas)
+        prefill_wanted = _replicas(work / target_u, prefill_current, cfg.tolerance)
+        queued = sum(te.queued_prompt_tokens for te in prefill)
+        if queued and cap is not None:  # prompts wait at the prefill instances: drain them
+            mean = stable.pd_prompt_tokens // max(stable.pd_arrivals, 1) or _mean_prompt(stable)
+            rate = cap.prefill_tokens_per_s(mean)
+            prefill_wanted = max(prefill_wanted, math.ceil(queued / (rate * cfg.backlog_drain_s)))
+        prefill_wanted = 0 if idle else min(prefill_wanted, pol.max_prefill_replicas)
     return Target(
         model=model,
         current=current,

@@ -196,3 +196,24 @@ def test_bench_pd_heatmap_writes_the_table_auto_reads(tmp_path: Path) -> None:
         assert cell["gain"] == pytest.approx(cell["pd"]["1"]["attainment"] - cell["colocated"])
     assert (tmp_path / "pd-heatmap.png").stat().st_size > 0
     assert "PD − colocated" in printed
+
+
+def test_bench_pd_compares_like_with_like_on_trace_windows(tmp_path: Path) -> None:
+    out = tmp_path / "pd.json"
+    printed = _bench(
+        "bench.pd",
+        *("--requests", "40", "--windows", "azure", "--devices", "4", "--out", str(out)),
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["device"], r["run"]) for r in rows} == {
+        (d, run) for d in ("cpu", "cuda") for run in ("colocated", "always", "auto")
+    }
+    for device in ("cpu", "cuda"):
+        mine = [r for r in rows if r["device"] == device]
+        # Every run processed the same prompt and output tokens.
+        assert len({(r["prompt_tokens"], r["output_tokens"]) for r in mine}) == 1
+        assert all(r["failed"] == 0 for r in mine)
+        always = next(r for r in mine if r["run"] == "always")
+        assert always["disaggregated"] > 0 and always["kv_gb"] > 0
+        assert next(r for r in mine if r["run"] == "colocated")["disaggregated"] == 0
+    assert "prompt tok" in printed

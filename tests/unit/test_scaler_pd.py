@@ -34,7 +34,7 @@ PD = ScalerConfig(default=dataclasses.replace(POLICY, max_prefill_replicas=2))
 NO_PD = ScalerConfig(default=POLICY)
 
 
-def te(te_id, state=TEState.READY, role=TaskMode.COLOCATED, running=0, last_active=T0):
+def te(te_id, state=TEState.READY, role=TaskMode.COLOCATED, running=0, last_active=T0, queued=0):
     return TEView(
         te_id=te_id,
         pool_id="p1",
@@ -43,6 +43,7 @@ def te(te_id, state=TEState.READY, role=TaskMode.COLOCATED, running=0, last_acti
         running=running,
         last_active=last_active,
         role=role,
+        queued_prompt_tokens=queued,
     )
 
 
@@ -148,6 +149,21 @@ def test_prefill_instances_scale_in_after_the_stable_window_when_long_prompts_st
     d = decide(s, tes, models=["m"], now=now + 60, cfg=PD)
     assert d.actions == [Unload("p1", "m", "prefill load fell")]
     assert d.state.draining == {"p1": "m"}
+
+
+def test_prompts_queued_at_the_prefill_instances_scale_them_out_before_the_window_sees_it() -> None:
+    # Ten seconds of long prompts: the stable window (60 s) sees a sixth of their rate, one
+    # instance's worth, while 9,000 prompt tokens wait at the one prefill instance: 4.5 s
+    # of its work, over backlog_drain_s (2 s): 3 instances, clamped to 2.
+    s = traffic(fresh(), seconds=10, rps=0.3, prompt=4000, pd_share=1.0)
+    tes = [te("r1"), prefill("p1", queued=9000), idle("a"), idle("b")]
+    d = decide(s, tes, models=["m"], now=T0 + 10, cfg=PD)
+    assert d.targets["m"].prefill_wanted == 2
+    assert [(a.te_id, a.role) for a in d.actions if isinstance(a, Load)] == [
+        ("a", TaskMode.PREFILL)
+    ]
+    no_queue = [te("r1"), prefill("p1"), idle("a"), idle("b")]
+    assert decide(s, no_queue, models=["m"], now=T0 + 10, cfg=PD).targets["m"].prefill_wanted == 1
 
 
 def test_the_job_executors_traffic_report_carries_the_prefill_work() -> None:
