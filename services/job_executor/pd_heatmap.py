@@ -22,7 +22,8 @@ class PdHeatmap:
     prompt_tokens: tuple[int, ...]  # ascending: the uncached prompt tokens of each row
     output_ratio: tuple[float, ...]  # ascending: output tokens over uncached prompt tokens
     rate: tuple[float, ...]  # ascending: requests/s per instance of the model
-    # gain[rate][prompt][ratio]: SLO attainment disaggregated minus colocated (-1..1)
+    # gain[rate][prompt][ratio]: SLO attainment disaggregated minus colocated (-1..1); where
+    # they tie (within 0.01), PD's TPOT p90 improvement scaled into ±0.01 (bench.pd_heatmap)
     gain: tuple[tuple[tuple[float, ...], ...], ...]
     source: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # how it was measured
 
