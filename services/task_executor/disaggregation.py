@@ -27,6 +27,7 @@ from services.task_executor.engines.capabilities import KvExporter, KvImporter
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from services.task_executor.kv_transport.client import Pulled, TransferFailed, pull
 from services.task_executor.kv_transport.outbox import Outbox
+from services.task_executor.kv_transport.pool import default_pool
 from services.task_executor.kv_transport.server import KvServer
 from shared.logging import get_logger
 from shared.messages.tasks import KvSource
@@ -105,6 +106,7 @@ async def pull_prompt(
         skip_tokens=held,
         deadline_s=te.pd_transfer_timeout.total_seconds(),
         renew_s=te.pd_lease.total_seconds() / 3,
+        pool=default_pool(te.kv_segment_pool_bytes),
     )
     if pulled.token_ids[: pulled.num_prompt_tokens] != list(prompt):
         raise TransferFailed("the prefill TE computed another prompt")

@@ -414,6 +414,30 @@ async def test_a_segment_is_reused_once_its_result_is_gone(server, pool):
     assert (pool.created, pool.reused) == (2, 1)
 
 
+async def test_a_pool_keeping_no_idle_bytes_drops_each_segment_once_its_result_is_gone(
+    server, pool
+):
+    """``MESHSERVE_KV_SEGMENT_POOL_BYTES=0``: every pull writes a new segment, and none
+    stays in /dev/shm once its result is gone."""
+    global POOL
+    POOL = SegmentPool(idle_bytes=0)
+    try:
+        src = source()
+        for key in ("n1", "n2"):
+            box = outbox(key, src)
+            server.offer(box)
+            write(box, src)
+            finish(box, src)
+            p = await pull_from(server, key)
+            assert same_bytes(p.kv, src)
+            del p
+        assert (POOL.created, POOL.reused) == (2, 0)
+        assert POOL.idle_bytes == 0
+    finally:
+        POOL.close()
+        POOL = pool
+
+
 async def test_a_failed_pull_does_not_return_its_segment(server, pool):
     server.offer(outbox("x", source()))
     puller = asyncio.create_task(pull_from(server, "x"))

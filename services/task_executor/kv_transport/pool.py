@@ -175,10 +175,11 @@ class SegmentPool:
 
 
 @functools.cache
-def default_pool() -> SegmentPool:
-    """This process's pool (``DEFAULT_IDLE_BYTES``), made on first use; it first removes what
-    dead processes left in /dev/shm, and unlinks its own segments at exit."""
+def default_pool(idle_bytes: int = DEFAULT_IDLE_BYTES) -> SegmentPool:
+    """This process's pool (keeping up to ``idle_bytes`` idle: a TE's
+    ``MESHSERVE_KV_SEGMENT_POOL_BYTES``), made on first use; it first removes what dead
+    processes left in /dev/shm, and unlinks its own segments at exit."""
     shm.sweep()
-    pool = SegmentPool()
+    pool = SegmentPool(idle_bytes=idle_bytes)
     atexit.register(pool.close)
     return pool
