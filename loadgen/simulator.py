@@ -294,10 +294,8 @@ class _Seq:
     kv_for: _Seq | None = None
     decode_te: _TE | None = None
     started_at: float = 0.0  # a prefill task: admitted (its KV starts streaming)
-    # A request whose prompt KV came from a prefill TE, until its decode TE admits it (then
-    # its first chunk carries the prefill's token too).
+    # A request whose prompt KV came from a prefill TE, until its decode TE admits it.
     imported: bool = False
-    head_token: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -583,14 +581,14 @@ class Simulation:
             return False  # its expire event fails it
         matched = cached.get(step.te_id, 0)
         key = seq.plan.key
-        prefill_te = self._disaggregate(seq, self._view[step.te_id], matched, every)
-        self._ledger.placed(step.te_id, key, 0 if prefill_te else seq.prompt - matched)
         te = self._by_id[step.te_id]
         if te.state != TEState.READY or te.model != model:
-            # The view was stale: the TE unloads or drains. It refuses; the JE tries again.
-            self._ledger.ended(key, te.te_id)
+            # The view was stale: the TE unloads or drains. It refuses (its placement,
+            # counted and taken back, leaves the ledger as it was); the JE tries again.
             seq.job = dataclasses.replace(seq.job, refused=seq.job.refused | {te.te_id})
             return self._try_place(seq)
+        prefill_te = self._disaggregate(seq, self._view[step.te_id], matched, every)
+        self._ledger.placed(step.te_id, key, 0 if prefill_te else seq.prompt - matched)
         te.placements += 1
         seq.placement = te.placements
         self._ledger.accepted(key, te.placements)
@@ -685,7 +683,6 @@ class Simulation:
         prefill.placements += 1
         task.placement = prefill.placements
         self._ledger.accepted(key, task.placement)
-        seq.result.disaggregated = True
         seq.matched = seq.prompt  # no prefill work on its decode TE
         self.stats.disaggregated += 1
         decode.incoming.append(seq)
@@ -721,7 +718,7 @@ class Simulation:
         self._kick(te)
         self._maybe_unloaded(te)
         decode.incoming.remove(seq)
-        seq.generated, seq.imported, seq.head_token = 1, True, True
+        seq.generated, seq.imported = 1, True
         seq.prompt = seq.num_tokens
         seq.admitted = True  # its prompt was computed (and counted) on the prefill TE
         self._ledger.prefilled(seq.plan.key, decode.te_id)
@@ -1093,7 +1090,7 @@ class Simulation:
             if r.ttft_s is None:
                 r.ttft_s = arrive - EPOCH - r.sent_s
                 s.first_token_at = arrive
-                if s.head_token and self.cfg.record_gaps:  # the prefill's token, just before
+                if r.disaggregated and self.cfg.record_gaps:  # the prefill's token came first
                     r.gaps_s.append(0.0)
             elif self.cfg.record_gaps:
                 r.gaps_s.append(arrive - s.last_token_at)

@@ -57,8 +57,9 @@ def pd_config(settings: JobExecutorSettings) -> PdConfig:
 class PdDecision:
     prefill_te: str | None  # None: the decode instance prefills the prompt itself
     reason: str  # why, for logs, metrics and the scale events
-    # The rule would send it to a prefill instance were one ready and not backed up
-    # (the size test, with a decode instance that imports KV): its uncached prompt tokens are prefill work for the scaler.
+    # The rule would send it to a prefill instance were one ready and not backed up (the
+    # size test, with a decode instance that imports KV): its uncached prompt tokens are
+    # prefill work for the scaler.
     wanted: bool = False
 
     @property

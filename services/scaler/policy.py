@@ -172,6 +172,18 @@ def decide(
             by_model.setdefault(te.model, []).append(te)
     view = list(tes)
     known = set(models)
+
+    def load(te: TEView, model: str, reason: str, role: TaskMode) -> None:
+        """Load ``model`` on the idle ``te``; the next placement of this decision sees it
+        loading, so a model's instances spread."""
+        nonlocal view
+        idle.remove(te)
+        actions.append(
+            Load(te.te_id, model, reason, fork_source(model, te.pool_id, view), role=role)
+        )
+        new_pending[te.te_id] = PendingLoad(model, te.pool_id, now, reason, role)
+        view = _loading(view, te.te_id, model)
+
     for model in sorted(known | set(by_model)):
         mem = memories.get(model, ModelMemory())
         pol = cfg.policy(model)
@@ -221,14 +233,9 @@ def decide(
                     break
                 mine = [te for te in free if reserved.get(te.te_id) == model]
                 te = placement_order(model, mine or free, view, cfg)[0]
-                idle.remove(te)
                 free.remove(te)
                 reserved.pop(te.te_id, None)
-                actions.append(
-                    Load(te.te_id, model, t.reason, fork_source(model, te.pool_id, view))
-                )
-                new_pending[te.te_id] = PendingLoad(model, te.pool_id, now, t.reason)
-                view = _loading(view, te.te_id, model)  # its instances spread
+                load(te, model, t.reason, TaskMode.COLOCATED)
         elif t.wanted < current:
             if t.idle:
                 # Down to min_replicas (``wanted``), once instances have been idle as long.
@@ -265,21 +272,8 @@ def decide(
         free = [te for te in idle if te.te_id not in reserved]
         for _ in range(min(n, len(free))):
             te = placement_order(model, free, view, cfg)[0]
-            idle.remove(te)
             free.remove(te)
-            actions.append(
-                Load(
-                    te.te_id,
-                    model,
-                    "prefill load",
-                    fork_source(model, te.pool_id, view),
-                    role=TaskMode.PREFILL,
-                )
-            )
-            new_pending[te.te_id] = PendingLoad(
-                model, te.pool_id, now, "prefill load", TaskMode.PREFILL
-            )
-            view = _loading(view, te.te_id, model)
+            load(te, model, "prefill load", TaskMode.PREFILL)
     reclaimed, reserved = reclaim(short, targets, by_model, reserved, new_draining)
     for te_id, model, reason in reclaimed:
         actions.append(Unload(te_id, model, reason))

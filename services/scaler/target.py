@@ -81,12 +81,16 @@ def _prefill_work(w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
     instances."""
     if not w.pd_arrivals:
         return 0.0
-    mean = round(w.pd_prompt_tokens / w.pd_arrivals)
-    return w.pd_prompt_tokens / cap.prefill_tokens_per_s(mean) / window_s
+    return w.pd_prompt_tokens / cap.prefill_tokens_per_s(_mean_pd_prompt(w)) / window_s
 
 
 def _mean_prompt(w: Bucket) -> int:
     return round(w.prompt_tokens / w.arrivals) if w.arrivals else 512
+
+
+def _mean_pd_prompt(w: Bucket) -> int:
+    """The mean prompt a prefill instance computes (of all prompts, before there is one)."""
+    return round(w.pd_prompt_tokens / w.pd_arrivals) if w.pd_arrivals else _mean_prompt(w)
 
 
 def _replicas(instances: float, current: int, tolerance: float) -> int:
@@ -187,8 +191,7 @@ def target(
         prefill_wanted = _replicas(work / target_u, prefill_current, cfg.tolerance)
         queued = sum(te.queued_prompt_tokens for te in prefill)
         if queued and cap is not None:  # prompts wait at the prefill instances: drain them
-            mean = stable.pd_prompt_tokens // max(stable.pd_arrivals, 1) or _mean_prompt(stable)
-            rate = cap.prefill_tokens_per_s(mean)
+            rate = cap.prefill_tokens_per_s(_mean_pd_prompt(stable))
             prefill_wanted = max(prefill_wanted, math.ceil(queued / (rate * cfg.backlog_drain_s)))
         prefill_wanted = 0 if idle else min(prefill_wanted, pol.max_prefill_replicas)
     return Target(
