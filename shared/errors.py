@@ -157,6 +157,13 @@ class InstanceLost(Unavailable):
     code = "instance_lost"
 
 
+class Deposed(Unavailable):
+    """Another member took over what this one was deciding (its lease lapsed): its late write
+    was refused by the fencing number, and what it did for it is undone."""
+
+    code = "deposed"
+
+
 class Internal(MeshserveError):
     status = 500
     error_type = "internal_error"
@@ -188,6 +195,7 @@ _ALL: tuple[type[MeshserveError], ...] = (
     Refused,
     NoCapacity,
     InstanceLost,
+    Deposed,
     Internal,
     KvTransferFailed,
 )

@@ -283,6 +283,20 @@ class Keys:
         """Set: the block hashes (8 bytes, little-endian) ``te_id`` holds in ``tier``."""
         return f"{self.cluster}:kvidx:{model}:{te_id}:{tier}"
 
+    def graph(self, graph_id: str) -> str:
+        """Hash: one job's task graph (``shared.task_graphs``): ``owner``, ``epoch``,
+        ``open``, ``graph`` (msgpack ``TaskGraph``)."""
+        return f"{self.cluster}:graph:{graph_id}"
+
+    def graphs_open(self) -> str:
+        """Sorted set: the ids of the open task graphs, scored by their deadline."""
+        return f"{self.cluster}:graphs:open"
+
+    def je_alive(self, je_id: str) -> str:
+        """A job executor's liveness: set on each heartbeat, expiring after the liveness
+        timeout; its graphs may be taken over once it is gone."""
+        return f"{self.cluster}:je:{je_id}:alive"
+
     def tenants(self) -> str:
         """Hash: tenant name -> JSON ``shared.tenancy.Tenant`` (its models and limits)."""
         return f"{self.cluster}:tenants"

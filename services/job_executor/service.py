@@ -10,6 +10,8 @@ import socket
 import time
 import uuid
 
+import msgspec
+
 from services.job_executor.admission import (
     INITIAL_MEAN_OUTPUT_TOKENS,
     mean_output_tokens,
@@ -22,11 +24,13 @@ from services.job_executor.disaggregation import (
     pd_config,
     prefill_instances,
 )
+from services.job_executor.graph_keeper import GraphKeeper, Resumed, Running
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
 from services.job_executor.output_length import OutputPredictor
 from services.job_executor.placement import Request, te_load
+from services.job_executor.planner import DECODE, PREFILL, plan_chat, with_task
 from services.job_executor.routing import RoutingConfig, spread_of
 from services.job_executor.traffic import RateMeter, TrafficLedger
 from services.views import TEView, te_view
@@ -34,6 +38,7 @@ from shared import block_hash
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
 from shared.errors import (
+    Deposed,
     Internal,
     MeshserveError,
     NoCapacity,
@@ -53,11 +58,23 @@ from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
 from shared.subjects import Subjects
+from shared.task_graphs import GraphTask, TaskState, prompt_digest
 
 log = get_logger(__name__)
 
 REPORT_S = 0.5  # traffic reports to the scaler, while there is traffic
 URGENT_MIN_S = 0.05  # an urgent report waits this long for others to join it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placed:
+    """A job's graph placed (``task``: its streaming task; None: that TE did not take it),
+    and the TEs that refused a task of it."""
+
+    task: ChatTask | None
+    source: KvSource | None
+    pd: PdDecision
+    refused: frozenset[str]
 
 
 class JobExecutor:
@@ -104,6 +121,15 @@ class JobExecutor:
         self._mean_output_tokens = INITIAL_MEAN_OUTPUT_TOKENS  # admission's moving mean
         self._outputs = OutputPredictor()  # learns from the tasks it placed, as they end
         self._rates = RateMeter()  # each model's recent arrivals (PD's heat map)
+        membership = settings.membership
+        self._keeper = GraphKeeper(
+            store,
+            cluster=settings.cluster,
+            je_id=self.je_id,
+            liveness_s=membership.liveness_timeout.total_seconds(),
+            heartbeat_s=membership.heartbeat_interval.total_seconds(),
+            cancel=self._cancel_graph_task,
+        )
 
     def _heartbeat(self) -> JEHeartbeat:
         return JEHeartbeat(
@@ -138,6 +164,7 @@ class JobExecutor:
             self._subjects.job_submit(), {ChatJob: self._on_job}, queue="je", concurrent=True
         )
         self._hb.start(self._life)
+        self._keeper.start(self._life)
         self._life.spawn(self._reporter(), name="traffic reporter")
         try:
             await self._life.wait()
@@ -148,6 +175,7 @@ class JobExecutor:
         finally:
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)
+            await self._keeper.leave()
             if self._store is not None:
                 await self._store.close()
             self._life.stopped()
@@ -185,6 +213,16 @@ class JobExecutor:
         )
         held = False
         counted = False  # its prefill work, in the traffic report (once)
+        # Placed again after its JE was lost: that JE's prefill, if it left one to continue.
+        resumed = (
+            await self._keeper.take_over(
+                job.request_id,
+                prompt_digest(job.prompt_token_ids),
+                lambda: {te.te_id for te in self._te_views(self._view.view)},
+            )
+            if job.attempt > 0
+            else None
+        )
         hashes = self._feed.prompt_hashes(job.model, job.prompt_token_ids)
         self._round_robin += 1
         spread = spread_of(self._routing, self._round_robin, job.request_id)
@@ -238,39 +276,32 @@ class JobExecutor:
                             if te.te_id in candidates
                         },
                     )
-                    pd = decide(
-                        self._pd,
-                        decode=next(te for te in tes if te.te_id == step.te_id),
-                        prompt_tokens=request.prompt_tokens,
-                        cached_tokens=matched,
-                        max_tokens=job.sampling.max_tokens,
-                        prefill_tes=[te for te in prefill_tes if te.te_id not in pending.refused],
-                        unreported=unreported,
-                        demand=self._demand(job, len(candidates) + len(prefill_tes)),
-                    )
+                    if resumed is not None:
+                        pd = PdDecision(resumed.source.te_id, "continued from a lost JE's prefill")
+                    else:
+                        pd = decide(
+                            self._pd,
+                            decode=next(te for te in tes if te.te_id == step.te_id),
+                            prompt_tokens=request.prompt_tokens,
+                            cached_tokens=matched,
+                            max_tokens=job.sampling.max_tokens,
+                            prefill_tes=[
+                                te for te in prefill_tes if te.te_id not in pending.refused
+                            ],
+                            unreported=unreported,
+                            demand=self._demand(job, len(candidates) + len(prefill_tes)),
+                        )
                     if pd.wanted and not counted:  # the scaler sizes prefill instances by it
                         counted = True
                         self._traffic.prefill_wanted(job.model, request.prompt_tokens - matched)
-                    source = None
-                    if pd.prefill_te is not None:
-                        prefill_te = next(te for te in prefill_tes if te.te_id == pd.prefill_te)
-                        source = await self._place_prefill(job, prefill_te, request)
-                        if source is None:  # refused or unanswered: prefill on the decode TE
-                            pending = dataclasses.replace(
-                                pending, refused=pending.refused | {prefill_te.te_id}
-                            )
-                            pd = PdDecision(None, "prefill instance refused")
-                    # Its prefill work there (the prompt tokens after the prefix it holds),
-                    # counted before the answer so that jobs placed meanwhile see it.
-                    task = self._task(job, matched, source)
-                    prefill_work = 0 if source else len(job.prompt_token_ids) - matched
-                    if await self._offer(step.te_id, task, prefill_work) is None:
-                        if source is not None:  # its prompt's KV goes at once
-                            await self._cancel(source.te_id, job, TaskMode.PREFILL)
-                        pending = dataclasses.replace(
-                            pending, refused=pending.refused | {step.te_id}
-                        )
+                    placed = await self._place_graph(
+                        job, step.te_id, matched, pd, prefill_tes, request, resumed
+                    )
+                    resumed = None  # continued once: a refused decode task starts anew
+                    pending = dataclasses.replace(pending, refused=pending.refused | placed.refused)
+                    if placed.task is None:
                         continue
+                    task, source, pd = placed.task, placed.source, placed.pd
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     self._outputs.placed(task.key, job.model, request.prompt_tokens)
                     log.info(
@@ -421,6 +452,82 @@ class JobExecutor:
             kv_source=source,
         )
 
+    async def _place_graph(
+        self,
+        job: ChatJob,
+        te_id: str,
+        matched: int,
+        pd: PdDecision,
+        prefill_tes: list[TEView],
+        request: Request,
+        resumed: Resumed | None,
+    ) -> Placed:
+        """Run the job's task graph with its streaming task on ``te_id``: one colocated task,
+        or a prefill (on ``pd.prefill_te``, or ``resumed``: one a lost JE placed) whose KV
+        the decode task continues from. A disaggregated graph's steps are recorded (the
+        ``GraphKeeper``) before each offer and after: a JE that takes it over continues it,
+        and this one, deposed meanwhile, undoes what it placed."""
+        source: KvSource | None = None
+        run: Running | None = None
+        mine: list[tuple[str, ChatTask]] = []  # placed by this JE: undone if it is deposed
+        refused: frozenset[str] = frozenset()
+        try:
+            if resumed is not None:
+                run, source = resumed.run, resumed.source
+            elif pd.prefill_te is not None:
+                prefill_te = next(te for te in prefill_tes if te.te_id == pd.prefill_te)
+                plan = plan_chat(
+                    graph_id=job.request_id,
+                    model=job.model,
+                    deadline=job.deadline,
+                    prompt=prompt_digest(job.prompt_token_ids),
+                    decode_te=te_id,
+                    prefill_te=prefill_te.te_id,
+                )
+                run = await self._keeper.start_graph(
+                    with_task(plan, PREFILL, state=TaskState.PLACING, attempt=job.attempt)
+                )
+                source = await self._place_prefill(job, prefill_te, request)
+                if source is None:  # refused or unanswered: prefill on the decode TE
+                    refused = frozenset({prefill_te.te_id})
+                    pd = PdDecision(None, "prefill instance refused")
+                    failed = with_task(run.graph, PREFILL, state=TaskState.FAILED)
+                    await self._keeper.step(run, msgspec.structs.replace(failed, finished=True))
+                    run = None
+                else:
+                    mine.append((prefill_te.te_id, self._task(job, 0, mode=TaskMode.PREFILL)))
+                    graph = with_task(run.graph, PREFILL, state=TaskState.PLACED, kv_source=source)
+                    run.graph = graph
+            if run is not None:
+                await self._keeper.step(
+                    run,
+                    with_task(
+                        run.graph, DECODE, state=TaskState.PLACING, te_id=te_id, attempt=job.attempt
+                    ),
+                )
+            # Its prefill work there (the prompt tokens after the prefix it holds), counted
+            # before the answer so that jobs placed meanwhile see it.
+            task = self._task(job, matched, source)
+            prefill_work = 0 if source else len(job.prompt_token_ids) - matched
+            if await self._offer(te_id, task, prefill_work) is None:
+                if source is not None:  # its prompt's KV goes at once
+                    await self._cancel(source.te_id, job, TaskMode.PREFILL)
+                    if run is not None:
+                        graph = with_task(run.graph, PREFILL, state=TaskState.CANCELLED)
+                        graph = with_task(graph, DECODE, state=TaskState.FAILED)
+                        await self._keeper.step(run, msgspec.structs.replace(graph, finished=True))
+                return Placed(None, None, pd, refused | {te_id})
+            mine.append((te_id, task))
+            if run is not None:
+                graph = with_task(run.graph, DECODE, state=TaskState.PLACED)
+                await self._keeper.step(run, msgspec.structs.replace(graph, finished=True))
+            return Placed(task, source, pd, refused)
+        except Deposed:
+            log.warning("job taken over by another job executor", tasks=len(mine))
+            for placed_on, placed in mine:
+                await self._cancel(placed_on, placed, placed.mode)
+            raise
+
     async def _place_prefill(self, job: ChatJob, te: TEView, request: Request) -> KvSource | None:
         """The job's prefill task on a prefill TE; where its decode task pulls the KV from,
         or None if the TE did not take it (the decode TE prefills itself)."""
@@ -447,6 +554,11 @@ class JobExecutor:
             return None
         self._ledger.accepted(task.key, taken.seq)
         return taken
+
+    async def _cancel_graph_task(self, request_id: str, task: GraphTask) -> None:
+        """Cancel a task of a lost JE's graph (the key it was placed under on its TE)."""
+        with contextlib.suppress(MeshserveError):
+            await self._tes.cancel(task.te_id, request_id, task.attempt, mode=TaskMode(task.kind))
 
     async def _cancel(self, te_id: str, job: ChatJob | ChatTask, mode: TaskMode) -> None:
         """Cancel the job's task of ``mode`` on ``te_id`` (a prefill task's KV is freed)."""

@@ -91,16 +91,18 @@ async def wait_health(
 
 @contextlib.asynccontextmanager
 async def control_plane(
-    settings: Settings, nats_url: str, redis_url: str
+    settings: Settings, nats_url: str, redis_url: str, *, je_store: bool = False
 ) -> AsyncIterator[Running]:
     """A cluster manager, a frontend and a job executor, each on its own connection. On exit
-    they stop, with whatever the test started on the same ``Running``."""
+    they stop, with whatever the test started on the same ``Running``. ``je_store``: the job
+    executor has its Redis store, as ``create`` gives it (its task graphs are durable)."""
     run = Running(settings, nats_url)
     store = await Store.connect(redis_url)
+    je = await Store.connect(redis_url) if je_store else None
     try:
         await run.start(lambda bus: ClusterManager(settings=settings, bus=bus, store=store))
         await run.start(lambda bus: Frontend(settings=settings, bus=bus))
-        await run.start(lambda bus: JobExecutor(settings=settings, bus=bus))
+        await run.start(lambda bus: JobExecutor(settings=settings, bus=bus, store=je))
         yield run
     finally:
         await run.stop()

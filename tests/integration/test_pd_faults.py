@@ -2,7 +2,10 @@
 (SIGKILL) and the official ``openai`` client: a prefill TE killed mid-prefill, a decode TE
 killed mid-transfer and a job executor killed between the prefill and decode placements each
 lose no request, and each answer equals the colocated run's; the prefill TE's KV is freed
-once the transfer that held it ends (the decode TE's dropped connection, or its lease)."""
+once the transfer that held it ends (the decode TE's dropped connection, or its lease). The
+killed job executor's task graph survives it in Redis: the job executor the frontend places
+the request with again continues it, its decode task pulling the prefill the dead one placed
+(the prompt is computed once)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from services.job_executor.service import JobExecutor
 from shared.embedded import free_port
@@ -26,6 +30,8 @@ from shared.messages.cluster import ClusterView, TEHeartbeat, TEState
 from shared.messages.scaling import LoadModel
 from shared.messages.tasks import TaskMode
 from shared.settings import Settings
+from shared.store import Store
+from shared.task_graphs import GraphStore
 from tests.integration.services import BusClient, Running, control_plane, te_process
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
@@ -82,14 +88,16 @@ async def test_pd_faults_lose_no_request(
         shutdown_grace=timedelta(seconds=1),
         torch_threads=1,
         pd="always",
-        pd_lease=timedelta(seconds=1),
+        # Past the liveness timeout: a prefill whose job executor died is still there when
+        # the job executor that takes its graph over places the decode task.
+        pd_lease=timedelta(seconds=4),
         pd_transfer_timeout=timedelta(seconds=30),
         max_prefill_tokens=8,  # a long prompt's prefill takes a while: time to cut it
     )
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        async with control_plane(settings, nats_url, redis_url) as run:
-            await _scenario(run, settings, procs)
+        async with control_plane(settings, nats_url, redis_url, je_store=True) as run:
+            await _scenario(run, settings, procs, redis_url)
     finally:
         for proc in procs.values():
             with contextlib.suppress(ProcessLookupError):
@@ -97,7 +105,9 @@ async def test_pd_faults_lose_no_request(
             proc.wait()
 
 
-async def _scenario(run: Running, settings: Settings, procs: dict[str, Any]) -> None:
+async def _scenario(
+    run: Running, settings: Settings, procs: dict[str, Any], redis_url: str
+) -> None:
     bus_client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
     await bus_client.started.wait()
     path = str(settings.models_dir / "demo")
@@ -147,29 +157,51 @@ async def _scenario(run: Running, settings: Settings, procs: dict[str, Any]) -> 
     await until(lambda v: _kv_free(v, "te-p2"), 10)
 
     # 3. A job executor dies between placing the prefill and the decode task: the frontend
-    # resubmits to the other one; the orphaned prefill's lease expires, freeing its KV.
+    # places the request again with the other one, which takes the dead one's task graph
+    # over and continues it: its decode task pulls the prefill already placed.
     jes = [svc for svc, *_ in run.items if isinstance(svc, JobExecutor)]
-    jes.append(await run.start(lambda bus: JobExecutor(settings=settings, bus=bus)))
+    store = await Store.connect(redis_url)
+    jes.append(await run.start(lambda bus: JobExecutor(settings=settings, bus=bus, store=store)))
     await until(lambda v: len(v.jes) == 2)
     placed = asyncio.Event()
-    original = JobExecutor._place_prefill
+    original = JobExecutor._offer
 
-    async def place_then_hang(self: JobExecutor, *args: Any, **kw: Any) -> Any:
-        source = await original(self, *args, **kw)
-        if not placed.is_set():
+    async def hang_before_decode(self: JobExecutor, te_id: str, task: Any, *a: Any) -> Any:
+        if task.mode == TaskMode.DECODE and not placed.is_set():
             placed.set()
-            await asyncio.sleep(3600)  # dies here, before the decode task is placed
-        return source
+            await asyncio.sleep(3600)  # dies here: its prefill placed, the decode task not
+        return await original(self, te_id, task, *a)
 
-    JobExecutor._place_prefill = place_then_hang  # type: ignore[method-assign]
+    JobExecutor._offer = hang_before_decode  # type: ignore[method-assign]
     try:
         job = asyncio.create_task(_chat(client, 2))
         await asyncio.wait_for(placed.wait(), 30)
         holder = next(je for je in jes if je._inflight)
+        survivor = next(je for je in jes if je is not holder)
+        fallbacks = _sample("meshserve_pd_fallbacks_total")
         t0 = time.monotonic()
         await run.kill(holder)
         assert await asyncio.wait_for(job, 120) == expected[2]
         await until(lambda v: _kv_free(v, "te-p2"), 10)
         assert time.monotonic() - t0 < 30
     finally:
-        JobExecutor._place_prefill = original  # type: ignore[method-assign]
+        JobExecutor._offer = original  # type: ignore[method-assign]
+    assert survivor._keeper.taken_over == 1
+    assert _sample("meshserve_pd_fallbacks_total") == fallbacks  # the KV came, as placed
+    graphs = GraphStore(store, settings.cluster, survivor.je_id)
+    kept = [
+        held
+        async for key in store.redis.scan_iter(match=f"{settings.cluster}:graph:*")
+        if (held := await graphs.get(key.decode().rsplit(":", 1)[1])) is not None
+        and held.owner == survivor.je_id
+    ]
+    assert len(kept) == 1, kept
+    held = kept[0]
+    assert (held.owner, held.epoch, held.open) == (survivor.je_id, 2, False)
+    prefill, decode = held.graph.task("prefill"), held.graph.task("decode")
+    assert (prefill.state, prefill.te_id, prefill.attempt) == ("placed", "te-p2", 0)
+    assert decode.state == "placed" and decode.attempt > 0  # placed by the survivor
+
+
+def _sample(name: str) -> float:
+    return REGISTRY.get_sample_value(name, {"model": "demo"}) or 0.0
