@@ -124,9 +124,11 @@ class GraphKeeper:
         try:
             while True:
                 held = await self._graphs.get(request_id)
-                if held is None or not held.open or held.owner == self._graphs.me:
+                if held is None or not held.open:
                     return None
-                if held.owner_alive:
+                # This JE's own graph, if the frontend gave up on it (its answer was lost):
+                # taken over the same way, which deposes the placement still running it.
+                if held.owner_alive and held.owner != self._graphs.me:
                     if time.monotonic() > give_up:
                         return None
                     await asyncio.sleep(POLL_S)

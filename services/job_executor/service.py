@@ -466,10 +466,12 @@ class JobExecutor:
         or a prefill (on ``pd.prefill_te``, or ``resumed``: one a lost JE placed) whose KV
         the decode task continues from. A disaggregated graph's steps are recorded (the
         ``GraphKeeper``) before each offer and after: a JE that takes it over continues it,
-        and this one, deposed meanwhile, undoes what it placed."""
+        and this one, deposed meanwhile, undoes what it placed since its last recorded step
+        (what is recorded, its successor continues or cancels)."""
         source: KvSource | None = None
         run: Running | None = None
-        mine: list[tuple[str, ChatTask]] = []  # placed by this JE: undone if it is deposed
+        # Placed by this JE since its last recorded step: undone if it is deposed.
+        mine: list[tuple[str, ChatTask]] = []
         refused: frozenset[str] = frozenset()
         try:
             if resumed is not None:
@@ -505,6 +507,7 @@ class JobExecutor:
                         run.graph, DECODE, state=TaskState.PLACING, te_id=te_id, attempt=job.attempt
                     ),
                 )
+                mine.clear()
             # Its prefill work there (the prompt tokens after the prefix it holds), counted
             # before the answer so that jobs placed meanwhile see it.
             task = self._task(job, matched, source)
