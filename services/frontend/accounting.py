@@ -11,6 +11,7 @@ from prometheus_client import Counter, Histogram
 
 from services.frontend.generation import Generation
 from services.frontend.outcomes import Outcomes
+from shared.messages.cluster import ClusterView
 from shared.messages.scaling import ScaleEvent
 
 TTFT = Histogram(
@@ -139,6 +140,34 @@ def phases(arrived: float, submitted: float, gen: Generation) -> None:
     PHASE.labels("first_token").observe(gen.first_token_at - gen.accepted_at)
     PHASE.labels("te").observe(gen.te_s)
     PHASE.labels("frontend_out").observe(now - gen.first_token_at)
+
+
+KV_LEASE_ENDS = Counter(
+    "meshserve_kv_lease_ends",
+    "Prompt KV leases prefill instances held for decode instances that ended, by how: "
+    "released (pulled), refused, disconnected (the decode instance dropped the connection), "
+    "expired (it went silent), withdrawn (the prefill task was cancelled or failed)",
+    ["model", "reason"],
+)
+
+
+class LeaseEnds:
+    """Counts the growth of each TE's ``kv_lease_ends`` from one cluster view to the next. A
+    TE process is known by its id and start time: a restarted one counts from zero, one that
+    was missing from some views from where it was."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, float], dict[str, int]] = {}
+
+    def on_view(self, view: ClusterView) -> None:
+        for te in view.tes:
+            if not te.kv_lease_ends:
+                continue
+            before = self._seen.get((te.te_id, te.started_at), {})
+            for reason, n in te.kv_lease_ends.items():
+                if (grown := n - before.get(reason, 0)) > 0:
+                    KV_LEASE_ENDS.labels(te.model or te.failed_model or "", reason).inc(grown)
+            self._seen[(te.te_id, te.started_at)] = dict(te.kv_lease_ends)
 
 
 SCALE_EVENTS = Counter(

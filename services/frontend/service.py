@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.frontend import responses as R
-from services.frontend.accounting import on_scale_event
+from services.frontend.accounting import LeaseEnds, on_scale_event
 from services.frontend.admin import AdminAPI
 from services.frontend.answer import Answerer
 from services.frontend.auth import Authenticator, Principal, principal_of
@@ -90,6 +90,7 @@ class Frontend:
             grace_s=2 * settings.membership.heartbeat_interval.total_seconds()
         )
         self._view.listeners.append(self._liveness.on_view)
+        self._view.listeners.append(LeaseEnds().on_view)
         self._router = StreamRouter(self.frontend_id, self._subjects, self._liveness)
         self._jobs = JobExecutorClient(bus, self._subjects)
         self._tes = TaskExecutorClient(bus, self._subjects)

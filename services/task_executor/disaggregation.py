@@ -44,7 +44,13 @@ class PrefillSide:
         expired, withdrawn): free its KV."""
         te = settings.task_executor
         self._lease_s = te.pd_lease.total_seconds()
-        self._server = KvServer(host=te.kv_host, on_end=on_end)
+        self.ends: dict[str, int] = {}  # leases ended, by how (the heartbeat's kv_lease_ends)
+
+        def ended(key: str, reason: str) -> None:
+            self.ends[reason] = self.ends.get(reason, 0) + 1
+            on_end(key, reason)
+
+        self._server = KvServer(host=te.kv_host, on_end=ended)
         self._started = False
 
     @property

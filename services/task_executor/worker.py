@@ -147,6 +147,7 @@ class TaskExecutor:
             relay_address=control.relay_address,
             role=control.role,
             kv_address=tasks.prefill.address if control.role == TaskMode.PREFILL else "",
+            kv_lease_ends=dict(tasks.prefill.ends),
         )
         if (engine := control.engine) is not None:
             st = engine.stats()

@@ -41,13 +41,14 @@ class Running:
         return svc
 
     async def kill(self, svc: Any) -> None:
-        """Die like a SIGKILLed process: the task stops, the connection drops, no Leave."""
+        """Die like a SIGKILLed process: the connection drops first (nothing more reaches
+        it, no Leave gets out), then the task stops."""
         for item in self.items:
             if item[0] is svc:
+                await item[2]._nc.close()
                 item[1].cancel()
                 with contextlib.suppress(BaseException):
                     await item[1]
-                await item[2]._nc.close()
                 self.items.remove(item)
                 return
 

@@ -155,6 +155,10 @@ async def _scenario(
     os.kill(procs[victim].pid, signal.SIGKILL)
     assert await asyncio.wait_for(job, 120) == expected[1]
     await until(lambda v: _kv_free(v, "te-p2"), 10)
+    # The dead decode TE's lease ended with its connection, and /metrics says so.
+    await until(lambda v: bool((hb := _te(v, "te-p2")) and hb.kv_lease_ends))
+    await asyncio.sleep(0.5)  # the frontend's view of it
+    assert _sample("meshserve_kv_lease_ends_total", reason="disconnected") >= 1
 
     # 3. A job executor dies between placing the prefill and the decode task: the frontend
     # places the request again with the other one, which takes the dead one's task graph
@@ -193,15 +197,15 @@ async def _scenario(
         held
         async for key in store.redis.scan_iter(match=f"{settings.cluster}:graph:*")
         if (held := await graphs.get(key.decode().rsplit(":", 1)[1])) is not None
-        and held.owner == survivor.je_id
+        and held.graph.task("decode").attempt > held.graph.task("prefill").attempt
     ]
     assert len(kept) == 1, kept
     held = kept[0]
     assert (held.owner, held.epoch, held.open) == (survivor.je_id, 2, False)
     prefill, decode = held.graph.task("prefill"), held.graph.task("decode")
     assert (prefill.state, prefill.te_id, prefill.attempt) == ("placed", "te-p2", 0)
-    assert decode.state == "placed" and decode.attempt > 0  # placed by the survivor
+    assert decode.state == "placed"  # by the survivor, for a later attempt
 
 
-def _sample(name: str) -> float:
-    return REGISTRY.get_sample_value(name, {"model": "demo"}) or 0.0
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"model": "demo", **labels}) or 0.0
