@@ -5,8 +5,11 @@ scheduler over a profiled engine): for each profile and trace window, one fleet 
 
 - colocated: up to all of them as whole-request instances, PD never;
 - always: up to ``devices − prefill`` instances and up to ``prefill`` prefill instances the
-  scaler loads, every request with output disaggregated;
-- auto: the same fleet, the JE's thresholds (MESHSERVE_PD_MIN_UNCACHED_*);
+  scaler loads, every request with output disaggregated (a fixed split: given all devices,
+  whole-request instances take them and the prefill instances drown);
+- auto: up to all of them as whole-request instances and up to ``prefill`` prefill
+  instances, the scaler choosing the split; the JE's rule (MESHSERVE_PD_MIN_UNCACHED_*, and
+  no longer a queue on the prefill instance than on the decode instance);
 - auto + heat map: the same, deciding by ``--heatmap`` (``scripts/bench-pd-heatmap``) where
   it covers the profile's model.
 
@@ -126,16 +129,17 @@ def main(argv: list[str] | None = None) -> None:
                     record_gaps=True,
                 )
                 split = dataclasses.replace(base, max_replicas=n - k, max_prefill_replicas=k)
+                shared = dataclasses.replace(base, max_replicas=n, max_prefill_replicas=k)
                 configs = {
                     "colocated": dataclasses.replace(
                         base, max_replicas=n, pd=PdConfig(mode="never")
                     ),
                     "always": dataclasses.replace(split, pd=PdConfig(mode="always")),
-                    "auto": dataclasses.replace(split, pd=PdConfig(mode="auto")),
+                    "auto": dataclasses.replace(shared, pd=PdConfig(mode="auto")),
                 }
                 if (hm := heatmaps.get((model, path.name))) is not None:
                     configs["auto + heat map"] = dataclasses.replace(
-                        split, pd=PdConfig(mode="auto", heatmaps={model: hm})
+                        shared, pd=PdConfig(mode="auto", heatmaps={model: hm})
                     )
                 print(
                     f"\n{path.name} ({device}), {window}: first {len(planned)} requests at "

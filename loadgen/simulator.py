@@ -52,7 +52,8 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   runs its prompt on the prefill TE (scheduled like any prompt there, first token
   included); its KV (the tokens the decode TE lacks, ``EngineProfile.kv_bytes_per_token``
   each) streams layer by layer during that prefill, so it lands at the later of the prefill's
-  end and its start plus the bytes over ``kv_bandwidth``, plus one hop. The prefill TE holds
+  end and its start plus the bytes over ``kv_bandwidth``, plus one hop; each TE's link
+  carries one transfer at a time (a transfer waits for both ends' links to be free). The prefill TE holds
   the blocks until then (its lease). The decode TE then admits the request like any other
   (its blocks from the free pool, only the token after the prompt to compute), and the
   first chunk the client gets carries the prefill's token and the first decoded one, as the
@@ -327,6 +328,7 @@ class _TE:
     role: TaskMode = TaskMode.COLOCATED  # what it loaded its model as (LoadModel.role)
     transfers: int = 0  # PD, a prefill TE: KV it holds until a decode TE has pulled it
     incoming: list[_Seq] = dataclasses.field(default_factory=list)  # PD, decode: KV due
+    link_free_at: float = 0.0  # PD: when its KV link is done with the transfers it carries
 
     def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
         """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
@@ -699,7 +701,12 @@ class Simulation:
         held = task.decode_te.cached_prefix(task.kv_for)
         nbytes = (task.plan.input_tokens - held) * te.profile.kv_bytes_per_token
         self.stats.kv_bytes += nbytes
-        pulled = max(self.now, task.started_at + nbytes / self.cfg.kv_bandwidth)
+        # Each TE's link carries one transfer at a time, out of a prefill TE or into a
+        # decode TE: one that finds either end busy waits for it.
+        decode = task.decode_te
+        start = max(task.started_at, te.link_free_at, decode.link_free_at)
+        te.link_free_at = decode.link_free_at = start + nbytes / self.cfg.kv_bandwidth
+        pulled = max(self.now, te.link_free_at)
         te.transfers += 1
         self._at(pulled + self.cfg.network_s, "kv_done", (te, task))
 

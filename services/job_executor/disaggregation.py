@@ -8,8 +8,9 @@ long prompts the decode instance does not already hold, so the rule looks at the
 tokens *that instance* lacks (NVIDIA Dynamo's conditional disaggregation, llm-d's
 ``nonCachedTokens``): a prompt prefills locally when the uncached part is short
 (``min_uncached_tokens``) or a small share of the prompt (``min_uncached_ratio``: mostly
-cached), or when the prefill instances are backed up (``max_prefill_queue_tokens``: the
-decode instance would start sooner on its own). ``always`` disaggregates whenever a prefill
+cached), or when the prefill instances are backed up: the least busy one has more prompt
+tokens queued than the decode instance itself (the decode instance would start the prompt
+sooner on its own), or ``max_prefill_queue_tokens``. ``always`` disaggregates whenever a prefill
 instance is ready; ``never`` never does. A request with one output token has nothing to
 decode and always runs whole."""
 
@@ -144,10 +145,14 @@ def decide(
     prefill = min(prefill_tes, key=lambda te: (ledger.prefill_tokens(te, unreported), te.te_id))
     if too_small:
         return PdDecision(None, too_small)
-    if config.mode != "always" and (
-        ledger.prefill_tokens(prefill, unreported) >= config.max_prefill_queue_tokens
-    ):
-        return PdDecision(None, "prefill queue full", wanted)
+    if config.mode != "always":
+        queued = ledger.prefill_tokens(prefill, unreported)
+        if queued >= config.max_prefill_queue_tokens:
+            return PdDecision(None, "prefill queue full", wanted)
+        # The prompt would start later there than on its decode instance: its TTFT would pay
+        # for the split (on a saturated fleet, most of all).
+        if queued > ledger.prefill_tokens(decode, unreported):
+            return PdDecision(None, "prefill queue longer", wanted)
     return PdDecision(
         prefill.te_id, "always" if config.mode == "always" else "long uncached prompt", wanted
     )

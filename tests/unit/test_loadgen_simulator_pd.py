@@ -96,3 +96,22 @@ def test_long_prompts_on_prefill_instances_stop_stalling_decodes() -> None:
         if name == "pd":
             assert stats.disaggregated >= 20
     assert tpot["pd"] < 0.5 * tpot["colocated"], tpot
+
+
+def test_transfers_share_the_prefill_instances_link() -> None:
+    """Two long prompts at once on one prefill instance: their KV leaves over its one link,
+    the second after the first (each alone would land 6 s after its prefill started)."""
+    prof = profile(kv_bytes_per_token=KV, max_prefill_tokens=8192, max_num_seqs=8)
+    cfg = SimConfig(
+        devices=4,
+        network_s=0.0,
+        max_prefill_replicas=1,
+        kv_bandwidth=5e5,  # 3,000 tokens of KV: 6 s
+        pd=PdConfig(mode="always"),
+    )
+    planned = plan(requests((0.0, 3000, 4), (20.0, 3000, 4), (20.0, 3000, 4)), model="m")
+    results, stats = simulate(planned, {"m": prof}, cfg)
+    assert all(r.ok for r in results) and stats.disaggregated == 2
+    a, b = sorted(r.ttft_s or 0 for r in results[1:])
+    assert a == pytest.approx(6.0 + prof.decode_step_s(1), abs=0.05)
+    assert b == pytest.approx(12.0 + prof.decode_step_s(1), abs=0.05)

@@ -1,6 +1,7 @@
 """The per-request PD decision (``services/job_executor/disaggregation.py``): after routing
 picks the decode instance, the prompt goes to a prefill instance only when the part that
-instance lacks is long and mostly uncached, and the prefill instances are not backed up."""
+instance lacks is long and mostly uncached, and the least busy prefill instance has no more
+queued than the decode instance (nor past the queue limit)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,23 @@ def test_a_backed_up_prefill_fleet_means_local_prefill() -> None:
     # p1 has 4500 unreported, p2 5000 reported: the least busy is past the threshold.
     assert _decide(auto, 4096, unreported=busy) is None
     assert _decide(auto, 4096) == "p1"
+    # Under the threshold, but more queued there than on the decode instance: the prompt
+    # would start later on the prefill instance than where it is.
+    roomy = PdConfig(mode="auto")
+    some = {"p1": JobShare(prefill_tokens=3000)}
+    got = decide(
+        roomy,
+        decode=DECODE,
+        prompt_tokens=4096,
+        cached_tokens=0,
+        max_tokens=64,
+        prefill_tes=[P1],
+        unreported=some,
+    )
+    assert (got.prefill_te, got.reason, got.wanted) == (None, "prefill queue longer", True)
+    queued = dataclasses.replace(DECODE, queued_prompt_tokens=3000)
+    assert _decide(roomy, 4096, unreported=some, decode=queued) == "p1"  # no longer there
+    assert _decide(PdConfig(mode="always"), 4096, unreported=some) == "p1"
 
 
 def test_always_never_and_what_cannot_disaggregate() -> None:
