@@ -612,6 +612,7 @@ class Simulation:
         seq.due = self.now + paced.ttft_limit_s(seq.prompt) if paced else math.inf
         te.last_active = self.now
         if prefill_te is not None:  # the decode TE waits for the KV
+            self._traffic.prefill_placed(model, seq.prompt - matched)  # as the JE counts it
             self._start_prefill(seq, te, prefill_te)
             return True
         self._enqueue(te, seq)

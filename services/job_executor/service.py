@@ -302,6 +302,8 @@ class JobExecutor:
                     if placed.task is None:
                         continue
                     task, source, pd = placed.task, placed.source, placed.pd
+                    if source is not None:  # the prefill instances took it off the others
+                        self._traffic.prefill_placed(job.model, request.prompt_tokens - matched)
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     self._outputs.placed(task.key, job.model, request.prompt_tokens)
                     log.info(

@@ -35,6 +35,11 @@ class TrafficLedger:
         t.pd_arrivals += 1
         t.pd_prompt_tokens += uncached_tokens
 
+    def prefill_placed(self, model: str, uncached_tokens: int) -> None:
+        """A job's prompt went to a prefill instance (its decode task placed against it),
+        ``uncached_tokens`` computed there."""
+        self._of(model).pd_placed_tokens += uncached_tokens
+
     def held(self, model: str, prompt_tokens: int) -> None:
         """A job waits for an instance of ``model`` (none can take it now)."""
         t = self._of(model)

@@ -83,6 +83,7 @@ class Bucket:
     misses: int = 0
     pd_arrivals: int = 0  # placed with a prompt the PD rule sends to a prefill instance
     pd_prompt_tokens: int = 0  # the prompt tokens they compute there
+    pd_placed_tokens: int = 0  # of all prompt tokens, those prefill instances computed
 
 
 _ZERO = Bucket(at=0.0)
@@ -96,6 +97,7 @@ _TOTALS = (
     "misses",
     "pd_arrivals",
     "pd_prompt_tokens",
+    "pd_placed_tokens",
 )
 
 
@@ -184,6 +186,7 @@ def observe_traffic(
                 misses=t.misses,
                 pd_arrivals=t.pd_arrivals,
                 pd_prompt_tokens=t.pd_prompt_tokens,
+                pd_placed_tokens=t.pd_placed_tokens,
             )
         held = {k: v for k, v in mem.held.items() if k != je_id}
         if t.held > 0:
@@ -316,4 +319,5 @@ def window(mem: ModelMemory, now: float, window_s: float) -> Bucket:
         misses=end.misses - base.misses,
         pd_arrivals=end.pd_arrivals - base.pd_arrivals,
         pd_prompt_tokens=end.pd_prompt_tokens - base.pd_prompt_tokens,
+        pd_placed_tokens=end.pd_placed_tokens - base.pd_placed_tokens,
     )

@@ -20,8 +20,8 @@
   decode instance lacks). That work, at the prefill cost of its mean prompt, sizes the
   prefill instances (over the target utilisation, within ``tolerance``, at most
   ``max_prefill_replicas``; none once idle), or, while prompts queue at them, as many as
-  drain that queue in ``backlog_drain_s``; what the prefill instances up or coming can
-  take of it leaves the other instances' load. Prefill instances scale in after the stable
+  drain that queue in ``backlog_drain_s``; what the prefill instances did compute
+  (``pd_placed_tokens``, at most their count's worth) leaves the other instances' load. Prefill instances scale in after the stable
   window, like the others.
 """
 
@@ -84,6 +84,13 @@ def _prefill_work(w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
     return w.pd_prompt_tokens / cap.prefill_tokens_per_s(_mean_pd_prompt(w)) / window_s
 
 
+def _prefill_taken(w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
+    """Instances' worth of the window's prompts that prefill instances did compute."""
+    if not w.pd_placed_tokens:
+        return 0.0
+    return w.pd_placed_tokens / cap.prefill_tokens_per_s(_mean_pd_prompt(w)) / window_s
+
+
 def _mean_prompt(w: Bucket) -> int:
     return round(w.prompt_tokens / w.arrivals) if w.arrivals else 512
 
@@ -144,9 +151,11 @@ def target(
         panic_load = _instances_of_work(panic, cfg.panic_window_s, out_per_req, cap)
         prefill_load = _prefill_work(stable, cfg.stable_window_s, cap)
         prefill_panic = _prefill_work(panic, cfg.panic_window_s, cap)
-        # What the prefill instances up or coming take of it is not the others' work.
-        stable_load -= min(prefill_load, prefill_current)
-        panic_load -= min(prefill_panic, prefill_current)
+        # What the prefill instances took of it is not the others' work (what the rule
+        # wanted to send them, and they could carry, may be more: a prompt stays where a
+        # prefill instance would start it later).
+        stable_load -= min(_prefill_taken(stable, cfg.stable_window_s, cap), prefill_current)
+        panic_load -= min(_prefill_taken(panic, cfg.panic_window_s, cap), prefill_current)
         active = sum(te.load for te in instances) + held_n
         queued_tokens = sum(te.queued_prompt_tokens for te in instances) + held_tokens
         if waiting:  # a queue: the batch slots or the prefill rate are the bottleneck

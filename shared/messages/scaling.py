@@ -23,6 +23,9 @@ class ModelTraffic(msgspec.Struct, kw_only=True, omit_defaults=True):
     # compute there (the part their decode instance lacks): the scaler's prefill load.
     pd_arrivals: int = 0
     pd_prompt_tokens: int = 0
+    # Of those, the prompt tokens that did go to a prefill instance (its decode task placed
+    # against it): what the prefill instances took off the others.
+    pd_placed_tokens: int = 0
 
 
 class TrafficReport(Message):

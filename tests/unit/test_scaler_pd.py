@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from services.job_executor.traffic import TrafficLedger
 from services.scaler.config import scaler_config
 from services.scaler.policy import Load, Unload, decide
@@ -55,9 +57,10 @@ def prefill(te_id, **kw):
     return te(te_id, role=TaskMode.PREFILL, **kw)
 
 
-def traffic(state, *, seconds, rps, prompt, pd_share, start=T0, cfg=PD):
+def traffic(state, *, seconds, rps, prompt, pd_share, placed=0.0, start=T0, cfg=PD):
     """``rps`` requests a second of ``prompt`` tokens, ``pd_share`` of them with prompts the
-    PD rule sends to a prefill instance (all their tokens uncached), reported each 0.5 s."""
+    PD rule sends to a prefill instance (all their tokens uncached), ``placed`` of them
+    placed there, reported each 0.5 s."""
     for i in range(round(seconds * 2)):
         n = int(rps * (i + 1) * 0.5) - int(rps * i * 0.5)
         pd = round(n * pd_share)
@@ -68,6 +71,7 @@ def traffic(state, *, seconds, rps, prompt, pd_share, start=T0, cfg=PD):
             max_output_tokens=n * 16,
             pd_arrivals=pd,
             pd_prompt_tokens=pd * prompt,
+            pd_placed_tokens=round(n * placed * prompt),
         )
         state = observe_traffic(state, "je1", [t], now=start + i * 0.5, cfg=cfg)
     return state
@@ -112,7 +116,7 @@ def test_no_prefill_instance_where_the_policy_allows_none_and_an_operators_stays
 
 
 def test_prefill_instances_take_their_share_of_the_load_off_the_others() -> None:
-    s = traffic(fresh(), seconds=60, rps=0.5, prompt=4000, pd_share=1.0)
+    s = traffic(fresh(), seconds=60, rps=0.5, prompt=4000, pd_share=1.0, placed=1.0)
     mem = s.models["m"]
     alone = target("m", mem, [te("r1")], now=T0 + 60, cfg=PD)
     beside = target("m", mem, [te("r1")], prefill=[prefill("p1")], now=T0 + 60, cfg=PD)
@@ -121,6 +125,13 @@ def test_prefill_instances_take_their_share_of_the_load_off_the_others() -> None
     assert alone.prefill_load == beside.prefill_load == 2.0
     assert alone.stable_load - beside.stable_load == 1.0
     assert beside.prefill_current == 1 and beside.prefill_wanted == 2
+    # What the rule wanted there but kept where it was (the prefill instance's queue was
+    # longer) stays the others' load: a quarter placed there is half an instance's worth.
+    s = traffic(fresh(), seconds=60, rps=0.5, prompt=4000, pd_share=1.0, placed=0.25)
+    mem = s.models["m"]
+    quarter = target("m", mem, [te("r1")], prefill=[prefill("p1")], now=T0 + 60, cfg=PD)
+    assert quarter.prefill_load == 2.0
+    assert alone.stable_load - quarter.stable_load == pytest.approx(0.5, abs=0.02)
 
 
 def test_the_models_other_instances_get_idle_tes_before_its_prefill_instances() -> None:
@@ -155,7 +166,7 @@ def test_prompts_queued_at_the_prefill_instances_scale_them_out_before_the_windo
     # Ten seconds of long prompts: the stable window (60 s) sees a sixth of their rate, one
     # instance's worth, while 9,000 prompt tokens wait at the one prefill instance: 4.5 s
     # of its work, over backlog_drain_s (2 s): 3 instances, clamped to 2.
-    s = traffic(fresh(), seconds=10, rps=0.3, prompt=4000, pd_share=1.0)
+    s = traffic(fresh(), seconds=10, rps=0.3, prompt=4000, pd_share=1.0, placed=1.0)
     tes = [te("r1"), prefill("p1", queued=9000), idle("a"), idle("b")]
     d = decide(s, tes, models=["m"], now=T0 + 10, cfg=PD)
     assert d.targets["m"].prefill_wanted == 2
