@@ -24,13 +24,14 @@ target:
 - PD disaggregation: a model's prefill instances are counted apart (``target``'s
   ``prefill_wanted``). They load after every model's other instances have taken the idle
   TEs they need (a prefill instance helps only beside instances that decode), take no TE
-  by ``reclaim``, scale in after the stable window, and unload at the keep-alive.
+  by ``reclaim`` and are the first it takes for a model short of whole-request instances,
+  scale in after the stable window, and unload at the keep-alive.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from services.scaler.pools import fork_source, placement_order
 from services.scaler.state import ModelMemory, PendingLoad, ScalerConfig, ScalerState
@@ -269,15 +270,20 @@ def decide(
         memories[model] = mem
     reserved = {te_id: m for te_id, m in reserved.items() if m in targets}
     for model, n in prefill_short:  # what every model's other instances left idle
+        if now - memories[model].prefill_yielded_at < cfg.stable_window_s:
+            continue  # the fleet needed its TEs for whole requests a moment ago
         free = [te for te in idle if te.te_id not in reserved]
         for _ in range(min(n, len(free))):
             te = placement_order(model, free, view, cfg)[0]
             free.remove(te)
             load(te, model, "prefill load", TaskMode.PREFILL)
-    reclaimed, reserved = reclaim(short, targets, by_model, reserved, new_draining)
+    managed = {m for m in targets if cfg.policy(m).max_prefill_replicas}  # not an operator's
+    reclaimed, reserved = reclaim(short, targets, by_model, reserved, new_draining, managed)
     for te_id, model, reason in reclaimed:
         actions.append(Unload(te_id, model, reason))
         new_draining[te_id] = model
+        if by_id[te_id].role == TaskMode.PREFILL and model in memories:
+            memories[model] = dataclasses.replace(memories[model], prefill_yielded_at=now)
     state = dataclasses.replace(
         state, models=memories, pending=new_pending, draining=new_draining, reserved=reserved
     )
@@ -317,6 +323,7 @@ def reclaim(
     by_model: Mapping[str, Sequence[TEView]],
     reserved: Mapping[str, str],
     draining: Mapping[str, str],
+    prefill_managed: Collection[str] = (),
 ) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
     """When every TE holds a model, a model that wants more instances than it has (``short``)
     takes them from models that have more than they want: the surplus that scale-in would
@@ -325,8 +332,9 @@ def reclaim(
     least busy surplus instance (a starved model with no surplus left takes one from the model
     with the most instances, if it has two or more); it drains and is reserved for the model
     it was taken for. Instances already being freed for a model (``reserved``: TE -> model)
-    count against its shortfall. Returns (TE, its model, reason) to unload, and the
-    reservations with the new ones added."""
+    count against its shortfall. Prefill instances of the models in ``prefill_managed`` (the
+    ones the scaler runs) are taken first. Returns (TE, its model, reason) to unload, and
+    the reservations with the new ones added."""
     reserved = dict(reserved)
     freeing: dict[str, int] = {}
     for model in reserved.values():
@@ -338,14 +346,37 @@ def reclaim(
         ready = [
             te
             for te in by_model.get(model, ())
-            if te.state == TEState.READY and te.te_id not in draining
+            if te.state == TEState.READY
+            and te.te_id not in draining
+            and te.role != TaskMode.PREFILL
         ]
         surplus += _victims(ready, t.current - t.wanted, idle_since=None)
+    # Prefill instances (PD) go first: they only speed up instances that decode, which a
+    # short model lacks (the prefill work they did goes back to the whole-request ones).
+    prefill = sorted(
+        (
+            te
+            for model, tes in by_model.items()
+            if model in prefill_managed
+            for te in tes
+            if te.role == TaskMode.PREFILL
+            and te.state == TEState.READY
+            and te.te_id not in draining
+        ),
+        key=lambda te: (te.load, te.last_active, te.te_id),
+    )
     surplus.sort(key=lambda te: (te.load, te.last_active, te.te_id))
+    surplus = prefill + surplus
     # What each model keeps: a starved model may also take one of the richest model's.
     kept: dict[str, list[TEView]] = {
         m: sorted(
-            (te for te in tes if te.state == TEState.READY and te.te_id not in draining),
+            (
+                te
+                for te in tes
+                if te.state == TEState.READY
+                and te.te_id not in draining
+                and te.role != TaskMode.PREFILL
+            ),
             key=lambda te: (te.load, te.last_active, te.te_id),
         )
         for m, tes in by_model.items()

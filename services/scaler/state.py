@@ -117,6 +117,9 @@ class ModelMemory:
     failed_at: float = 0.0
     below_since: float | None = None  # wanted < current since then (scale-in hysteresis)
     prefill_below_since: float | None = None  # the same for its prefill instances
+    # When ``reclaim`` last took one of its prefill instances for a model short of
+    # whole-request instances: none is loaded again for a stable window (no ping-pong).
+    prefill_yielded_at: float = -math.inf
     capacity: InstanceCapacity | None = None
 
 

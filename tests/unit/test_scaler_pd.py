@@ -1,7 +1,8 @@
 """The scaler's PD split on hand-built states: prefill instances sized by the prompt tokens
 the job executors' PD rule would send to them, loaded after the model's other instances,
-taking their share of the load off the others, scaled in after the stable window, gone at
-the keep-alive; none where the policy allows none."""
+taking their share of the load off the others, yielding their TE to a model short of
+whole-request instances, scaled in after the stable window, gone at the keep-alive; none
+where the policy allows none."""
 
 from __future__ import annotations
 
@@ -144,6 +145,38 @@ def test_the_models_other_instances_get_idle_tes_before_its_prefill_instances() 
     assert [(a.te_id, a.role) for a in d.actions if isinstance(a, Load)] == [
         ("a", TaskMode.COLOCATED)
     ]
+
+
+def test_a_model_short_of_whole_request_instances_takes_a_prefill_instances_te() -> None:
+    # Every TE busy; a burst wants more whole-request instances: the prefill instance yields
+    # its TE (reserved for the model).
+    s = traffic(fresh(), seconds=6, rps=2, prompt=3000, pd_share=1.0)
+    tes = [te("r1", running=8), prefill("p1")]
+    d = decide(s, tes, models=["m"], now=T0 + 6, cfg=PD)
+    assert d.actions == [Unload("p1", "m", "reclaimed for m")]
+    assert d.state.reserved == {"p1": "m"}
+    assert d.state.models["m"].prefill_yielded_at == T0 + 6
+    # An operator's prefill instance (the policy allows the scaler none) stays.
+    s_op = traffic(fresh(), seconds=6, rps=2, prompt=3000, pd_share=1.0, cfg=NO_PD)
+    assert decide(s_op, tes, models=["m"], now=T0 + 6, cfg=NO_PD).actions == []
+    # Drained, the freed TE takes a whole-request instance.
+    d = decide(d.state, [te("r1", running=8), idle("p1")], models=["m"], now=T0 + 7, cfg=PD)
+    assert [(a.te_id, a.role) for a in d.actions if isinstance(a, Load)] == [
+        ("p1", TaskMode.COLOCATED)
+    ]
+    # Prefill work and idle TEs (four prefill instances' worth, two allowed): none loads
+    # within a stable window of a yield, both after it.
+    s = traffic(fresh(), seconds=60, rps=0.3, prompt=4000, pd_share=1.0)
+    tes = [te("r1"), idle("a"), idle("b"), idle("c"), idle("d")]
+
+    def prefill_loads(yielded_at: float) -> int:
+        mem = dataclasses.replace(s.models["m"], prefill_yielded_at=yielded_at)
+        state = dataclasses.replace(s, models={"m": mem})
+        d = decide(state, tes, models=["m"], now=T0 + 60, cfg=PD)
+        return sum(isinstance(a, Load) and a.role == TaskMode.PREFILL for a in d.actions)
+
+    assert prefill_loads(T0 + 30) == 0
+    assert prefill_loads(T0 - 1) == 2
 
 
 def test_prefill_instances_scale_in_after_the_stable_window_when_long_prompts_stop() -> None:
