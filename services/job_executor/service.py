@@ -515,12 +515,12 @@ class JobExecutor:
             task = self._task(job, matched, source)
             prefill_work = 0 if source else len(job.prompt_token_ids) - matched
             if await self._offer(te_id, task, prefill_work) is None:
-                if source is not None:  # its prompt's KV goes at once
-                    await self._cancel(source.te_id, job, TaskMode.PREFILL)
-                    if run is not None:
-                        graph = with_task(run.graph, PREFILL, state=TaskState.CANCELLED)
-                        graph = with_task(graph, DECODE, state=TaskState.FAILED)
-                        await self._keeper.step(run, msgspec.structs.replace(graph, finished=True))
+                if source is not None and run is not None:  # its prompt's KV goes at once
+                    # (under the attempt it was placed for: a lost JE's, if it was continued)
+                    await self._cancel_graph_task(job.request_id, run.graph.task(PREFILL))
+                    graph = with_task(run.graph, PREFILL, state=TaskState.CANCELLED)
+                    graph = with_task(graph, DECODE, state=TaskState.FAILED)
+                    await self._keeper.step(run, msgspec.structs.replace(graph, finished=True))
                 return Placed(None, None, pd, refused | {te_id})
             mine.append((te_id, task))
             if run is not None:

@@ -3,7 +3,8 @@
 executor takes the task graph over and continues it from the stalled one's prefill (the KV
 arrives: no fallback), and the answer equals the colocated run's. When the stalled one wakes
 and places its decode task, its write is refused by the fencing number, and it cancels that
-task: nothing of it runs on."""
+task: nothing of it runs on. A continued graph whose decode task is refused has the dead
+job executor's prefill cancelled under the attempt it was placed for."""
 
 from __future__ import annotations
 
@@ -16,15 +17,20 @@ from typing import Any
 import openai
 import pytest
 
+from services.job_executor.disaggregation import PdDecision
+from services.job_executor.placement import Request
+from services.job_executor.planner import plan_chat, with_task
 from services.job_executor.service import JobExecutor
 from services.task_executor.worker import TaskExecutor
 from shared.embedded import free_port
+from shared.messages.api import SamplingParams
 from shared.messages.cluster import TEState
+from shared.messages.jobs import ChatJob
 from shared.messages.scaling import LoadModel
-from shared.messages.tasks import TaskMode
+from shared.messages.tasks import KvSource, TaskMode
 from shared.settings import Settings
 from shared.store import Store
-from shared.task_graphs import GraphStore
+from shared.task_graphs import GraphStore, TaskState, prompt_digest
 from tests.integration.services import BusClient, control_plane
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
@@ -152,3 +158,58 @@ async def test_a_stalled_jes_graph_is_taken_over_and_its_late_placement_undone(
         finally:
             JobExecutor._offer = offer  # type: ignore[method-assign]
             JobExecutor._cancel = cancel  # type: ignore[method-assign]
+
+        # A continued graph whose decode task is refused: the dead JE's prefill is cancelled
+        # under the attempt it was placed for, and the graph closed.
+        survivor = next(je for je in jes if je.je_id == held.owner)
+        prompt = list(range(40, 90))
+        source = KvSource(te_id="te-p", address="127.0.0.1:9", key="x-0/prefill")
+        dead = GraphStore(store, cluster, "je-dead")
+        graph = plan_chat(
+            graph_id="x",
+            model="demo",
+            deadline=time.time() + 30,
+            prompt=prompt_digest(prompt),
+            decode_te="te-c",
+            prefill_te="te-p",
+        )
+        await dead.open(
+            with_task(graph, "prefill", state=TaskState.PLACED, kv_source=source, attempt=0)
+        )
+        resumed = await survivor._keeper.take_over(
+            "x", prompt_digest(prompt), lambda: {"te-p", "te-c"}
+        )
+        assert resumed is not None and resumed.source == source
+        undone: list[tuple[str, str, int]] = []
+
+        async def refuse(self: JobExecutor, te_id: str, task: Any, *a: Any) -> Any:
+            return None
+
+        async def spy(self: JobExecutor, request_id: str, task: Any) -> None:
+            undone.append((task.te_id, task.kind, task.attempt))
+
+        cancel_graph_task = JobExecutor._cancel_graph_task
+        JobExecutor._offer = refuse  # type: ignore[method-assign]
+        JobExecutor._cancel_graph_task = spy  # type: ignore[method-assign]
+        try:
+            job = ChatJob(
+                request_id="x",
+                model="demo",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=4, temperature=0),
+                reply_to="nobody",
+                deadline=time.time() + 30,
+                attempt=1,
+            )
+            pd = PdDecision("te-p", "continued")
+            placed = await survivor._place_graph(
+                job, "te-c", 0, pd, [], Request(prompt_tokens=len(prompt)), resumed
+            )
+        finally:
+            JobExecutor._offer = offer  # type: ignore[method-assign]
+            JobExecutor._cancel_graph_task = cancel_graph_task  # type: ignore[method-assign]
+        assert placed.task is None and placed.refused == {"te-c"}
+        assert undone == [("te-p", "prefill", 0)]
+        closed = await dead.get("x")
+        assert closed is not None and not closed.open and closed.epoch == 2
+        assert closed.graph.task("prefill").state == TaskState.CANCELLED
