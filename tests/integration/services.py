@@ -11,6 +11,8 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,6 +22,7 @@ from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from shared.bus import Bus
 from shared.clients import JobExecutorClient, TaskExecutorClient, ViewWatcher
+from shared.embedded import free_port
 from shared.messages.api import SamplingParams
 from shared.messages.jobs import ChatJob, JobAccepted
 from shared.messages.tasks import ChatTask, TokenChunk
@@ -108,6 +111,25 @@ async def control_plane(
     finally:
         await run.stop()
         await store.close()
+
+
+def fast_settings(
+    cluster: str, nats_url: str, redis_url: str, models: Path, **values: Any
+) -> Settings:
+    """A test cluster that notices a lost member within a second (heartbeats every 0.2 s),
+    on one torch thread a TE, with a port of its own; ``values`` on top."""
+    return Settings(
+        cluster=cluster,
+        nats_url=nats_url,
+        redis_url=redis_url,
+        models_dir=models,
+        http_port=free_port(),
+        heartbeat_interval=timedelta(seconds=0.2),
+        liveness_timeout=timedelta(seconds=1),
+        placement_timeout=timedelta(seconds=30),
+        shutdown_grace=timedelta(seconds=1),
+        torch_threads=1,
+    ).with_values(**values)
 
 
 class BusClient:

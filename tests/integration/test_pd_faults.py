@@ -25,14 +25,19 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.job_executor.service import JobExecutor
-from shared.embedded import free_port
 from shared.messages.cluster import ClusterView, TEHeartbeat, TEState
 from shared.messages.scaling import LoadModel
 from shared.messages.tasks import TaskMode
 from shared.settings import Settings
 from shared.store import Store
 from shared.task_graphs import GraphStore
-from tests.integration.services import BusClient, Running, control_plane, te_process
+from tests.integration.services import (
+    BusClient,
+    Running,
+    control_plane,
+    fast_settings,
+    te_process,
+)
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
 
@@ -76,17 +81,11 @@ async def test_pd_faults_lose_no_request(
     cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
 ) -> None:
     (tmp_path / "demo").symlink_to(demo_model_dir)
-    settings = Settings(
-        cluster=cluster,
-        nats_url=nats_url,
-        redis_url=redis_url,
-        models_dir=tmp_path,
-        http_port=free_port(),
-        heartbeat_interval=timedelta(seconds=0.2),
-        liveness_timeout=timedelta(seconds=1),
-        placement_timeout=timedelta(seconds=30),
-        shutdown_grace=timedelta(seconds=1),
-        torch_threads=1,
+    settings = fast_settings(
+        cluster,
+        nats_url,
+        redis_url,
+        tmp_path,
         pd="always",
         # Past the liveness timeout: a prefill whose job executor died is still there when
         # the job executor that takes its graph over places the decode task.

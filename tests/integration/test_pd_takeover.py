@@ -22,16 +22,14 @@ from services.job_executor.placement import Request
 from services.job_executor.planner import plan_chat, with_task
 from services.job_executor.service import JobExecutor
 from services.task_executor.worker import TaskExecutor
-from shared.embedded import free_port
 from shared.messages.api import SamplingParams
 from shared.messages.cluster import TEState
 from shared.messages.jobs import ChatJob
 from shared.messages.scaling import LoadModel
 from shared.messages.tasks import KvSource, TaskMode
-from shared.settings import Settings
 from shared.store import Store
 from shared.task_graphs import GraphStore, TaskState, prompt_digest
-from tests.integration.services import BusClient, control_plane
+from tests.integration.services import BusClient, control_plane, fast_settings
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
 
@@ -68,17 +66,11 @@ async def test_a_stalled_jes_graph_is_taken_over_and_its_late_placement_undone(
     cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
 ) -> None:
     (tmp_path / "demo").symlink_to(demo_model_dir)
-    settings = Settings(
-        cluster=cluster,
-        nats_url=nats_url,
-        redis_url=redis_url,
-        models_dir=tmp_path,
-        http_port=free_port(),
-        heartbeat_interval=timedelta(seconds=0.2),
-        liveness_timeout=timedelta(seconds=1),
-        placement_timeout=timedelta(seconds=30),
-        shutdown_grace=timedelta(seconds=1),
-        torch_threads=1,
+    settings = fast_settings(
+        cluster,
+        nats_url,
+        redis_url,
+        tmp_path,
         pd="always",
         pd_lease=timedelta(seconds=6),  # the prefill waits out the stall
         max_prefill_tokens=32,
