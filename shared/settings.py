@@ -165,6 +165,31 @@ class AuthSettings(Section):
     )
 
 
+class FilesSettings(Section):
+    """Uploaded files (`POST /v1/files`): training data for fine-tuning jobs."""
+
+    env_prefix = "FILES_"
+
+    dir: Path | None = Field(
+        default=None,
+        description="Where uploaded files' bytes are kept (any mount every frontend and "
+        "training TE sees; their metadata is in Redis). Unset: "
+        "`~/.cache/meshserve/<cluster>/files`.",
+    )
+    max_bytes: int = Field(
+        default=512 << 20, gt=0, description="The largest file one upload may bring (413 past it)."
+    )
+    quota_bytes: int = Field(
+        default=10 << 30,
+        gt=0,
+        description="The bytes of files one tenant may keep at once (413 past it; deleting "
+        "files frees it).",
+    )
+
+    def directory(self, cluster: str) -> Path:
+        return (self.dir or Path.home() / ".cache" / "meshserve" / cluster / "files").expanduser()
+
+
 class LimitSettings(Section):
     """Every tenant's limits unless its own record sets them (`meshserve tenants set`);
     0 means no limit."""
@@ -644,6 +669,7 @@ class Settings(BaseModel):
     membership: MembershipSettings = MembershipSettings()
     frontend: FrontendSettings = FrontendSettings()
     auth: AuthSettings = AuthSettings()
+    files: FilesSettings = FilesSettings()
     limits: LimitSettings = LimitSettings()
     job_executor: JobExecutorSettings = JobExecutorSettings()
     scaler: ScalerSettings = ScalerSettings()

@@ -22,6 +22,10 @@ SECTIONS: dict[str | None, tuple[str, str]] = {
         "Authentication",
         "API keys and the admin key; users of the embedded NATS and Redis.",
     ),
+    "files": (
+        "Files",
+        "Uploaded fine-tuning data (`POST /v1/files`): where the bytes live, size and quota.",
+    ),
     "limits": (
         "Tenant limits",
         "Every tenant's limits unless its own record sets them (`meshserve tenants set`); "

@@ -297,6 +297,15 @@ class Keys:
         timeout; its graphs may be taken over once it is gone."""
         return f"{self.cluster}:je:{je_id}:alive"
 
+    def files(self) -> str:
+        """Hash: file id -> msgpack ``shared.file_store.FileObject`` (the bytes are in
+        ``MESHSERVE_FILES_DIR``)."""
+        return f"{self.cluster}:files"
+
+    def file_usage(self) -> str:
+        """Hash: tenant -> the bytes of the files it keeps (its quota's use)."""
+        return f"{self.cluster}:files:usage"
+
     def tenants(self) -> str:
         """Hash: tenant name -> JSON ``shared.tenancy.Tenant`` (its models and limits)."""
         return f"{self.cluster}:tenants"

@@ -89,19 +89,24 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     return resp
 
 
-def auth_middleware(auth: Authenticator) -> Middleware:
+UPLOAD_SLACK = 1 << 20  # a file upload's multipart framing, besides the file
+
+
+def auth_middleware(auth: Authenticator, upload_bytes: int | None = None) -> Middleware:
     """The caller of every path but ``OPEN_PATHS``, left on the request (``PRINCIPAL``); a
-    body whose Content-Length exceeds the caller's limit is refused before it is read."""
+    body whose Content-Length exceeds the caller's limit is refused before it is read (a
+    file upload's: ``upload_bytes``, the largest file, plus its framing)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
             principal = await auth.principal(request)
             request[PRINCIPAL] = principal
-            if (size := request.content_length) and size > principal.limits.max_body_bytes:
-                raise PayloadTooLarge(
-                    f"The request body exceeds {principal.limits.max_body_bytes} bytes."
-                )
+            limit = principal.limits.max_body_bytes
+            if upload_bytes is not None and request.path == "/v1/files":
+                limit = upload_bytes + UPLOAD_SLACK
+            if (size := request.content_length) and size > limit:
+                raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
         return await handler(request)
 
     return middleware

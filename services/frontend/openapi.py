@@ -97,6 +97,38 @@ _RESPONSES: dict[str, Any] = {
     "ModelList": _obj(
         ["object", "data"], object={"const": "list"}, data={"type": "array", "items": _ref("Model")}
     ),
+    "File": _obj(
+        ["id", "object", "bytes", "created_at", "filename", "purpose", "status"],
+        id=_STR,
+        object={"const": "file"},
+        bytes=_INT,
+        created_at=_INT,
+        filename=_STR,
+        purpose=_STR,
+        status=_STR,
+        status_details=_NULL_STR,
+    ),
+    "FileList": _obj(
+        ["object", "data", "has_more"],
+        object={"const": "list"},
+        data={"type": "array", "items": _ref("File")},
+        has_more={"type": "boolean"},
+        first_id=_NULL_STR,
+        last_id=_NULL_STR,
+    ),
+    "FileDeleted": _obj(
+        ["id", "object", "deleted"], id=_STR, object={"const": "file"}, deleted={"type": "boolean"}
+    ),
+    "FileUpload": _obj(
+        ["purpose", "file"],
+        purpose={"type": "string", "enum": ["fine-tune"]},
+        file={
+            "type": "string",
+            "contentMediaType": "application/octet-stream",
+            "description": 'Chat-format JSONL: one `{"messages": [...]}` object a line, each '
+            "with an assistant message.",
+        },
+    ),
     # One server-sent event (OpenAPI 3.1 has a text/event-stream schema describe each event).
     "ServerSentEvent": {
         **_obj(["data"], data=_STR, event=_STR, id=_STR, retry=_INT),
@@ -124,7 +156,7 @@ _RETRY_AFTER = {
 _ERRORS = {
     "400": "The request is malformed or asks for something unsupported (`param` names the field).",
     "401": "The API key is missing or wrong (when authentication is on).",
-    "404": "No such model (or route).",
+    "404": "No such model, file (or one of another tenant), or route.",
     "405": "The route does not take this method.",
     "413": "The request body exceeds the frontend's size limit.",
     "429": "A rate or concurrency limit was reached; retry after `Retry-After` seconds.",
@@ -218,6 +250,7 @@ def document(max_body_bytes: int | None = None) -> dict[str, Any]:
                     },
                 }
             },
+            **_files(),
             "/health": {
                 "get": {
                     "operationId": "health",
@@ -246,6 +279,93 @@ def document(max_body_bytes: int | None = None) -> dict[str, Any]:
         "components": {
             "schemas": {**requests, **_RESPONSES},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+_FILE_ID = [{"name": "file_id", "in": "path", "required": True, "schema": _STR}]
+
+
+def _files() -> dict[str, Any]:
+    """The Files API (``services/frontend/files.py``): a tenant's own files only."""
+    bearer: list[dict[str, list[str]]] = [{"bearer": []}]
+    return {
+        "/v1/files": {
+            "post": {
+                "operationId": "createFile",
+                "summary": "Upload a file (fine-tuning data)",
+                "security": bearer,
+                "requestBody": {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": _ref("FileUpload")}},
+                },
+                "responses": {
+                    "200": _json("The file, stored.", "File"),
+                    **_errors("400", "401", "413", "503"),
+                },
+            },
+            "get": {
+                "operationId": "listFiles",
+                "summary": "List the caller's files",
+                "security": bearer,
+                "parameters": [
+                    {"name": "purpose", "in": "query", "required": False, "schema": _STR},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1},
+                    },
+                    {
+                        "name": "order",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["asc", "desc"]},
+                    },
+                    {"name": "after", "in": "query", "required": False, "schema": _STR},
+                ],
+                "responses": {
+                    "200": _json("The files, newest first by default.", "FileList"),
+                    **_errors("400", "401", "503"),
+                },
+            },
+        },
+        "/v1/files/{file_id}": {
+            "get": {
+                "operationId": "retrieveFile",
+                "summary": "Describe one file",
+                "security": bearer,
+                "parameters": _FILE_ID,
+                "responses": {
+                    "200": _json("The file.", "File"),
+                    **_errors("401", "404", "503"),
+                },
+            },
+            "delete": {
+                "operationId": "deleteFile",
+                "summary": "Delete a file",
+                "security": bearer,
+                "parameters": _FILE_ID,
+                "responses": {
+                    "200": _json("The file is gone.", "FileDeleted"),
+                    **_errors("401", "404", "503"),
+                },
+            },
+        },
+        "/v1/files/{file_id}/content": {
+            "get": {
+                "operationId": "downloadFile",
+                "summary": "A file's bytes",
+                "security": bearer,
+                "parameters": _FILE_ID,
+                "responses": {
+                    "200": {
+                        "description": "The file as uploaded.",
+                        "content": {"application/octet-stream": {"schema": _STR}},
+                    },
+                    **_errors("401", "404", "503"),
+                },
+            }
         },
     }
 

@@ -28,6 +28,7 @@ from services.frontend.admin import AdminAPI
 from services.frontend.answer import Answerer
 from services.frontend.auth import Authenticator, Principal, principal_of
 from services.frontend.catalog import ModelCatalog
+from services.frontend.files import FilesAPI
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
 from services.frontend.middleware import MAX_BODY, auth_middleware, errors_middleware
@@ -52,6 +53,7 @@ from shared.clients import (
     ViewWatcher,
 )
 from shared.errors import BadRequest, MeshserveError, NotFound, PayloadTooLarge, Unavailable
+from shared.file_store import FileStore
 from shared.logging import get_logger
 from shared.messages.auth import KeyRevoked
 from shared.messages.cluster import FEHeartbeat, MemberDown
@@ -80,6 +82,18 @@ class Frontend:
         self._auth = Authenticator(settings, tenants)
         self._limiter = Limiter(store, settings.cluster, settings.limits.lease.total_seconds())
         self._admin = AdminAPI(tenants, self._auth, bus, self._subjects)
+        files = settings.files
+        self._files = FilesAPI(
+            FileStore(
+                store,
+                settings.cluster,
+                files.directory(settings.cluster),
+                max_bytes=files.max_bytes,
+                quota_bytes=files.quota_bytes,
+            )
+            if store is not None
+            else None
+        )
         self.frontend_id = f"fe-{uuid.uuid4().hex[:8]}"
         self._life = Lifecycle("frontend")
         self._view = ViewWatcher(bus, self._subjects)
@@ -114,11 +128,15 @@ class Frontend:
     def app(self) -> web.Application:
         limit = self._settings.frontend.max_body_bytes
         app = web.Application(
-            middlewares=[errors_middleware, auth_middleware(self._auth)],
+            middlewares=[
+                errors_middleware,
+                auth_middleware(self._auth, self._settings.files.max_bytes),
+            ],
             client_max_size=limit,
         )
         app[MAX_BODY] = limit
         self._admin.routes(app)
+        self._files.routes(app)
         app[OPENAPI] = R.json_body(openapi_document(limit))
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)

@@ -63,6 +63,11 @@ OPERATIONS = [
     "POST /v1/completions",
     "GET /v1/models",
     "GET /v1/models/{model}",
+    "POST /v1/files",
+    "GET /v1/files",
+    "GET /v1/files/{file_id}",
+    "DELETE /v1/files/{file_id}",
+    "GET /v1/files/{file_id}/content",
     "GET /health",
     "GET /metrics",
 ]

@@ -38,6 +38,9 @@ def test_document_is_openapi_31_with_every_route():
         "/v1/completions",
         "/v1/models",
         "/v1/models/{model}",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/files/{file_id}/content",
         "/health",
         "/metrics",
     }
