@@ -1,0 +1,1 @@
+"""Training tasks a TE runs in its training mode (fine-tuning jobs: issue 30)."""
