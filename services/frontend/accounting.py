@@ -145,8 +145,9 @@ def phases(arrived: float, submitted: float, gen: Generation) -> None:
 KV_LEASE_ENDS = Counter(
     "meshserve_kv_lease_ends",
     "Prompt KV leases prefill instances held for decode instances that ended, by how: "
-    "released (pulled), refused, disconnected (the decode instance dropped the connection), "
-    "expired (it went silent), withdrawn (the prefill task was cancelled or failed)",
+    "released (pulled), rejected, disconnected (the decode instance dropped the connection), "
+    "expired (it went silent), cancelled or failed (the prefill task), closed (the prefill "
+    "instance stopping)",
     ["model", "reason"],
 )
 

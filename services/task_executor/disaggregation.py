@@ -44,10 +44,13 @@ class PrefillSide:
         expired, withdrawn): free its KV."""
         te = settings.task_executor
         self._lease_s = te.pd_lease.total_seconds()
-        self.ends: dict[str, int] = {}  # leases ended, by how (the heartbeat's kv_lease_ends)
+        # Leases ended, by how (the heartbeat's kv_lease_ends): the reason's kind only
+        # ("rejected: <why>" counts as "rejected"), so the counts stay a handful of keys.
+        self.ends: dict[str, int] = {}
 
         def ended(key: str, reason: str) -> None:
-            self.ends[reason] = self.ends.get(reason, 0) + 1
+            kind = reason.partition(":")[0]
+            self.ends[kind] = self.ends.get(kind, 0) + 1
             on_end(key, reason)
 
         self._server = KvServer(host=te.kv_host, on_end=ended)

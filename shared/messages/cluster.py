@@ -98,8 +98,9 @@ class TEHeartbeat(Message):
     placements: int = 0
     role: TaskMode = TaskMode.COLOCATED  # what it loaded its model as (LoadModel.role)
     kv_address: str = ""  # host:port of its KV server (a prefill TE): decode TEs pull there
-    # Prompt KV leases it held for decode TEs that ended, by how (released, refused,
-    # disconnected, expired, withdrawn), since it started: the frontend exports the growth.
+    # Prompt KV leases it held for decode TEs that ended, by how (released, rejected,
+    # disconnected, expired, cancelled, failed, closed), since it started: the frontend
+    # exports the growth.
     kv_lease_ends: dict[str, int] = msgspec.field(default_factory=dict)
 
 

@@ -50,3 +50,24 @@ def test_lease_ends_count_what_each_te_added() -> None:
     ends.on_view(_view(5, 9.0, b={"expired": 1}))
     ends.on_view(_view(6, 9.0, a={"released": 3}, b={"expired": 1}))
     assert (_total("released"), _total("expired")) == (8, 2)
+
+
+def test_a_prefill_te_counts_its_lease_ends_by_kind() -> None:
+    """The heartbeat's counts are keyed by the kind of end, never by its free text (the
+    metric's labels stay a handful)."""
+    from services.task_executor.disaggregation import PrefillSide
+    from shared.settings import Settings
+
+    told: list[tuple[str, str]] = []
+    side = PrefillSide(Settings(), lambda key, reason: told.append((key, reason)))
+    end = side._server._on_end
+    for key, reason in [
+        ("a", "released"),
+        ("b", "rejected: no room for 4096 tokens"),
+        ("c", "rejected: shutting down"),
+        ("d", "failed: layer 3 lacks tokens [0, 16)"),
+        ("e", "cancelled"),
+    ]:
+        end(key, reason)
+    assert side.ends == {"released": 1, "rejected": 2, "failed": 1, "cancelled": 1}
+    assert told[1] == ("b", "rejected: no room for 4096 tokens")  # the TE still hears why
