@@ -53,8 +53,8 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   included); its KV (the tokens the decode TE lacks, ``EngineProfile.kv_bytes_per_token``
   each) streams layer by layer during that prefill, so it lands at the later of the prefill's
   end and its start plus the bytes over ``kv_bandwidth``, plus one hop; each TE's link
-  carries one transfer at a time (a transfer waits for both ends' links to be free). The prefill TE holds
-  the blocks until then (its lease). The decode TE then admits the request like any other
+  carries one transfer at a time (a transfer waits for both ends' links to be free). The
+  prefill TE holds the blocks until then (its lease). The decode TE then admits the request like any other
   (its blocks from the free pool, only the token after the prompt to compute), and the
   first chunk the client gets carries the prefill's token and the first decoded one, as the
   TE sends them.

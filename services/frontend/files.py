@@ -23,6 +23,7 @@ from shared.errors import BadRequest, NotFound, Unavailable
 from shared.file_store import CHUNK, FileObject, FileStore
 
 MAX_LIST = 10_000
+FILES_PATH = "/v1/files"  # also where the auth middleware allows an upload's size
 
 
 class FilesAPI:
@@ -30,11 +31,11 @@ class FilesAPI:
         self._files = files
 
     def routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/files", self.create)
-        app.router.add_get("/v1/files", self.list)
-        app.router.add_get("/v1/files/{file_id}", self.retrieve)
-        app.router.add_get("/v1/files/{file_id}/content", self.content)
-        app.router.add_delete("/v1/files/{file_id}", self.delete)
+        app.router.add_post(FILES_PATH, self.create)
+        app.router.add_get(FILES_PATH, self.list)
+        app.router.add_get(FILES_PATH + "/{file_id}", self.retrieve)
+        app.router.add_get(FILES_PATH + "/{file_id}/content", self.content)
+        app.router.add_delete(FILES_PATH + "/{file_id}", self.delete)
 
     def _store(self) -> FileStore:
         if self._files is None:
@@ -102,7 +103,7 @@ class FilesAPI:
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise BadRequest("`order` must be `asc` or `desc`.", param="order")
-        objs = [o for o in await self._store().list() if _visible(principal, o)]
+        objs = [o for o in await self._store().list() if principal.owns(o.tenant)]
         if purpose := q.get("purpose"):
             objs = [o for o in objs if o.purpose == purpose]
         if order == "asc":
@@ -140,10 +141,6 @@ class FilesAPI:
         obj = await self._owned(request)
         await self._store().delete(obj)
         return web.json_response({"id": obj.id, "object": "file", "deleted": True})
-
-
-def _visible(principal: Principal, obj: FileObject) -> bool:
-    return principal.owns(obj.tenant)
 
 
 async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:

@@ -14,6 +14,7 @@ from prometheus_client import Counter
 
 from services.frontend import responses as R
 from services.frontend.auth import PRINCIPAL, Authenticator
+from services.frontend.files import FILES_PATH
 from shared.errors import (
     BadRequest,
     Internal,
@@ -103,7 +104,7 @@ def auth_middleware(auth: Authenticator, upload_bytes: int | None = None) -> Mid
             principal = await auth.principal(request)
             request[PRINCIPAL] = principal
             limit = principal.limits.max_body_bytes
-            if upload_bytes is not None and request.path == "/v1/files":
+            if upload_bytes is not None and request.path == FILES_PATH:
                 limit = upload_bytes + UPLOAD_SLACK
             if (size := request.content_length) and size > limit:
                 raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")

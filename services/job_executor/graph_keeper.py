@@ -26,7 +26,6 @@ from services.job_executor.planner import (
     durable,
     with_task,
 )
-from shared.errors import Deposed
 from shared.logging import get_logger
 from shared.messages.tasks import KvSource
 from shared.runner import Lifecycle
@@ -71,7 +70,6 @@ class GraphKeeper:
         self._liveness_s, self._heartbeat_s = liveness_s, heartbeat_s
         self._cancel = cancel
         self.taken_over = 0  # graphs continued from a dead JE's prefill
-        self.swept = 0  # orphans abandoned
 
     def start(self, life: Lifecycle) -> None:
         if self._graphs is not None:
@@ -94,7 +92,7 @@ class GraphKeeper:
         except (RedisError, OSError) as e:
             log.warning("task graph kept in memory only", error=str(e))
             return run
-        if run.epoch is None:  # a live peer still places the job: it loses it at its next write
+        if run.epoch is None:  # a live peer holds it open: this run goes unrecorded
             log.warning("task graph held by a live job executor", graph=graph.graph_id)
         return run
 
@@ -207,8 +205,4 @@ class GraphKeeper:
             await self.step(Running(graph, epoch), msgspec.structs.replace(graph, finished=True))
             log.info("orphaned task graph closed", graph=graph_id, dead_owner=held.owner)
             closed += 1
-        self.swept += closed
         return closed
-
-
-__all__ = ["Deposed", "GraphKeeper", "Resumed", "Running"]

@@ -500,8 +500,9 @@ class JobExecutor:
                     run = None
                 else:
                     mine.append((prefill_te.te_id, self._task(job, 0, mode=TaskMode.PREFILL)))
-                    graph = with_task(run.graph, PREFILL, state=TaskState.PLACED, kv_source=source)
-                    run.graph = graph
+                    run.graph = with_task(
+                        run.graph, PREFILL, state=TaskState.PLACED, kv_source=source
+                    )
             if run is not None:
                 await self._keeper.step(
                     run,

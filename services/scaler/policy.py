@@ -336,6 +336,16 @@ def reclaim(
     ones the scaler runs) are taken first. Returns (TE, its model, reason) to unload, and
     the reservations with the new ones added."""
     reserved = dict(reserved)
+
+    def takeable(te: TEView) -> bool:
+        return te.state == TEState.READY and te.te_id not in draining
+
+    def whole(te: TEView) -> bool:  # takes whole requests (not a PD prefill instance)
+        return takeable(te) and te.role != TaskMode.PREFILL
+
+    def least_busy(te: TEView) -> tuple[float, float, str]:
+        return (te.load, te.last_active, te.te_id)
+
     freeing: dict[str, int] = {}
     for model in reserved.values():
         freeing[model] = freeing.get(model, 0) + 1
@@ -343,43 +353,23 @@ def reclaim(
     for model, t in targets.items():
         if t.wanted >= t.current or t.panicking or t.current > t.ready:
             continue  # needs what it has, or is mid-burst or still loading
-        ready = [
-            te
-            for te in by_model.get(model, ())
-            if te.state == TEState.READY
-            and te.te_id not in draining
-            and te.role != TaskMode.PREFILL
-        ]
+        ready = [te for te in by_model.get(model, ()) if whole(te)]
         surplus += _victims(ready, t.current - t.wanted, idle_since=None)
     # Prefill instances (PD) go first: they only speed up instances that decode, which a
     # short model lacks (the prefill work they did goes back to the whole-request ones).
     prefill = sorted(
         (
             te
-            for model, tes in by_model.items()
-            if model in prefill_managed
-            for te in tes
-            if te.role == TaskMode.PREFILL
-            and te.state == TEState.READY
-            and te.te_id not in draining
+            for model in prefill_managed
+            for te in by_model.get(model, ())
+            if te.role == TaskMode.PREFILL and takeable(te)
         ),
-        key=lambda te: (te.load, te.last_active, te.te_id),
+        key=least_busy,
     )
-    surplus.sort(key=lambda te: (te.load, te.last_active, te.te_id))
-    surplus = prefill + surplus
+    surplus = prefill + sorted(surplus, key=least_busy)
     # What each model keeps: a starved model may also take one of the richest model's.
     kept: dict[str, list[TEView]] = {
-        m: sorted(
-            (
-                te
-                for te in tes
-                if te.state == TEState.READY
-                and te.te_id not in draining
-                and te.role != TaskMode.PREFILL
-            ),
-            key=lambda te: (te.load, te.last_active, te.te_id),
-        )
-        for m, tes in by_model.items()
+        m: sorted(filter(whole, tes), key=least_busy) for m, tes in by_model.items()
     }
     out: list[tuple[str, str, str]] = []
 

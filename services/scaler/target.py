@@ -21,8 +21,8 @@
   prefill instances (over the target utilisation, within ``tolerance``, at most
   ``max_prefill_replicas``; none once idle), or, while prompts queue at them, as many as
   drain that queue in ``backlog_drain_s``; what the prefill instances did compute
-  (``pd_placed_tokens``, at most their count's worth) leaves the other instances' load. Prefill instances scale in after the stable
-  window, like the others.
+  (``pd_placed_tokens``, at most their count's worth) leaves the other instances' load.
+  Prefill instances scale in after the stable window, like the others.
 """
 
 from __future__ import annotations
@@ -76,19 +76,11 @@ def _instances_of_work(
     return (prefill + decode) / window_s
 
 
-def _prefill_work(w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
-    """Instances kept busy by the window's prompts that the PD rule sends to prefill
-    instances."""
-    if not w.pd_arrivals:
-        return 0.0
-    return w.pd_prompt_tokens / cap.prefill_tokens_per_s(_mean_pd_prompt(w)) / window_s
-
-
-def _prefill_taken(w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
-    """Instances' worth of the window's prompts that prefill instances did compute."""
-    if not w.pd_placed_tokens:
-        return 0.0
-    return w.pd_placed_tokens / cap.prefill_tokens_per_s(_mean_pd_prompt(w)) / window_s
+def _prefill_instances(tokens: int, w: Bucket, window_s: float, cap: InstanceCapacity) -> float:
+    """Instances kept busy by ``tokens`` of the window's prompts at a prefill instance's
+    rate: ``pd_prompt_tokens`` (what the PD rule sends to prefill instances) or
+    ``pd_placed_tokens`` (what they did compute)."""
+    return tokens / cap.prefill_tokens_per_s(_mean_pd_prompt(w)) / window_s if tokens else 0.0
 
 
 def _mean_prompt(w: Bucket) -> int:
@@ -149,13 +141,15 @@ def target(
     if cap is not None:
         stable_load = _instances_of_work(stable, cfg.stable_window_s, out_per_req, cap)
         panic_load = _instances_of_work(panic, cfg.panic_window_s, out_per_req, cap)
-        prefill_load = _prefill_work(stable, cfg.stable_window_s, cap)
-        prefill_panic = _prefill_work(panic, cfg.panic_window_s, cap)
+        prefill_load = _prefill_instances(stable.pd_prompt_tokens, stable, cfg.stable_window_s, cap)
+        prefill_panic = _prefill_instances(panic.pd_prompt_tokens, panic, cfg.panic_window_s, cap)
         # What the prefill instances took of it is not the others' work (what the rule
         # wanted to send them, and they could carry, may be more: a prompt stays where a
         # prefill instance would start it later).
-        stable_load -= min(_prefill_taken(stable, cfg.stable_window_s, cap), prefill_current)
-        panic_load -= min(_prefill_taken(panic, cfg.panic_window_s, cap), prefill_current)
+        taken = _prefill_instances(stable.pd_placed_tokens, stable, cfg.stable_window_s, cap)
+        taken_panic = _prefill_instances(panic.pd_placed_tokens, panic, cfg.panic_window_s, cap)
+        stable_load -= min(taken, prefill_current)
+        panic_load -= min(taken_panic, prefill_current)
         active = sum(te.load for te in instances) + held_n
         queued_tokens = sum(te.queued_prompt_tokens for te in instances) + held_tokens
         if waiting:  # a queue: the batch slots or the prefill rate are the bottleneck
