@@ -69,6 +69,17 @@ def hash_block_tokens(parent: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def adapter_root(adapter: str) -> int:
+    """The ``root`` of the chain of tokens computed under a LoRA adapter: blake2b-64 of
+    ``b"lora\\0" || utf-8(name)`` (never 0); the base model's (``""``) is 0, so its hashes are
+    those of a chain without a root. KV computed under one adapter then never matches a
+    prefix of another adapter or of the base model."""
+    if not adapter:
+        return 0
+    digest = hashlib.blake2b(b"lora\0" + adapter.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
 def chain_hashes(token_ids: Sequence[int], block_size: int, root: int = 0) -> list[int]:
     """The hashes of every full block of ``token_ids``."""
     hashes: list[int] = []

@@ -190,6 +190,46 @@ class FilesSettings(Section):
         return (self.dir or Path.home() / ".cache" / "meshserve" / cluster / "files").expanduser()
 
 
+class FineTuningSettings(Section):
+    """Fine-tuning jobs (`POST /v1/fine_tuning/jobs`): LoRA training on idle TEs."""
+
+    env_prefix = "FINE_TUNING_"
+
+    dir: Path | None = Field(
+        default=None,
+        description="Where training checkpoints and finished adapters are kept (any mount "
+        "every TE sees). Unset: `~/.cache/meshserve/<cluster>/fine_tuning`.",
+    )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="How many times a stage is placed again after its TE is lost before the "
+        "job fails (training resumes from its last epoch checkpoint).",
+    )
+    scan_interval: Duration = Field(
+        default=timedelta(seconds=2),
+        description="How often a job executor looks for fine-tuning jobs to run or take over "
+        "(a new job is announced at once).",
+    )
+    rank: int = Field(default=16, ge=1, le=256, description="The LoRA rank jobs train.")
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="What training computes in (the adapter's weights stay float32): auto is "
+        "bfloat16 where the device computes it natively (CUDA that supports it, a CPU with AMX "
+        "or AVX-512 BF16), else float32.",
+    )
+    max_example_tokens: int = Field(
+        default=1024,
+        ge=16,
+        description="Longest training example in tokens; a longer one keeps its answer and "
+        "the end of its context.",
+    )
+
+    def directory(self, cluster: str) -> Path:
+        default = Path.home() / ".cache" / "meshserve" / cluster / "fine_tuning"
+        return (self.dir or default).expanduser()
+
+
 class LimitSettings(Section):
     """Every tenant's limits unless its own record sets them (`meshserve tenants set`);
     0 means no limit."""
@@ -531,6 +571,32 @@ class TorchEngineSettings(Section):
     )
 
 
+class LoraSettings(Section):
+    """LoRA adapters served by the torch engine, many in one batch."""
+
+    env_prefix = "LORA_"
+
+    max_adapters: int = Field(
+        default=8,
+        ge=0,
+        description="Adapters a torch engine holds on its device at once, the most one batch "
+        "mixes (least recently used out, never one a running request uses); 0: the engine "
+        "serves no adapters.",
+    )
+    max_host_adapters: int = Field(
+        default=32,
+        ge=1,
+        description="Adapters a torch engine keeps read in host memory, so one back on the "
+        "device after an eviction is copied, not read from its files again.",
+    )
+    max_rank: int = Field(
+        default=64,
+        ge=1,
+        description="The largest LoRA rank served (a larger adapter is refused at load). "
+        "Device memory grows with the largest rank loaded, not with this.",
+    )
+
+
 class HostCacheSettings(Section):
     env_prefix = "HOST_CACHE_"
 
@@ -670,11 +736,13 @@ class Settings(BaseModel):
     frontend: FrontendSettings = FrontendSettings()
     auth: AuthSettings = AuthSettings()
     files: FilesSettings = FilesSettings()
+    fine_tuning: FineTuningSettings = FineTuningSettings()
     limits: LimitSettings = LimitSettings()
     job_executor: JobExecutorSettings = JobExecutorSettings()
     scaler: ScalerSettings = ScalerSettings()
     task_executor: TaskExecutorSettings = TaskExecutorSettings()
     torch: TorchEngineSettings = TorchEngineSettings()
+    lora: LoraSettings = LoraSettings()
     host_cache: HostCacheSettings = HostCacheSettings()
     openvino: OpenVINOSettings = OpenVINOSettings()
     vllm: VLLMSettings = VLLMSettings()

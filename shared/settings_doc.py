@@ -26,6 +26,10 @@ SECTIONS: dict[str | None, tuple[str, str]] = {
         "Files",
         "Uploaded fine-tuning data (`POST /v1/files`): where the bytes live, size and quota.",
     ),
+    "fine_tuning": (
+        "Fine-tuning",
+        "Fine-tuning jobs: where checkpoints and adapters live, retries, the LoRA rank.",
+    ),
     "limits": (
         "Tenant limits",
         "Every tenant's limits unless its own record sets them (`meshserve tenants set`); "
@@ -44,6 +48,10 @@ SECTIONS: dict[str | None, tuple[str, str]] = {
         "Pre-warmed TEs per pool, which engine serves a model, device, precision, memory.",
     ),
     "torch": ("Torch engine", "meshserve's own engine: prefill, KV tiers, kernels, CUDA graphs."),
+    "lora": (
+        "LoRA serving",
+        "Adapters the torch engine serves beside its base model: device slots, host copies, rank.",
+    ),
     "host_cache": (
         "Host weight cache",
         "Models' weights kept in host shared memory, served to other hosts, multicast.",

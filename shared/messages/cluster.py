@@ -17,6 +17,7 @@ class TEState(enum.StrEnum):
     READY = "ready"
     DRAINING = "draining"  # finishing its requests, takes no new ones
     PRELOADING = "preloading"  # no model: putting one's weights into its host's cache
+    TRAINING = "training"  # no model: running a stage of a fine-tuning job
 
 
 class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -34,6 +35,7 @@ class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_default
     host_kv_tier: bool = False  # moves cached blocks to host memory and back (HostKvTier)
     weight_source: bool = False  # builds from weights handed to it (a TensorSource)
     prefill_pacing: bool = False  # sizes each iteration's prompt tokens from its costs
+    lora: bool = False  # serves requests under LoRA adapters it loads (LoraServing)
 
 
 class CachedWeights(msgspec.Struct, frozen=True):
@@ -102,6 +104,10 @@ class TEHeartbeat(Message):
     # disconnected, expired, cancelled, failed, closed), since it started: the frontend
     # exports the growth.
     kv_lease_ends: dict[str, int] = msgspec.field(default_factory=dict)
+    # A training TE: the fine-tuning stage it runs (``job/attempt``, training.runner)
+    training: str = ""
+    # The LoRA adapters its engine holds loaded (routing prefers a TE that holds a request's)
+    adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class JEHeartbeat(Message):

@@ -37,6 +37,9 @@ class EngineRequest(msgspec.Struct):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # The LoRA adapter it runs under ("": the base model); only an engine that declares
+    # ``lora`` serves one, and only once the adapter is loaded (``LoraServing``).
+    adapter: str = ""
 
 
 class EngineOutput(msgspec.Struct):

@@ -132,6 +132,29 @@ class PrefillPacing(Protocol):
         ...
 
 
+@runtime_checkable
+class LoraServing(Protocol):
+    """``lora``: requests run under LoRA adapters (``EngineRequest.adapter``) the engine loads
+    by name; many adapters, and the base model, share one batch."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the peft LoRA adapter in directory ``path`` as ``name`` (idempotent).
+        ValueError for an adapter the engine cannot serve, OSError for unreadable files."""
+        ...
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving ``name``; False if it was not loaded. ValueError while requests use it."""
+        ...
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        """A pinned adapter keeps its device slot once it has one."""
+        ...
+
+    def adapters(self) -> list[str]:
+        """The adapters in device slots now."""
+        ...
+
+
 class TensorSource(Protocol):
     """``weight_source``: named tensors an engine builds its weights from instead of reading
     the checkpoint itself (a checkpoint's safetensors files, or a host cache holding them).
@@ -154,6 +177,7 @@ class EngineFeatures:
     prefix_pinning: PrefixPinning | None = None
     host_kv_tier: HostKvTier | None = None
     prefill_pacing: PrefillPacing | None = None
+    lora: LoraServing | None = None
 
 
 def bind_features(engine: Engine) -> EngineFeatures:
@@ -175,6 +199,7 @@ def bind_features(engine: Engine) -> EngineFeatures:
         prefix_pinning=engine if isinstance(engine, PrefixPinning) else None,
         host_kv_tier=engine if isinstance(engine, HostKvTier) else None,
         prefill_pacing=engine if isinstance(engine, PrefillPacing) else None,
+        lora=engine if isinstance(engine, LoraServing) else None,
     )
     checks: tuple[tuple[str, bool, object, type], ...] = (
         ("kv_events", caps.kv_events, implemented.kv_events, KvEventSource),
@@ -183,6 +208,7 @@ def bind_features(engine: Engine) -> EngineFeatures:
         ("prefix_pinning", caps.prefix_pinning, implemented.prefix_pinning, PrefixPinning),
         ("host_kv_tier", caps.host_kv_tier, implemented.host_kv_tier, HostKvTier),
         ("prefill_pacing", caps.prefill_pacing, implemented.prefill_pacing, PrefillPacing),
+        ("lora", caps.lora, implemented.lora, LoraServing),
     )
     for flag, declared, handle, protocol in checks:
         if declared and handle is None:

@@ -122,8 +122,10 @@ def create_engine(
         )
     if kind == "torch":
         from services.task_executor.engines.torch_engine import TorchEngine
+        from services.task_executor.engines.torch_engine.lora import LoraLimits
         from services.task_executor.weight_cache.store import HostWeightCache
 
+        lora = settings.lora
         return TorchEngine(
             model_path,
             device=settings.task_executor.device,
@@ -143,6 +145,11 @@ def create_engine(
             load_report=report,
             weights_from=weights_from,
             received=received,
+            lora=(
+                LoraLimits(lora.max_adapters, lora.max_host_adapters, lora.max_rank)
+                if lora.max_adapters
+                else None
+            ),
         )
     if kind == "openvino":
         from services.task_executor.engines.process import ProcessEngine
@@ -226,4 +233,8 @@ def vllm_engine_args(settings: Settings) -> dict[str, Any]:
         "kv_cache_bytes": settings.task_executor.kv_cache_bytes,
         "enable_prefix_caching": settings.task_executor.prefix_caching,
         "enforce_eager": settings.vllm.enforce_eager,
+        # LoRA with vLLM's own multi-LoRA support (0 adapters: off).
+        "max_adapters": settings.lora.max_adapters,
+        "max_host_adapters": settings.lora.max_host_adapters,
+        "max_adapter_rank": settings.lora.max_rank,
     }

@@ -126,7 +126,7 @@ def kv_cache_size(
 
 
 def capabilities(
-    *, prefix_caching: bool, host_kv_tier: bool, prefill_pacing: bool
+    *, prefix_caching: bool, host_kv_tier: bool, prefill_pacing: bool, lora: bool = False
 ) -> EngineCapabilities:
     """What a torch engine built with these options can do (checked at load against what
     it implements: ``capabilities.bind_features``)."""
@@ -140,6 +140,7 @@ def capabilities(
         host_kv_tier=prefix_caching and host_kv_tier,
         weight_source=True,
         prefill_pacing=prefill_pacing,
+        lora=lora,
     )
 
 

@@ -12,8 +12,9 @@ so they write exactly the K/V that row writes, and their logits are dropped. Tab
 past a request's blocks point at block 0 and are masked out by its length. The captured
 forward is the eager one, so outputs are the same.
 
-Only pure decode iterations replay (prefill chunks have shapes of their own and few steps);
-everything else runs eagerly. All graphs share one memory pool: they run one at a time, and
+Only pure decode iterations without LoRA adapters replay (prefill chunks have shapes of their
+own and few steps; adapters' slots and ranks change between iterations); everything else runs
+eagerly. All graphs share one memory pool: they run one at a time, and
 each iteration's logits are copied out before the next replay.
 """
 
@@ -95,10 +96,13 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def covers(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` replays a graph: a pure decode batch within the buckets, with no
+        LoRA adapter (the captured forward has none: such batches run eagerly)."""
         n = batch.input_ids.shape[0]
         tables = batch.decode_block_tables
         return (
-            not batch.prefills
+            batch.lora is None
+            and not batch.prefills
             and tables is not None
             and batch.num_decode == n
             and batch.logits_indices.shape[0] == n

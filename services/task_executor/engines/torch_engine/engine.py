@@ -1,8 +1,9 @@
 """TorchEngine: meshserve's own model runner behind the Engine protocol.
 
 Beyond the protocol it caches prefixes (``prefix_cache``: blocks shared by content, a host tier,
-pins, KV events for a router) and moves a request's KV between instances (``export_kv`` /
-``import_kv``, the base of PD disaggregation).
+pins, KV events for a router), moves a request's KV between instances (``export_kv`` /
+``import_kv``, the base of PD disaggregation) and, built with ``lora``, serves requests under
+LoRA adapters, many in one batch (``load_adapter``; ``lora.py``).
 
 Its parts: ``build`` (device, dtype, weights, the KV cache's size), ``sequence`` (a request as
 the engine holds it and as the scheduler sees it), ``scheduler`` (the pure decision of each
@@ -53,6 +54,7 @@ from services.task_executor.engines.torch_engine.kv_transfer import (
     KvLayout,
     model_fingerprint,
 )
+from services.task_executor.engines.torch_engine.lora import LoraAdapters, LoraLimits, LoraStats
 from services.task_executor.engines.torch_engine.model import (
     ForwardBatch,
     build_batch,
@@ -72,7 +74,7 @@ from services.task_executor.engines.torch_engine.stepper import OverlappedSteppe
 from services.task_executor.engines.torch_engine.threads import IntraOpThreads
 from services.task_executor.engines.torch_engine.weights import CheckpointTensors, load_weights
 from services.task_executor.weight_cache.store import CacheSession, HostWeightCache, Received
-from shared.block_hash import chain_hashes, extend_chain
+from shared.block_hash import adapter_root, chain_hashes, extend_chain
 from shared.messages.kv import KvEvent
 from shared.messages.scaling import InstanceCapacity
 from shared.native import Toolchain
@@ -107,6 +109,7 @@ class TorchEngine:
         load_report: LoadReport | None = None,
         weights_from: str | None = None,
         received: Received | None = None,
+        lora: LoraLimits | None = None,
     ) -> None:
         """``tensors``: where the weights come from (default: the checkpoint's safetensors
         files in ``model_dir``). ``model_dir`` still gives the config.
@@ -143,7 +146,11 @@ class TorchEngine:
         kernels are kept); False, or no C compiler, keeps torch's ops.
 
         ``cuda_graphs``: on CUDA, decode iterations replay graphs captured per batch and
-        context bucket (``cuda_graphs.py``); False launches every kernel from Python."""
+        context bucket (``cuda_graphs.py``); False launches every kernel from Python.
+
+        ``lora``: serve requests under LoRA adapters (``load_adapter``) with these many
+        device slots, host copies and the largest rank; None: none (the ``lora`` capability
+        is not declared). Batches without an adapter compute exactly as without."""
         torch_device = resolve_device(device)
         if torch_device.type == "cpu":
             keep_large_allocations()  # host_malloc.py: no page faults on every prefill
@@ -157,6 +164,7 @@ class TorchEngine:
             prefix_caching=enable_prefix_caching,
             host_kv_tier=num_host_kv_blocks > 0,
             prefill_pacing=paceable,
+            lora=lora is not None,
         )
         self.dtype = resolve_dtype(dtype, cfg, torch_device)
         report = load_report if load_report is not None else LoadReport()
@@ -211,6 +219,13 @@ class TorchEngine:
             max_num_seqs=max_num_seqs,
             block_size=block_size,
         )
+        self._lora: LoraAdapters | None = None
+        if lora is not None:
+            self._lora = LoraAdapters(cfg, lora, dtype=self.dtype, device=torch_device)
+            self.runner.lora = self._lora.slots
+        # Requests dropped while waiting (their adapter could not be read again): reported
+        # finished ("abort") by the next step.
+        self._dropped: list[EngineOutput] = []
         # On a CPU: one intra-op thread for iterations too short to split (threads.py).
         self._threads = (
             IntraOpThreads(torch.get_num_threads()) if torch_device.type == "cpu" else None
@@ -265,7 +280,9 @@ class TorchEngine:
         ``abort(request_id)`` or an export with ``release=True`` (a prefill-only instance
         runs requests with max_tokens=1 this way). ``kv_sink``: the prompt's KV goes there
         layer by layer as it is computed (``kv_stream``), all of it by the time the first
-        token comes out."""
+        token comes out. A request under a LoRA adapter hands no KV on (ValueError)."""
+        if request.adapter and (retain_kv or kv_sink is not None):
+            raise ValueError("KV export (PD) is not served for requests under a LoRA adapter")
         req = self._new_request(request, list(request.prompt_token_ids))
         req.retain_kv = retain_kv
         req.kv_sink = kv_sink
@@ -288,13 +305,15 @@ class TorchEngine:
     def has_work(self) -> bool:
         """Also lets the engine's background work go when there is none (``_idle``): the
         TE asks once a load is done and after every step."""
-        if self._running or self._waiting:
+        if self._running or self._waiting or self._dropped:
             return True
         self._idle.set()
         return False
 
     def step(self) -> Sequence[EngineOutput]:
         outputs = self._stepper.step() if self._stepper is not None else self._step_inline()
+        if self._dropped:
+            outputs, self._dropped = [*self._dropped, *outputs], []
         self.has_work()  # idle now, if this step finished the last request
         return outputs
 
@@ -365,6 +384,8 @@ class TorchEngine:
         self._requests.clear()
         self._retained.clear()
         self._idle.set()  # a store still waiting finishes: the next load maps it
+        self._lora = None
+        self.runner.lora = None
         self.prefix_cache.clear()
         self._final_events = self.prefix_cache.drain_events()
         del self.runner, self.cache, self.weights, self.prefix_cache
@@ -381,10 +402,11 @@ class TorchEngine:
             return events
         return self.prefix_cache.drain_events()
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
+    def block_hashes(self, token_ids: Sequence[int], adapter: str = "") -> list[int]:
         """The chained hashes of the full blocks of ``token_ids`` at this engine's block size
-        (what a router matches against the KV events)."""
-        return chain_hashes(token_ids, self._sched.block_size)
+        (what a router matches against the KV events), computed under ``adapter`` (its own
+        chain: ``block_hash.adapter_root``) or the base model."""
+        return chain_hashes(token_ids, self._sched.block_size, adapter_root(adapter))
 
     def pin_prefix(self, cache_id: str, token_ids: Sequence[int]) -> int:
         """Keep the cached prefix of ``token_ids`` in device memory under ``cache_id`` (for
@@ -414,7 +436,11 @@ class TorchEngine:
     ) -> KvExport:
         """The KV a request has computed so far, from ``first_token`` on (the importer holds
         the rest): a running request, or a finished one added with ``retain_kv``;
-        ``release`` drops a retained one's KV afterwards."""
+        ``release`` drops a retained one's KV afterwards. Not for a request under a LoRA
+        adapter (ValueError)."""
+        req = self._requests.get(request_id)
+        if req is not None and req.adapter:
+            raise ValueError("KV export (PD) is not served for requests under a LoRA adapter")
         return self._kv_moves.export(request_id, release=release, first_token=first_token)
 
     @property
@@ -434,9 +460,48 @@ class TorchEngine:
         """Queue ``request`` to continue where ``export`` (from this model, on any instance)
         left off: its KV is copied in when the request is admitted, and decoding goes on from
         the export's last token, counting the tokens generated before it toward max_tokens.
-        The KV may come at another block size or dtype. Raises ValueError for another model or
-        a request that does not match the export."""
+        The KV may come at another block size or dtype. Raises ValueError for another model, a
+        request that does not match the export, or one under a LoRA adapter."""
+        if request.adapter:
+            raise ValueError("KV import (PD) is not served for requests under a LoRA adapter")
         self._enqueue(self._kv_moves.import_(export, request))
+
+    # --- LoRA adapters (engine-specific: lora.py) ------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the peft LoRA adapter in directory ``path`` as ``name``: read now into host
+        memory (a bad adapter fails here: ValueError, or OSError), put into a device slot when
+        a request under it is scheduled. Idempotent. A name this engine served with other
+        weights is refused: KV cached under the name would be reused."""
+        self._lora_on().register(name, path)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving ``name`` (False: it was not loaded); ValueError while a request that
+        runs or waits uses it. Its KV blocks age out of the prefix cache."""
+        lora = self._lora_on()
+        if any(r.adapter == name for r in self._requests.values()):
+            raise ValueError(f"adapter {name!r} is in use by queued or running requests")
+        return lora.unregister(name)
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        """A pinned adapter keeps its device slot once it has one (at most ``max_adapters``
+        - 1 pinned)."""
+        self._lora_on().pin(name, pinned)
+
+    def adapters(self) -> list[str]:
+        """The adapters in device slots now."""
+        return self._lora_on().resident()
+
+    @property
+    def lora_stats(self) -> LoraStats | None:
+        """What reading and installing adapters cost so far (None: no LoRA)."""
+        return self._lora.stats if self._lora is not None else None
+
+    def _lora_on(self) -> LoraAdapters:
+        self._check_open()
+        if self._lora is None:
+            raise CapabilityError("this engine was built without LoRA (lora=None)")
+        return self._lora
 
     # --- one iteration, in three parts ----------------------------------------------------
     # step() = _schedule -> _forward -> _advance. Tests call the parts to read the logits of a
@@ -457,7 +522,10 @@ class TorchEngine:
         # Only the requests that could join are looked up: a long queue costs nothing.
         room = max(0, self._sched.max_num_seqs - len(self._running))
         bs = self._sched.block_size
-        waiting = [waiting_view(r, pc, bs) for r in itertools.islice(self._waiting, room)]
+        candidates = list(itertools.islice(self._waiting, room))
+        if self._lora is not None and len(self._lora):
+            candidates = self._with_adapter_slots(candidates)
+        waiting = [waiting_view(r, pc, bs) for r in candidates]
         decision = schedule(running, waiting, pc.num_free, self._sched)
         for rid in decision.preempt:  # newest first, so the oldest ends at the queue's front
             req = self._requests[rid]
@@ -492,6 +560,7 @@ class TorchEngine:
             block_size=self._sched.block_size,
             device=self.torch_device,
             sampled=[r.samples for r in scheduled],
+            adapter_slots=self._adapter_slots(scheduled),
         )
         hook = layer_hook(scheduled, self.cache, self.block_size, self.torch_device)
         return batch if hook is None else dataclasses.replace(batch, on_layer=hook)
@@ -526,7 +595,7 @@ class TorchEngine:
             if req.sampling.temperature != 0:
                 req.uniforms.pop(0)
             if self.prefix_cache.enabled:
-                extend_chain(req.block_hashes, req.token_ids, bs)
+                extend_chain(req.block_hashes, req.token_ids, bs, req.hash_root)
                 req.num_committed = self.prefix_cache.commit(
                     req.blocks, req.block_hashes, req.num_computed, req.num_committed
                 )
@@ -588,18 +657,25 @@ class TorchEngine:
         if rid in self._requests or rid in self._retained:
             raise ValueError(f"request {rid!r} is already queued")
         sampling.validate(request.sampling)
+        if request.adapter:
+            if self._lora is None:
+                raise ValueError("this engine serves no LoRA adapters")
+            if request.adapter not in self._lora:
+                raise ValueError(f"adapter {request.adapter!r} is not loaded")
         return Seq(
             request_id=rid,
             prompt_len=prompt_len,
             token_ids=token_ids,
             sampling=request.sampling,
             generator=sampling.make_generator(request.sampling.seed),
+            adapter=request.adapter,
+            hash_root=adapter_root(request.adapter),
         )
 
     def _enqueue(self, req: Seq) -> None:
         self._idle.clear()  # before anything else: a slice being stored finishes, no more
         if self.prefix_cache.enabled:
-            req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size)
+            req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size, req.hash_root)
         self._requests[req.request_id] = req
         if (paced := self._sched.pacing) is not None:
             req.due = time.monotonic() + paced.ttft_limit_s(req.prompt_len)
@@ -620,6 +696,49 @@ class TorchEngine:
             if pc.enabled:
                 self._cache_queries += req.prompt_len
                 self._cache_hits += req.num_computed
+
+    def _with_adapter_slots(self, candidates: list[Seq]) -> list[Seq]:
+        """The head of the queue that may join now as far as LoRA goes: each request's adapter
+        put into a device slot (evicting the least recently used one that no running or
+        earlier request uses), up to the first for which no slot is left, which waits (and
+        the queue behind it, as for blocks). A request whose adapter can no longer be read is
+        dropped, reported finished by the next step."""
+        assert self._lora is not None
+        busy = {r.adapter_slot for r in self._running if r.adapter}
+        for i, req in enumerate(candidates):
+            if not req.adapter:
+                continue
+            try:
+                slot = self._lora.acquire(req.adapter, busy)
+            except (OSError, ValueError):
+                self._drop_waiting(req)
+                return candidates[:i]
+            if slot is None:
+                return candidates[:i]
+            req.adapter_slot = slot
+            busy.add(slot)
+        return candidates
+
+    def _drop_waiting(self, req: Seq) -> None:
+        self._waiting.remove(req)
+        del self._requests[req.request_id]
+        self._release(req)
+        self._dropped.append(
+            EngineOutput(
+                request_id=req.request_id,
+                new_token_ids=[],
+                finished=True,
+                finish_reason="abort",
+                num_prompt_tokens=req.prompt_len,
+            )
+        )
+
+    def _adapter_slots(self, reqs: Sequence[Seq]) -> list[int] | None:
+        """Each request's adapter slot (-1: none), or None when none has an adapter."""
+        if self._lora is None or not len(self._lora):
+            return None
+        slots = [r.adapter_slot if r.adapter else -1 for r in reqs]
+        return slots if any(s >= 0 for s in slots) else None
 
     def _num_shared(self, req: Seq) -> int:
         return sum(self.prefix_cache.ref_count(b) > 1 for b in req.blocks)

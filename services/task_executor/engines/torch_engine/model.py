@@ -38,6 +38,11 @@ from services.task_executor.engines.torch_engine.cpu_kernels import (
 from services.task_executor.engines.torch_engine.cuda_graphs import DecodeGraphs
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.engines.torch_engine.linear import linear
+from services.task_executor.engines.torch_engine.lora import (
+    AdapterSlots,
+    LoraSelection,
+    batch_slots,
+)
 from services.task_executor.engines.torch_engine.rope import cos_sin_tables
 from services.task_executor.engines.torch_engine.weights import ModelWeights
 
@@ -72,6 +77,8 @@ class ForwardBatch:
     prefills: tuple[_Prefill, ...]
     # called with each layer's index once its K/V are in the cache (kv_stream.layer_hook)
     on_layer: Callable[[int], None] | None = None
+    # each token's LoRA adapter slot (lora.py); None when no request of the batch has one
+    lora: LoraSelection | None = None
 
 
 def to_device(
@@ -92,6 +99,7 @@ def build_batch(
     device: torch.device,
     input_ids: torch.Tensor | None = None,
     sampled: Sequence[bool] | None = None,
+    adapter_slots: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """Lay out an iteration's requests: decodes first (they attend as one batch), then
     prefills. Logits still come back in the order of ``chunks``: for each chunk, or, with
@@ -102,6 +110,9 @@ def build_batch(
     ``token_ids`` (only for single-token chunks, whose token ids are then ignored): a decode
     step can start from tokens sampled on the device without waiting for them on the host.
 
+    ``adapter_slots``: each chunk's LoRA adapter slot (-1: none), or None when no chunk has
+    one (then the forward computes no LoRA at all).
+
     Every integer the batch needs crosses to the device in one copy."""
     decode = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
@@ -110,6 +121,7 @@ def build_batch(
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    token_slots: list[int] = []  # each token's adapter slot, with adapter_slots
     last = [0] * len(chunks)
     # (q_start, q_len, start_pos, offset of its block table in `tail` or -1, table length)
     prefill_specs: list[tuple[int, int, int, int, int]] = []
@@ -124,6 +136,8 @@ def build_batch(
             ids.extend(c.token_ids)
         positions.extend(pos)
         slots.extend(c.block_table[p // block_size] * block_size + p % block_size for p in pos)
+        if adapter_slots is not None:
+            token_slots.extend([adapter_slots[i]] * n)
         last[i] = len(positions) - 1
 
     if sampled is not None:
@@ -140,10 +154,11 @@ def build_batch(
             prefill_specs[k] = (q_start, n, start_pos, len(tail), table_len)
             tail.extend(chunks[prefill[k]].block_table)
 
-    head = [ids, positions, slots, last]
+    used = batch_slots(adapter_slots) if adapter_slots is not None else ()
+    head = [ids, positions, slots, last, token_slots if used else []]
     n_head = sum(len(part) for part in head)
     flat = to_device([v for part in head for v in part] + tail, dtype=torch.long, device=device)
-    t_ids, t_pos, t_slots, t_last = flat[:n_head].split([len(part) for part in head])
+    t_ids, t_pos, t_slots, t_last, t_lora = flat[:n_head].split([len(part) for part in head])
     rest = flat[n_head:]
     d = len(decode)
     tables = ctx = mask = None
@@ -166,6 +181,7 @@ def build_batch(
         decode_lens=ctx,
         decode_mask=mask,
         prefills=prefills,
+        lora=LoraSelection(t_lora, used) if used else None,
     )
 
 
@@ -230,6 +246,9 @@ class Transformer:
             else None
         )
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+        # The LoRA adapters' device slots, set by an engine that serves adapters; only a
+        # batch with a LoRA selection reads them.
+        self.lora: AdapterSlots | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -252,19 +271,38 @@ class Transformer:
         if batch.decode_mask is not None and self.decode_kernel is None:
             decode_bias = additive_mask(batch.decode_mask, self.dtype)
 
+        # LoRA: each targeted matrix's output gets its tokens' adapters' deltas (lora.py),
+        # with the token mask built once here; without adapters in the batch, nothing.
+        lora = None
+        if batch.lora is not None:
+            assert self.lora is not None, "a LoRA batch for a runner without adapter slots"
+            lora = self.lora.plan(batch.lora)
+
         h = F.embedding(batch.input_ids, w.embed)
         delta = None  # the last MLP's output, added to h by the next norm
         for i, lw in enumerate(w.layers):
             x = self._add_norm(h, delta, lw.input_norm)
-            qkv = linear(x, lw.qkv, lw.qkv_bias).view(n_tokens, n_heads + 2 * n_kv, hd)
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
+            qkv = qkv.view(n_tokens, n_heads + 2 * n_kv, hd)
             q, k = rotate(qkv[:, : n_heads + n_kv])
             q, k, v = q[:, :n_heads], k[:, n_heads:], qkv[:, n_heads + n_kv :]
             cache.write(i, batch.slots, k, v)
             if batch.on_layer is not None:
                 batch.on_layer(i)
             attn = self._attention(i, batch, cache, q, k, v, decode_bias)
-            x = self._add_norm(h, linear(attn, lw.o), lw.post_norm)
-            delta = linear(self._silu_mul(linear(x, lw.gate_up)), lw.down)
+            o = linear(attn, lw.o)
+            if lora is not None:
+                lora.add(i, "o", attn, o)
+            x = self._add_norm(h, o, lw.post_norm)
+            gate_up = linear(x, lw.gate_up)
+            if lora is not None:
+                lora.add(i, "gate_up", x, gate_up)
+            act = self._silu_mul(gate_up)
+            delta = linear(act, lw.down)
+            if lora is not None:
+                lora.add(i, "down", act, delta)
         last = batch.logits_indices
         h = self._add_norm(h[last], None if delta is None else delta[last], w.norm)
         return linear(h, w.lm_head).float()

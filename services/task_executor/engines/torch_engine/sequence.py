@@ -40,6 +40,9 @@ class Seq:
     uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
     first_token_at: float | None = None  # monotonic seconds its first output token came out
     due: float = math.inf  # monotonic seconds its first token is due (its TTFT target)
+    adapter: str = ""  # the LoRA adapter it runs under ("": the base model)
+    adapter_slot: int = -1  # that adapter's device slot while it runs (lora.py)
+    hash_root: int = 0  # the root of its block hashes (block_hash.adapter_root)
 
     @property
     def num_output(self) -> int:

@@ -188,7 +188,13 @@ class OverlappedStepper:
             chunks.append(SeqChunk((0,), pos, r.blocks))
         device = engine.torch_device
         placeholder = torch.empty(0, dtype=torch.long)
-        meta = build_batch(chunks, block_size=bs, device=device, input_ids=placeholder)
+        meta = build_batch(
+            chunks,
+            block_size=bs,
+            device=device,
+            input_ids=placeholder,
+            adapter_slots=engine._adapter_slots(going_on),  # held: running requests' slots
+        )
         offsets = list(itertools.accumulate((n for _, n in sources), initial=0))
         picks = [offsets[src] + row for src, row in map(where.__getitem__, going_on)]
         pick = None
