@@ -28,7 +28,8 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # The CPU build first, from its own index: PyPI's torch for Linux is a multi-GB CUDA build.
 RUN pip install --no-deps --index-url "$TORCH_INDEX" "torch==2.13.0"
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+# The project's dependencies and its `train` extra (LoRA fine-tuning on the TEs).
+RUN python -c 'import tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["train"]))' \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && pip check \

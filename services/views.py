@@ -55,6 +55,8 @@ class TEView:
     role: TaskMode = TaskMode.COLOCATED  # what it serves its model as (prefill: prompts only)
     kv_address: str = ""  # a prefill TE's KV server, where decode TEs pull
     kv_import: bool = False  # its engine continues requests from imported KV (a decode side)
+    lora: bool = False  # its engine serves requests under LoRA adapters
+    adapters: frozenset[str] = frozenset()  # the adapters it holds loaded
 
     @property
     def load(self) -> int:
@@ -91,4 +93,6 @@ def te_view(hb: TEHeartbeat) -> TEView:
         role=hb.role,
         kv_address=hb.kv_address,
         kv_import=hb.engine_capabilities is not None and hb.engine_capabilities.kv_import,
+        lora=hb.engine_capabilities is not None and hb.engine_capabilities.lora,
+        adapters=frozenset(hb.adapters),
     )

@@ -54,6 +54,9 @@ ACCESS: Mapping[str, Access] = {
     # the JE places tasks, a frontend cancels its own
     "te_task": Access(publish=("job_executor", "frontend"), subscribe=("task_executor",)),
     "task_progress": Access(publish=("task_executor",), subscribe=("job_executor",)),
+    "te_train": Access(publish=("job_executor",), subscribe=("task_executor",)),
+    "train_progress": Access(publish=("task_executor",), subscribe=("job_executor",)),
+    "ft_submit": Access(publish=("frontend",), subscribe=("job_executor",)),
     "te_control": Access(publish=("scaler",), subscribe=("task_executor",)),
     # tokens from TEs, JobTaken and JobHeld notices from JEs, to the frontend that owns the request
     "token_stream": Access(publish=("task_executor", "job_executor"), subscribe=("frontend",)),

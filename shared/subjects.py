@@ -30,6 +30,14 @@ from shared.messages.scaling import (
     UnloadModel,
 )
 from shared.messages.tasks import CancelTask, ChatTask, TaskAccepted, TaskProgress, TokenChunk
+from shared.messages.training import (
+    CancelTraining,
+    FineTuneSubmitted,
+    TrainAccepted,
+    TrainDone,
+    TrainProgress,
+    TrainTask,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +69,35 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "job executor, frontend (cancel)",
         "one TE",
         "Place a task on a TE, or cancel one.",
+    ),
+    "te_train": SubjectSpec(
+        "{cluster}.te.{te_id}.train",
+        "request/reply",
+        (TrainTask, CancelTraining),
+        (TrainAccepted, ErrorReply),
+        "job executor",
+        "one TE",
+        "Run a stage of a fine-tuning job on an idle TE (it trains instead of serving until "
+        "the stage ends), or cancel one.",
+    ),
+    "train_progress": SubjectSpec(
+        "{cluster}.je.{je_id}.train",
+        "publish",
+        (TrainProgress, TrainDone),
+        (),
+        "TEs",
+        "the job executor that placed the stage",
+        "A fine-tuning stage's steps, epochs and checkpoints, and its end.",
+    ),
+    "ft_submit": SubjectSpec(
+        "{cluster}.ft.submit",
+        "publish",
+        (FineTuneSubmitted,),
+        (),
+        "frontend",
+        "job executors",
+        "A fine-tuning job was created or cancelled: job executors look at the active jobs "
+        "in Redis now rather than at their next scan.",
     ),
     "task_progress": SubjectSpec(
         "{cluster}.je.{je_id}.progress",
@@ -202,6 +239,15 @@ class Subjects:
     def te_task(self, te_id: str) -> str:
         return self._fill("te_task", te_id=te_id)
 
+    def te_train(self, te_id: str) -> str:
+        return self._fill("te_train", te_id=te_id)
+
+    def train_progress(self, je_id: str) -> str:
+        return self._fill("train_progress", je_id=je_id)
+
+    def ft_submit(self) -> str:
+        return self._fill("ft_submit")
+
     def task_progress(self, je_id: str) -> str:
         return self._fill("task_progress", je_id=je_id)
 
@@ -305,6 +351,26 @@ class Keys:
     def file_usage(self) -> str:
         """Hash: tenant -> the bytes of the files it keeps (its quota's use)."""
         return f"{self.cluster}:files:usage"
+
+    def ft_jobs(self) -> str:
+        """Hash: fine-tuning job id -> JSON ``shared.fine_tuning.FineTuneJob``."""
+        return f"{self.cluster}:ft:jobs"
+
+    def ft_active(self) -> str:
+        """Sorted set: the fine-tuning jobs not yet terminal, scored by creation time."""
+        return f"{self.cluster}:ft:active"
+
+    def ft_events(self, job_id: str) -> str:
+        """List: one fine-tuning job's events (JSON ``JobEvent``), oldest first."""
+        return f"{self.cluster}:ft:job:{job_id}:events"
+
+    def ft_checkpoints(self, job_id: str) -> str:
+        """List: one fine-tuning job's checkpoints (JSON ``JobCheckpoint``), oldest first."""
+        return f"{self.cluster}:ft:job:{job_id}:checkpoints"
+
+    def adapters(self) -> str:
+        """Hash: a fine-tuned model's name -> JSON ``shared.fine_tuning.Adapter``."""
+        return f"{self.cluster}:adapters"
 
     def tenants(self) -> str:
         """Hash: tenant name -> JSON ``shared.tenancy.Tenant`` (its models and limits)."""

@@ -30,6 +30,10 @@ class FilesAPI:
     def __init__(self, files: FileStore | None) -> None:
         self._files = files
 
+    @property
+    def store(self) -> FileStore | None:
+        return self._files
+
     def routes(self, app: web.Application) -> None:
         app.router.add_post(FILES_PATH, self.create)
         app.router.add_get(FILES_PATH, self.list)

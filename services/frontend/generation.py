@@ -260,13 +260,16 @@ class StreamRouter:
 @dataclasses.dataclass
 class Generation:
     request_id: str
-    model: str
+    model: str  # as the client named it (a fine-tuned model: the adapter's name)
     prompt_token_ids: list[int]
     sampling: SamplingParams
     settings: Settings
     router: StreamRouter
     jobs: JobExecutorClient
     tes: TaskExecutorClient
+    base_model: str = ""  # the model whose TEs serve it ("": ``model``)
+    adapter: str = ""  # a fine-tuned model: its LoRA adapter, and where its files are
+    adapter_path: str = ""
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -333,7 +336,7 @@ class Generation:
         placement = self.settings.job_executor.placement_timeout.total_seconds()
         job = ChatJob(
             request_id=self.request_id,
-            model=self.model,
+            model=self.base_model or self.model,
             prompt_token_ids=self.prompt_token_ids + self.generated,
             sampling=msgspec.structs.replace(
                 self.sampling, max_tokens=self.sampling.max_tokens - len(self.generated)
@@ -342,6 +345,8 @@ class Generation:
             deadline=time.time() + placement,
             attempt=attempt.attempt,
             exclude_te_ids=exclude,
+            adapter=self.adapter,
+            adapter_path=self.adapter_path,
         )
         submit = asyncio.create_task(self._offer(job, attempt))
         lost = asyncio.create_task(attempt.lost.wait())

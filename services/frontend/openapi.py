@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from services.frontend.fine_tuning import JobRequest
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{name}"
@@ -205,7 +206,7 @@ def _generation(summary: str, op_id: str, request: str, response: str) -> dict[s
 def document(max_body_bytes: int | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 description of the frontend's HTTP API."""
     _, requests = msgspec.json.schema_components(
-        (ChatCompletionRequest, CompletionRequest), ref_template=REF
+        (ChatCompletionRequest, CompletionRequest, JobRequest), ref_template=REF
     )
     limit = f" Bodies over {max_body_bytes} bytes get 413." if max_body_bytes else ""
     return {
@@ -251,6 +252,7 @@ def document(max_body_bytes: int | None = None) -> dict[str, Any]:
                 }
             },
             **_files(),
+            **_fine_tuning(),
             "/health": {
                 "get": {
                     "operationId": "health",
@@ -277,7 +279,7 @@ def document(max_body_bytes: int | None = None) -> dict[str, Any]:
             },
         },
         "components": {
-            "schemas": {**requests, **_RESPONSES},
+            "schemas": {**requests, **_RESPONSES, **_FINE_TUNING_RESPONSES},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
@@ -367,6 +369,156 @@ def _files() -> dict[str, Any]:
                 },
             }
         },
+    }
+
+
+_NUM = {"type": "number"}
+_NULL_INT = {"type": ["integer", "null"]}
+_AUTO_OR = {"anyOf": [{"const": "auto"}, _NUM]}
+
+
+def _list_of(item: str) -> dict[str, Any]:
+    return _obj(
+        ["object", "data", "has_more"],
+        object={"const": "list"},
+        data={"type": "array", "items": _ref(item)},
+        has_more={"type": "boolean"},
+        first_id=_STR,
+        last_id=_STR,
+    )
+
+
+_FINE_TUNING_RESPONSES: dict[str, Any] = {
+    "FineTuningJob": _obj(
+        ["id", "object", "created_at", "model", "status", "training_file", "hyperparameters"],
+        id=_STR,
+        object={"const": "fine_tuning.job"},
+        created_at=_INT,
+        model=_STR,
+        status={
+            "enum": ["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+        },
+        fine_tuned_model=_NULL_STR,
+        finished_at=_NULL_INT,
+        trained_tokens=_NULL_INT,
+        training_file=_STR,
+        validation_file=_NULL_STR,
+        organization_id=_STR,
+        seed=_INT,
+        suffix=_NULL_STR,
+        hyperparameters=_obj(
+            [], n_epochs=_AUTO_OR, batch_size=_AUTO_OR, learning_rate_multiplier=_AUTO_OR
+        ),
+        error={"anyOf": [{"type": "null"}, _obj(["code", "message"], code=_STR, message=_STR)]},
+        metadata={"type": ["object", "null"], "additionalProperties": _STR},
+    ),
+    "FineTuningJobList": _list_of("FineTuningJob"),
+    "FineTuningJobEvent": _obj(
+        ["id", "object", "created_at", "level", "message"],
+        id=_STR,
+        object={"const": "fine_tuning.job.event"},
+        created_at=_INT,
+        level={"enum": ["info", "warn", "error"]},
+        message=_STR,
+        type={"enum": ["message", "metrics"]},
+        data={"type": ["object", "null"]},
+    ),
+    "FineTuningJobEventList": _list_of("FineTuningJobEvent"),
+    "FineTuningJobCheckpoint": _obj(
+        ["id", "object", "created_at", "fine_tuning_job_id", "step_number", "metrics"],
+        id=_STR,
+        object={"const": "fine_tuning.job.checkpoint"},
+        created_at=_INT,
+        fine_tuned_model_checkpoint=_STR,
+        fine_tuning_job_id=_STR,
+        step_number=_INT,
+        metrics={"type": "object", "additionalProperties": _NUM},
+    ),
+    "FineTuningJobCheckpointList": _list_of("FineTuningJobCheckpoint"),
+}
+_JOB_ID = [{"name": "job_id", "in": "path", "required": True, "schema": _STR}]
+_PAGE = [
+    {"name": "after", "in": "query", "required": False, "schema": _STR},
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+    },
+]
+
+
+def _fine_tuning() -> dict[str, Any]:
+    """The fine-tuning API (``services/frontend/fine_tuning.py``): a tenant's own jobs only."""
+    bearer: list[dict[str, list[str]]] = [{"bearer": []}]
+
+    def get(op: str, summary: str, params: list[Any], schema: str, what: str) -> dict[str, Any]:
+        return {
+            "get": {
+                "operationId": op,
+                "summary": summary,
+                "security": bearer,
+                "parameters": params,
+                "responses": {"200": _json(what, schema), **_errors("400", "401", "404", "503")},
+            }
+        }
+
+    root = get(
+        "listFineTuningJobs",
+        "List the caller's fine-tuning jobs",
+        _PAGE,
+        "FineTuningJobList",
+        "The jobs, newest first.",
+    )
+    root["post"] = {
+        "operationId": "createFineTuningJob",
+        "summary": "Create a fine-tuning job (LoRA, supervised)",
+        "security": bearer,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref("JobRequest")}},
+        },
+        "responses": {
+            "200": _json("The job, validating its files.", "FineTuningJob"),
+            **_errors("400", "401", "404", "413", "503"),
+        },
+    }
+    cancel = {
+        "post": {
+            "operationId": "cancelFineTuningJob",
+            "summary": "Cancel a fine-tuning job",
+            "security": bearer,
+            "parameters": _JOB_ID,
+            "responses": {
+                "200": _json("The job, cancelled.", "FineTuningJob"),
+                **_errors("400", "401", "404", "503"),
+            },
+        }
+    }
+    return {
+        "/v1/fine_tuning/jobs": root,
+        "/v1/fine_tuning/jobs/{job_id}": get(
+            "retrieveFineTuningJob",
+            "Describe a fine-tuning job",
+            _JOB_ID,
+            "FineTuningJob",
+            "The job.",
+        ),
+        "/v1/fine_tuning/jobs/{job_id}/cancel": cancel,
+        "/v1/fine_tuning/jobs/{job_id}/events": get(
+            "listFineTuningEvents",
+            "A job's events",
+            _JOB_ID + _PAGE,
+            "FineTuningJobEventList",
+            "The events, newest first.",
+        ),
+        "/v1/fine_tuning/jobs/{job_id}/checkpoints": get(
+            "listFineTuningCheckpoints",
+            "A job's checkpoints (one per epoch)",
+            _JOB_ID + _PAGE,
+            "FineTuningJobCheckpointList",
+            "The checkpoints, newest first.",
+        ),
     }
 
 

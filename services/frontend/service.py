@@ -24,11 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.frontend import responses as R
 from services.frontend.accounting import LeaseEnds, on_scale_event
+from services.frontend.adapters import AdapterCatalog, is_fine_tuned
 from services.frontend.admin import AdminAPI
 from services.frontend.answer import Answerer
 from services.frontend.auth import Authenticator, Principal, principal_of
 from services.frontend.catalog import ModelCatalog
 from services.frontend.files import FilesAPI
+from services.frontend.fine_tuning import FineTuningAPI
 from services.frontend.generation import Generation, StreamRouter
 from services.frontend.liveness import Liveness
 from services.frontend.middleware import MAX_BODY, auth_middleware, errors_middleware
@@ -54,6 +56,7 @@ from shared.clients import (
 )
 from shared.errors import BadRequest, MeshserveError, NotFound, PayloadTooLarge, Unavailable
 from shared.file_store import FileStore
+from shared.fine_tuning import Adapter, FineTuneStore
 from shared.logging import get_logger
 from shared.messages.auth import KeyRevoked
 from shared.messages.cluster import FEHeartbeat, MemberDown
@@ -93,6 +96,16 @@ class Frontend:
             )
             if store is not None
             else None
+        )
+        ft_store = FineTuneStore(store, settings.cluster) if store is not None else None
+        self._adapters = AdapterCatalog(ft_store)
+        self._fine_tuning = FineTuningAPI(
+            ft_store,
+            self._files.store,
+            model=self._model,
+            read_body=self._body,
+            bus=bus,
+            subjects=self._subjects,
         )
         self.frontend_id = f"fe-{uuid.uuid4().hex[:8]}"
         self._life = Lifecycle("frontend")
@@ -137,6 +150,7 @@ class Frontend:
         app[MAX_BODY] = limit
         self._admin.routes(app)
         self._files.routes(app)
+        self._fine_tuning.routes(app)
         app[OPENAPI] = R.json_body(openapi_document(limit))
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
@@ -309,10 +323,18 @@ class Frontend:
             "max_model_len": m.max_context,
         }
 
+    def _adapter_obj(self, a: Adapter) -> dict[str, Any]:
+        base = self._model_obj(self._catalog.get(a.base))
+        return {**base, "id": a.name, "created": a.created, "owned_by": a.tenant, "parent": a.base}
+
     async def list_models(self, request: web.Request) -> web.Response:
         principal = principal_of(request)
         models = [m for m in self._catalog.models() if principal.may_use(m.id)]
-        return web.json_response({"object": "list", "data": [self._model_obj(m) for m in models]})
+        data = [self._model_obj(m) for m in models]
+        served = {m.id for m in models}
+        adapters = await self._adapters.owned(principal.tenant, admin=principal.admin)
+        data += [self._adapter_obj(a) for a in adapters if a.base in served]
+        return web.json_response({"object": "list", "data": data})
 
     def _model(self, request: web.Request, model: str) -> Any:
         """The model's info, if it exists and the caller may use it; the same 404 if not."""
@@ -333,12 +355,24 @@ class Frontend:
             raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
         return body
 
+    async def _served(self, request: web.Request, model: str) -> tuple[Any, Adapter | None]:
+        """The base model's info and, for a fine-tuned model, its adapter; the same 404 for
+        a model that does not exist, one the caller may not use, another tenant's."""
+        if not is_fine_tuned(model):
+            return self._model(request, model), None
+        principal = principal_of(request)
+        adapter = await self._adapters.get(model, principal.tenant, admin=principal.admin)
+        return self._model(request, adapter.base), adapter
+
     async def get_model(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model_obj(self._model(request, request.match_info["model"])))
+        info, adapter = await self._served(request, request.match_info["model"])
+        if adapter is not None:
+            return web.json_response(self._adapter_obj(adapter))
+        return web.json_response(self._model_obj(info))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat_request(await self._body(request))
-        info = self._model(request, req.model)
+        info, adapter = await self._served(request, req.model)
         tok = await self._catalog.tokenizer(info)
         messages = req.template_messages()
         check_text_size(
@@ -353,11 +387,11 @@ class Frontend:
             raise BadRequest(
                 f"The messages do not fit the model's chat template: {e}", param="messages"
             ) from e
-        return await self._generate(request, req, info, tok, prompt, chat=True)
+        return await self._generate(request, req, info, tok, prompt, chat=True, adapter=adapter)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion_request(await self._body(request))
-        info = self._model(request, req.model)
+        info, adapter = await self._served(request, req.model)
         tok = await self._catalog.tokenizer(info)
         p = req.prompt_input()
         if isinstance(p, str):
@@ -370,7 +404,7 @@ class Frontend:
             raise BadRequest(
                 f"Token ids must be below the vocabulary size {vocab}.", param="prompt"
             )
-        return await self._generate(request, req, info, tok, prompt, chat=False)
+        return await self._generate(request, req, info, tok, prompt, chat=False, adapter=adapter)
 
     # -- generation ----------------------------------------------------------------------
 
@@ -383,6 +417,7 @@ class Frontend:
         prompt: list[int],
         *,
         chat: bool,
+        adapter: Adapter | None,
     ) -> web.StreamResponse:
         principal = principal_of(request)
         sampling = check_sizes(
@@ -415,6 +450,9 @@ class Frontend:
                 gen = Generation(
                     request_id=rid,
                     model=req.model,
+                    base_model=info.id,
+                    adapter=adapter.name if adapter is not None else "",
+                    adapter_path=adapter.path if adapter is not None else "",
                     prompt_token_ids=prompt,
                     sampling=sampling,
                     settings=self._settings,

@@ -39,7 +39,7 @@ _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    req = _decode(_chat_decoder, body)
+    req = decode_json(_chat_decoder, body)
     _check_common(req)
     _check_messages(req)
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
@@ -60,7 +60,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
-    req = _decode(_completion_decoder, body)
+    req = decode_json(_completion_decoder, body)
     _check_common(req)
     _check_prompt(req.prompt)
     _check_max_tokens(req.max_tokens, "max_tokens")
@@ -141,7 +141,7 @@ def check_text_size(chars: int, max_context: int, param: str) -> None:
         )
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes):
+def decode_json(decoder: msgspec.json.Decoder, body: bytes):
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:  # a subclass of DecodeError, so it goes first

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from services.job_executor.prompt_index import ModelIndex, PromptIndex
-from shared.block_hash import chain_hashes
+from shared.block_hash import adapter_root, chain_hashes
 from shared.bus import Bus
 from shared.kv_index_store import KvIndexStore
 from shared.logging import get_logger
@@ -139,8 +139,10 @@ class IndexFeed:
         index = self.index.get(model)
         return index.block_size if index is not None else self._fallback_block_size
 
-    def prompt_hashes(self, model: str, token_ids: Sequence[int]) -> list[int]:
-        return chain_hashes(token_ids, self.block_size(model))
+    def prompt_hashes(self, model: str, token_ids: Sequence[int], adapter: str = "") -> list[int]:
+        """The prompt's block hashes as its TEs' caches key them: under a LoRA adapter, a
+        chain of its own (``adapter_root``)."""
+        return chain_hashes(token_ids, self.block_size(model), root=adapter_root(adapter))
 
     def cached_tokens(
         self, model: str, hashes: Sequence[int], te_ids: Sequence[str]

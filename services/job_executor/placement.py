@@ -33,6 +33,7 @@ class Request:
     prompt_tokens: int = 0
     cached_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)  # per TE
     spread: int = 0  # a number of its own, for ties (round-robin: the JE's counter)
+    adapter: str = ""  # a fine-tuned model's LoRA adapter ("": the base model)
 
 
 NO_REQUEST = Request()
@@ -41,6 +42,9 @@ NO_REQUEST = Request()
 # What one decoding sequence weighs against queued prompt tokens: it takes a batch slot
 # and a token of every iteration until it ends.
 DECODE_COST_TOKENS = 32
+# What loading a request's LoRA adapter weighs, for a TE that does not hold it yet: tens of
+# milliseconds, about a short prompt's prefill.
+ADAPTER_LOAD_TOKENS = 256
 
 
 def te_load(te: TEView, unreported: Mapping[str, JobShare]) -> int:
@@ -62,7 +66,10 @@ def pick_te(
     ready = [
         te
         for te in tes
-        if te.model == model and te.state == TEState.READY and te.te_id not in exclude
+        if te.model == model
+        and te.state == TEState.READY
+        and te.te_id not in exclude
+        and (te.lora or not request.adapter)
     ]
     if not ready:
         loading = any(te.model == model and te.state == TEState.LOADING for te in tes)
@@ -70,7 +77,8 @@ def pick_te(
     candidates = [
         Candidate(
             te.te_id,
-            te_load(te, unreported),
+            te_load(te, unreported)
+            + (ADAPTER_LOAD_TOKENS if request.adapter not in te.adapters | {""} else 0),
             request.cached_tokens.get(te.te_id, 0),
         )
         for te in ready

@@ -15,9 +15,10 @@ from collections.abc import Collection
 import msgspec
 
 from shared.messages.tasks import KvSource, TaskMode
+from shared.messages.training import TrainStage
 from shared.task_graphs import GraphTask, TaskGraph, TaskState
 
-CHAT = "chat"
+CHAT, FINE_TUNE = "chat", "fine_tune"
 GENERATE, PREFILL, DECODE = "generate", "prefill", "decode"  # a chat graph's task names
 # States in which a task may be running on its TE (a placing one: its answer is not known).
 MAY_RUN = (TaskState.PLACING, TaskState.PLACED)
@@ -45,6 +46,29 @@ def plan_chat(
     return TaskGraph(
         graph_id=graph_id, kind=CHAT, model=model, deadline=deadline, prompt=prompt, tasks=tasks
     )
+
+
+def plan_fine_tune(*, job_id: str, model: str, deadline: float) -> TaskGraph:
+    """A fine-tuning job: preprocess (read the files with the model's tokenizer, resolve the
+    ``auto`` hyperparameters) → train (a checkpoint per epoch) → evaluate (the adapter's
+    losses; publish it). Each task runs on an idle TE; the names are the stages'."""
+    preprocess, train, evaluate = (str(s) for s in TrainStage)
+    tasks = [
+        GraphTask(name=preprocess, kind=preprocess),
+        GraphTask(name=train, kind=train, after=(preprocess,)),
+        GraphTask(name=evaluate, kind=evaluate, after=(train,)),
+    ]
+    return TaskGraph(graph_id=job_id, kind=FINE_TUNE, model=model, deadline=deadline, tasks=tasks)
+
+
+def resumed(graph: TaskGraph) -> tuple[TaskGraph, tuple[GraphTask, ...]]:
+    """A fine-tuning graph taken over from a dead job executor: the tasks that may still run
+    on their TE are to be cancelled there, and run again (training from its last checkpoint):
+    the graph with them planned again, and them."""
+    stray = tuple(t for t in graph.tasks if t.state in MAY_RUN)
+    for task in stray:
+        graph = with_task(graph, task.name, state=TaskState.PLANNED, te_id="")
+    return graph, stray
 
 
 def durable(graph: TaskGraph) -> bool:

@@ -24,6 +24,7 @@ from services.job_executor.disaggregation import (
     pd_config,
     prefill_instances,
 )
+from services.job_executor.fine_tuning import FineTuneRunner
 from services.job_executor.graph_keeper import GraphKeeper, Resumed, Running
 from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
@@ -131,6 +132,19 @@ class JobExecutor:
             cancel=self._cancel_graph_task,
         )
 
+        self._fine_tuning = FineTuneRunner(
+            settings=settings.fine_tuning,
+            cluster=settings.cluster,
+            files_dir=settings.files.directory(settings.cluster),
+            heartbeat_s=membership.heartbeat_interval.total_seconds(),
+            bus=bus,
+            subjects=self._subjects,
+            store=store,
+            keeper=self._keeper,
+            je_id=self.je_id,
+            view=lambda: self._view.view,
+        )
+
     def _heartbeat(self) -> JEHeartbeat:
         return JEHeartbeat(
             je_id=self.je_id,
@@ -165,6 +179,7 @@ class JobExecutor:
         )
         self._hb.start(self._life)
         self._keeper.start(self._life)
+        await self._fine_tuning.start(self._life)
         self._life.spawn(self._reporter(), name="traffic reporter")
         try:
             await self._life.wait()
@@ -173,6 +188,7 @@ class JobExecutor:
                 sub.close(), self._settings.membership.shutdown_grace.total_seconds()
             )
         finally:
+            await self._fine_tuning.stop()
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)
             await self._keeper.leave()
@@ -223,7 +239,7 @@ class JobExecutor:
             if job.attempt > 0
             else None
         )
-        hashes = self._feed.prompt_hashes(job.model, job.prompt_token_ids)
+        hashes = self._feed.prompt_hashes(job.model, job.prompt_token_ids, adapter=job.adapter)
         self._round_robin += 1
         spread = spread_of(self._routing, self._round_robin, job.request_id)
         try:
@@ -254,6 +270,7 @@ class JobExecutor:
                         job.model, hashes, candidates + [te.te_id for te in prefill_tes]
                     ),
                     spread=spread,
+                    adapter=job.adapter,
                 )
                 step = next_step(
                     pending,
@@ -278,6 +295,8 @@ class JobExecutor:
                     )
                     if resumed is not None:
                         pd = PdDecision(resumed.source.te_id, "continued from a lost JE's prefill")
+                    elif job.adapter:  # KV under an adapter is not handed between TEs
+                        pd = PdDecision(None, "a LoRA adapter's request runs colocated")
                     else:
                         pd = decide(
                             self._pd,
@@ -452,6 +471,8 @@ class JobExecutor:
             je_id=self.je_id,
             mode=mode or (TaskMode.DECODE if source else TaskMode.COLOCATED),
             kv_source=source,
+            adapter=job.adapter,
+            adapter_path=job.adapter_path,
         )
 
     async def _place_graph(

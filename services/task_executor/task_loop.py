@@ -117,6 +117,7 @@ class TaskLoop:
         self._subjects = subjects
         self._control = control
         self._thread = thread
+        self._adapter_paths: dict[str, str] = {}  # LoRA adapters requests named: their files
         self._kv = kv
         self._step_lock = step_lock  # held while an iteration runs; an unload waits for it
         self._streams: dict[str, _Stream] = {}  # by attempt key
@@ -205,6 +206,12 @@ class TaskLoop:
             raise Refused(f"TE {self._te_id} serves {task.model} as {control.role}")
         if task.mode == TaskMode.DECODE and task.kv_source is None:
             raise BadRequest("a decode task names no prefill TE to pull its KV from")
+        if task.adapter and (control.features.lora is None or task.mode != TaskMode.COLOCATED):
+            raise BadRequest(
+                f"the {engine.name} engine of TE {self._te_id} cannot run a {task.mode} task "
+                "under a LoRA adapter",
+                code="unsupported_adapter",
+            )
         n = len(task.prompt_token_ids)
         if n == 0:
             raise BadRequest("the prompt is empty", param="messages")
@@ -239,7 +246,11 @@ class TaskLoop:
             mode=task.mode,
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
-        request = EngineRequest(stream.engine_id, task.prompt_token_ids, task.sampling)
+        request = EngineRequest(
+            stream.engine_id, task.prompt_token_ids, task.sampling, adapter=task.adapter
+        )
+        if task.adapter:
+            self._adapter_paths[task.adapter] = task.adapter_path
         if task.mode == TaskMode.PREFILL and (exporter := control.features.kv_export):
             stream.prompt = task.prompt_token_ids
             stream.outbox = self.prefill.offer(stream.key, exporter, n)
@@ -380,14 +391,20 @@ class TaskLoop:
             if stream is None:
                 continue  # cancelled before it started
             try:
+                if req.adapter and features.lora is not None:
+                    # Loaded the first time a request names it (then kept, LRU, by the engine).
+                    path = self._adapter_paths.get(req.adapter, "")
+                    await self._thread.run(features.lora.load_adapter, req.adapter, path)
                 if isinstance(add, _Import) and features.kv_import is not None:
                     features.kv_import.import_kv(add.export, req)
                 elif isinstance(add, _Prefill) and features.kv_export is not None:
                     features.kv_export.add_request(req, retain_kv=True, kv_sink=add.outbox)
                 else:
                     engine.add_request(req)
-            except ValueError as e:  # a prompt this engine can never serve
+            except ValueError as e:  # a prompt (or an adapter) this engine can never serve
                 await self._finish(stream, BadRequest(str(e), param="messages"))
+            except OSError as e:  # the adapter's files are not readable here
+                await self._finish(stream, Internal(f"LoRA adapter {req.adapter}: {e}"))
 
     async def _emit(self, outputs: Sequence[EngineOutput]) -> None:
         if outputs:

@@ -23,6 +23,7 @@ from services.task_executor.host_cache_watch import HostCacheWatch
 from services.task_executor.kv_publisher import KvEventPublisher
 from services.task_executor.model_control import EngineFactory, ModelControl
 from services.task_executor.task_loop import TaskLoop
+from services.task_executor.training.runner import TrainingRunner
 from services.views import queued_prompt_tokens
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
@@ -31,6 +32,7 @@ from shared.logging import get_logger
 from shared.messages.cluster import MemberDown, TEHeartbeat, TEState
 from shared.messages.scaling import ControlAck, Drain, LoadModel, PreloadModel, UnloadModel
 from shared.messages.tasks import CancelTask, ChatTask, TaskMode
+from shared.messages.training import CancelTraining, TrainTask
 from shared.runner import Lifecycle, run_service
 from shared.settings import Settings
 from shared.store import Store
@@ -106,6 +108,15 @@ class TaskExecutor:
             step_lock=step_lock,
             settings=settings,
         )
+        self.training = TrainingRunner(
+            te_id=te_id,
+            bus=bus,
+            control=self.control,
+            thread=self._thread,
+            life=self._life,
+            changed=self._hb.beat_now,
+            settings=settings.fine_tuning,
+        )
         self.ready = asyncio.Event()  # set once the TE listens for tasks and commands
 
     @property
@@ -148,6 +159,7 @@ class TaskExecutor:
             role=control.role,
             kv_address=tasks.prefill.address if control.role == TaskMode.PREFILL else "",
             kv_lease_ends=dict(tasks.prefill.ends),
+            training=self.training.current,
         )
         if (engine := control.engine) is not None:
             st = engine.stats()
@@ -164,6 +176,8 @@ class TaskExecutor:
             hb.queued_prompt_tokens = queued_prompt_tokens(shares)
             hb.shares = {je: share for je, share in shares.items() if je}
             hb.placements = tasks.placements
+            if (lora := control.features.lora) is not None:
+                hb.adapters = lora.adapters()
         return hb
 
     async def run(self) -> None:
@@ -181,6 +195,10 @@ class TaskExecutor:
                 UnloadModel: control.on_unload,
                 Drain: self._on_drain,
             },
+        )
+        await self._bus.subscribe(
+            self._subjects.te_train(self.te_id),
+            {TrainTask: self.training.on_task, CancelTraining: self.training.on_cancel},
         )
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: tasks.on_member_down})
         if self._prewarm is not None:  # a load queued meanwhile waits its turn

@@ -21,6 +21,9 @@ class ChatJob(Message):
     deadline: float  # unix seconds by which the job must be placed
     attempt: int = 0  # >0 when the frontend resubmits after its TE died
     exclude_te_ids: list[str] = msgspec.field(default_factory=list)
+    # A fine-tuned model: the LoRA adapter of ``model`` it runs under, and its directory.
+    adapter: str = ""
+    adapter_path: str = ""
 
     @property
     def key(self) -> str:

@@ -59,6 +59,10 @@ class ChatTask(Message):
     je_id: str = ""
     # A decode task: where its prompt's KV comes from (None: any other mode).
     kv_source: KvSource | None = None
+    # A fine-tuned model: the LoRA adapter it runs under (the TE loads it on first use from
+    # ``adapter_path``), "": the base model.
+    adapter: str = ""
+    adapter_path: str = ""
 
     @property
     def key(self) -> str:

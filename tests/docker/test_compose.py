@@ -101,6 +101,34 @@ def test_killed_task_executor_restarts_and_loses_no_request(compose: Compose) ->
     assert _greedy(compose, 400) == reference
 
 
+def test_fine_tuning_through_compose(compose: Compose) -> None:
+    """Files on the cache volume the frontend writes and the TEs read; a job trained on the
+    idle TE; the adapter served by the demo model's TE."""
+    client = _client(compose)
+    line = (
+        '{"messages": [{"role": "user", "content": "Hi"}, '
+        '{"role": "assistant", "content": "Hello"}]}\n'
+    )
+    f = client.files.create(file=("t.jsonl", (line * 4).encode()), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="demo", training_file=f.id, hyperparameters={"n_epochs": 1, "batch_size": 4}
+    )
+    deadline = time.monotonic() + 300
+    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in (
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
+        assert time.monotonic() < deadline, job
+        time.sleep(1)
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model in {m.id for m in client.models.list()}
+    r = client.chat.completions.create(
+        model=job.fine_tuned_model, messages=PROMPT, max_tokens=8, temperature=0
+    )
+    assert r.usage is not None and r.usage.completion_tokens > 0
+
+
 ANONYMOUS = """
 import asyncio, nats, redis
 async def anonymous_nats():

@@ -68,6 +68,12 @@ OPERATIONS = [
     "GET /v1/files/{file_id}",
     "DELETE /v1/files/{file_id}",
     "GET /v1/files/{file_id}/content",
+    "POST /v1/fine_tuning/jobs",
+    "GET /v1/fine_tuning/jobs",
+    "GET /v1/fine_tuning/jobs/{job_id}",
+    "POST /v1/fine_tuning/jobs/{job_id}/cancel",
+    "GET /v1/fine_tuning/jobs/{job_id}/events",
+    "GET /v1/fine_tuning/jobs/{job_id}/checkpoints",
     "GET /health",
     "GET /metrics",
 ]

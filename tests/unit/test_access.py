@@ -26,6 +26,7 @@ def test_roles_get_only_their_own_subjects():
     assert "c1.cm.heartbeat" in te["publish"]["allow"]
     assert set(te["subscribe"]["allow"]) == {
         "c1.te.*.task",
+        "c1.te.*.train",
         "c1.te.*.control",
         "c1.cm.view",
         "c1.cm.member_down",

@@ -41,6 +41,11 @@ def test_document_is_openapi_31_with_every_route():
         "/v1/files",
         "/v1/files/{file_id}",
         "/v1/files/{file_id}/content",
+        "/v1/fine_tuning/jobs",
+        "/v1/fine_tuning/jobs/{job_id}",
+        "/v1/fine_tuning/jobs/{job_id}/cancel",
+        "/v1/fine_tuning/jobs/{job_id}/events",
+        "/v1/fine_tuning/jobs/{job_id}/checkpoints",
         "/health",
         "/metrics",
     }
