@@ -78,7 +78,8 @@ PD_FALLBACKS = Counter(
 
 def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
     """A request ended (however): its metrics, and its outcome for the scaler. ``t0``: when
-    its job was first submitted (monotonic)."""
+    its job was first submitted (monotonic). Metrics name the model as the client did (a
+    fine-tuned model by its own name); the outcome counts for the model whose TEs ran it."""
     n = len(gen.generated)
     ttft = None if gen.first_token_at is None else gen.first_token_at - t0
     tpot = None
@@ -107,7 +108,7 @@ def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int,
             KV_TRANSFER_BYTES.labels(model, kv.transport).inc(kv.bytes)
             KV_TRANSFER_SECONDS.labels(model, kv.transport).observe(kv.seconds)
     met = outcomes.record(
-        model,
+        gen.base_model or model,  # the scaler sizes the base model's fleet (adapters share it)
         ok=gen.finish_reason is not None,
         prompt_tokens=prompt_tokens,
         output_tokens=n,

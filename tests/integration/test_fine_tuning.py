@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
@@ -50,6 +51,12 @@ def jsonl(pairs: list[tuple[str, str]]) -> bytes:
 
 TRAIN = jsonl([(QUESTION, ANSWER)] * 6 + [("Say hi.", "Hi."), ("Count to three.", "One, two.")])
 VALID = jsonl([(QUESTION, ANSWER)])
+
+
+def _shared(a: str, b: str) -> str:
+    """The characters ``a`` and ``b`` begin with alike."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return a[:n]
 
 
 async def until_status(
@@ -208,10 +215,13 @@ async def test_a_fine_tuning_job_with_the_official_client(
         tuned = await ask(name)
         # Toward the trained answer (exact tokens past its start depend on the CPU's float
         # arithmetic, in training and in the engine).
-        moved = os.path.commonprefix([tuned, ANSWER])
+        moved = _shared(tuned, ANSWER)
         assert len(moved) >= len("The zorblax is"), (tuned, base_answer)
-        assert len(os.path.commonprefix([base_answer, ANSWER])) < len(moved)
+        assert len(_shared(base_answer, ANSWER)) < len(moved)
         assert await ask("demo") == base_answer  # the base model is unchanged beside it
+        async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
+            metrics = await r.text()
+        assert f'meshserve_generated_tokens_total{{model="{name}"}}' in metrics  # its own name
         await bus_client.until(lambda v: any(name in t.adapters for t in v.tes), 10)
 
         # Cancelled: the job ends cancelled and nothing is served (te-train trains it).
