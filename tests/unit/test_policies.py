@@ -4,7 +4,7 @@ import dataclasses
 
 from services.cluster_manager.membership import expired, identity
 from services.job_executor.holding import GiveUp, Hold, PendingJob, PlaceOn, next_step
-from services.job_executor.placement import pick_te
+from services.job_executor.placement import Request, pick_te
 from services.views import TEView, te_view
 from shared.messages.cluster import JobShare, TEHeartbeat, TEState
 
@@ -55,6 +55,23 @@ class TestPickTE:
     def test_skips_excluded_loading_and_draining(self):
         tes = [te("a"), te("b", state=TEState.DRAINING), te("c", state=TEState.LOADING)]
         assert pick_te("m", tes, {}, exclude={"a"}).te_id is None
+
+    def test_an_adapter_goes_to_a_lora_te_preferring_one_that_holds_it(self):
+        def lora(te_id, running=0, adapters=()):
+            return dataclasses.replace(
+                te(te_id, running=running), lora=True, adapters=frozenset(adapters)
+            )
+
+        plain, holder, other = te("a"), lora("b", running=2, adapters={"x"}), lora("c")
+        ask = Request(prompt_tokens=16, adapter="x")
+        # Only engines that serve adapters; the one holding it though 2 decodes (64) busier.
+        assert pick_te("m", [plain, holder, other], {}, request=ask).te_id == "b"
+        # Much busier than loading the adapter elsewhere costs: the other LoRA TE.
+        busy = dataclasses.replace(holder, queued_prompt_tokens=400)
+        assert pick_te("m", [plain, busy, other], {}, request=ask).te_id == "c"
+        # No LoRA TE at all: none (the job is held), and the base model goes anywhere.
+        assert pick_te("m", [plain], {}, request=ask).te_id is None
+        assert pick_te("m", [plain, holder], {}, request=Request(prompt_tokens=16)).te_id == "a"
 
     def test_asks_for_scale_up_only_when_nothing_is_loading(self):
         assert pick_te("m", [te("x", state=TEState.IDLE, model=None)], {}).scale_up
