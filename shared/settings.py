@@ -595,6 +595,11 @@ class LoraSettings(Section):
         description="The largest LoRA rank served (a larger adapter is refused at load). "
         "Device memory grows with the largest rank loaded, not with this.",
     )
+    pinned: list[str] = Field(
+        default_factory=list,
+        description='Adapters (fine-tuned model names) a TE keeps in a device slot once a '
+        'request has loaded them, as JSON: ["ft:demo:mine:abc"]; at most max_adapters - 1.',
+    )
 
 
 class HostCacheSettings(Section):

@@ -21,6 +21,7 @@ import msgspec
 from services.task_executor.disaggregation import PrefillSide, prefill_request, pull_prompt
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
+from services.task_executor.engines.capabilities import LoraServing
 from services.task_executor.engines.process import EngineProcessDied
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from services.task_executor.kv_publisher import KvEventPublisher
@@ -392,9 +393,7 @@ class TaskLoop:
                 continue  # cancelled before it started
             try:
                 if req.adapter and features.lora is not None:
-                    # Loaded the first time a request names it (then kept, LRU, by the engine).
-                    path = self._adapter_paths.get(req.adapter, "")
-                    await self._thread.run(features.lora.load_adapter, req.adapter, path)
+                    await self._load_adapter(features.lora, req.adapter)
                 if isinstance(add, _Import) and features.kv_import is not None:
                     features.kv_import.import_kv(add.export, req)
                 elif isinstance(add, _Prefill) and features.kv_export is not None:
@@ -405,6 +404,17 @@ class TaskLoop:
                 await self._finish(stream, BadRequest(str(e), param="messages"))
             except OSError as e:  # the adapter's files are not readable here
                 await self._finish(stream, Internal(f"LoRA adapter {req.adapter}: {e}"))
+
+    async def _load_adapter(self, lora: LoraServing, name: str) -> None:
+        """Loaded the first time a request names it, then kept (LRU) by the engine; pinned
+        in a device slot if the settings say so (a pin the engine refuses is logged: the
+        request still runs)."""
+        await self._thread.run(lora.load_adapter, name, self._adapter_paths.get(name, ""))
+        if name in self._settings.lora.pinned:
+            try:
+                await self._thread.run(lora.pin_adapter, name, True)
+            except ValueError as e:
+                log.warning("adapter not pinned", adapter=name, error=str(e))
 
     async def _emit(self, outputs: Sequence[EngineOutput]) -> None:
         if outputs:
