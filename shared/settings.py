@@ -572,21 +572,22 @@ class TorchEngineSettings(Section):
 
 
 class LoraSettings(Section):
-    """LoRA adapters served by the torch engine, many in one batch."""
+    """LoRA adapters (fine-tuned models) served beside their base model, many in one batch:
+    by the torch engine, and by vLLM engines with MESHSERVE_VLLM_LORA."""
 
     env_prefix = "LORA_"
 
     max_adapters: int = Field(
         default=8,
         ge=0,
-        description="Adapters a torch engine holds on its device at once, the most one batch "
+        description="Adapters an engine holds on its device at once, the most one batch "
         "mixes (least recently used out, never one a running request uses); 0: the engine "
         "serves no adapters.",
     )
     max_host_adapters: int = Field(
         default=32,
         ge=1,
-        description="Adapters a torch engine keeps read in host memory, so one back on the "
+        description="Adapters an engine keeps read in host memory, so one back on the "
         "device after an eviction is copied, not read from its files again.",
     )
     max_rank: int = Field(
@@ -597,7 +598,7 @@ class LoraSettings(Section):
     )
     pinned: list[str] = Field(
         default_factory=list,
-        description='Adapters (fine-tuned model names) a TE keeps in a device slot once a '
+        description="Adapters (fine-tuned model names) a TE keeps in a device slot once a "
         'request has loaded them, as JSON: ["ft:demo:mine:abc"]; at most max_adapters - 1.',
     )
 
@@ -693,6 +694,13 @@ class VLLMSettings(Section):
     )
     enforce_eager: bool = Field(
         default=False, description="No torch.compile or CUDA graphs: starts faster, runs slower."
+    )
+    lora: bool = Field(
+        default=False,
+        description="vLLM engines serve LoRA adapters with vLLM's own support (how many and "
+        "which rank: MESHSERVE_LORA_*). Off by default: on CPU vLLM's LoRA turns off its "
+        "torch.compile, slowing every request, and vLLM 0.32's CPU kernels cannot mix base and "
+        "adapter requests in one batch (the engine then runs them apart).",
     )
 
 

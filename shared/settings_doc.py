@@ -50,7 +50,7 @@ SECTIONS: dict[str | None, tuple[str, str]] = {
     "torch": ("Torch engine", "meshserve's own engine: prefill, KV tiers, kernels, CUDA graphs."),
     "lora": (
         "LoRA serving",
-        "Adapters the torch engine serves beside its base model: device slots, host copies, rank.",
+        "Adapters served beside their base model: device slots, host copies, rank, pins.",
     ),
     "host_cache": (
         "Host weight cache",

@@ -233,8 +233,8 @@ def vllm_engine_args(settings: Settings) -> dict[str, Any]:
         "kv_cache_bytes": settings.task_executor.kv_cache_bytes,
         "enable_prefix_caching": settings.task_executor.prefix_caching,
         "enforce_eager": settings.vllm.enforce_eager,
-        # LoRA with vLLM's own multi-LoRA support (0 adapters: off).
-        "max_adapters": settings.lora.max_adapters,
+        # LoRA with vLLM's own multi-LoRA support (0 adapters: off), when asked for.
+        "max_adapters": settings.lora.max_adapters if settings.vllm.lora else 0,
         "max_host_adapters": settings.lora.max_host_adapters,
         "max_adapter_rank": settings.lora.max_rank,
     }

@@ -90,7 +90,37 @@ class Close(msgspec.Struct, tag=True):
     """Close the engine; the reply carries the events closing produced, then the child exits."""
 
 
-Call = Build | AddRequest | Abort | Step | DrainKvEvents | Close
+class LoadAdapter(msgspec.Struct, tag=True, kw_only=True):
+    """``LoraServing.load_adapter``: serve the peft adapter in directory ``path`` as ``name``."""
+
+    name: str
+    path: str
+
+
+class UnloadAdapter(msgspec.Struct, tag=True, kw_only=True):
+    """``LoraServing.unload_adapter``; answered with ``Unloaded``."""
+
+    name: str
+
+
+class PinAdapter(msgspec.Struct, tag=True, kw_only=True):
+    """``LoraServing.pin_adapter``."""
+
+    name: str
+    pinned: bool
+
+
+Call = (
+    Build
+    | AddRequest
+    | Abort
+    | Step
+    | DrainKvEvents
+    | Close
+    | LoadAdapter
+    | UnloadAdapter
+    | PinAdapter
+)
 
 
 # --- results (child -> TE) --------------------------------------------------------------------
@@ -117,6 +147,10 @@ class Outputs(msgspec.Struct, tag=True, kw_only=True):
 
 class Events(msgspec.Struct, tag=True, kw_only=True):
     events: list[KvEvent]
+
+
+class Unloaded(msgspec.Struct, tag=True, kw_only=True):
+    found: bool  # whether the adapter was loaded
 
 
 # Exceptions the TE tells apart (a refused prompt is a ValueError: the client's error) are
@@ -164,15 +198,17 @@ class Failed(msgspec.Struct, tag=True, kw_only=True):
         return e
 
 
-Result = Built | Done | Outputs | Events | Failed
+Result = Built | Done | Outputs | Events | Unloaded | Failed
 
 
 class Reply(msgspec.Struct, kw_only=True):
-    """Every reply also carries the engine's load after the call, which the parent mirrors."""
+    """Every reply also carries the engine's load after the call, and the LoRA adapters it
+    holds (where it serves them), which the parent mirrors."""
 
     result: Result
     stats: EngineStats
     has_work: bool
+    adapters: list[str] = msgspec.field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()

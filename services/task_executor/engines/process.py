@@ -11,14 +11,17 @@ another venv's interpreter, which runs with the repository on its ``PYTHONPATH``
 Every call is one request/reply on the pipe, made by one thread at a time (the TE calls the
 engine under its step lock, or from its engine thread). Calls and replies are msgspec Structs
 encoded with msgpack (``pipe.py``), never pickle: the child's capabilities, requests, outputs
-and KV events cross as the same typed values the engine uses in-process. ``has_work()`` and
-``stats()`` answer from what the child sent with its last reply, without a round trip: the
-heartbeat reads them from the event loop while a step may be running, and must not wait.
+and KV events cross as the same typed values the engine uses in-process. ``has_work()``,
+``stats()`` and ``adapters()`` answer from what the child sent with its last reply, without a
+round trip: the heartbeat reads them from the event loop while a step may be running, and
+must not wait.
 
-What crosses the pipe bounds what the engine can do from here: generating and KV events.
-The other capabilities (KV export and import, pinning, the host tier, weights handed over as
-tensors, prefill pacing) need tensors or calls the pipe does not carry, so the parent does not
-claim them even where the child's engine has them.
+What crosses the pipe bounds what the engine can do from here: generating, KV events and
+LoRA adapters (``LoraServing``: loaded, unloaded and pinned by name and path; a request names
+its adapter in ``EngineRequest.adapter``). The other capabilities (KV export and import,
+pinning, the host tier, weights handed over as tensors, prefill pacing) need tensors or calls
+the pipe does not carry, so the parent does not claim them even where the child's engine has
+them.
 
 The child exits when the parent closes the engine, or when the pipe breaks (the TE died);
 a child that dies makes the next call raise ``EngineProcessDied``, which the TE treats as
@@ -49,7 +52,12 @@ from services.task_executor.engines.base import (
     EngineStats,
     PrefillBudget,
 )
-from services.task_executor.engines.capabilities import KvEventSource, bind_features
+from services.task_executor.engines.capabilities import (
+    CapabilityError,
+    KvEventSource,
+    LoraServing,
+    bind_features,
+)
 from services.task_executor.engines.pipe import (
     Abort,
     AddRequest,
@@ -62,10 +70,14 @@ from services.task_executor.engines.pipe import (
     Events,
     FactorySpec,
     Failed,
+    LoadAdapter,
     Outputs,
+    PinAdapter,
     Reply,
     Result,
     Step,
+    UnloadAdapter,
+    Unloaded,
     decode_call,
     decode_reply,
     encode,
@@ -124,6 +136,7 @@ class ProcessEngine:
         self._closed = False
         self._stats = IDLE_STATS
         self._has_work = False
+        self._adapters: list[str] = []
         self._final_events: list[KvEvent] = []  # what closing the engine said, kept for drain
         try:
             built = self._call(Build(factory=spec), Built)
@@ -169,6 +182,21 @@ class ProcessEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    # --- LoraServing (used only where the child's engine declares lora) -------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self._call(LoadAdapter(name=name, path=path), Done, lora=True)
+
+    def unload_adapter(self, name: str) -> bool:
+        return self._call(UnloadAdapter(name=name), Unloaded, lora=True).found
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        self._call(PinAdapter(name=name, pinned=pinned), Done, lora=True)
+
+    def adapters(self) -> list[str]:
+        """As of the child's last reply."""
+        return list(self._adapters)
+
     # --- KvEventSource (used only where the child's engine declares kv_events) ----------
 
     def drain_kv_events(self) -> list[KvEvent]:
@@ -192,9 +220,11 @@ class ProcessEngine:
 
     # --- the pipe ----------------------------------------------------------------------
 
-    def _call(self, call: Call, expect: type[_R]) -> _R:
+    def _call(self, call: Call, expect: type[_R], *, lora: bool = False) -> _R:
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if lora and not self.capabilities.lora:
+            raise CapabilityError(f"the {self.name} engine serves no LoRA adapters")
         with self._lock:
             try:
                 self._conn.send_bytes(encode(call))
@@ -204,7 +234,7 @@ class ProcessEngine:
                 raise EngineProcessDied(
                     f"the engine process exited (code {self._proc.poll()})"
                 ) from e
-        self._stats, self._has_work = reply.stats, reply.has_work
+        self._stats, self._has_work, self._adapters = reply.stats, reply.has_work, reply.adapters
         result = reply.result
         if isinstance(result, Failed):
             raise result.exception()
@@ -230,6 +260,7 @@ class _Child:
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.kv: KvEventSource | None = None
+        self.lora: LoraServing | None = None
         self.closed = False
         self._handlers: dict[type[Call], Callable[..., Result]] = {
             Build: self._build,
@@ -238,6 +269,9 @@ class _Child:
             Step: self._step,
             DrainKvEvents: self._drain,
             Close: self._close,
+            LoadAdapter: self._load_adapter,
+            UnloadAdapter: self._unload_adapter,
+            PinAdapter: self._pin_adapter,
         }
 
     def handle(self, call: Call) -> Result:
@@ -253,7 +287,8 @@ class _Child:
         if self.engine is not None:
             raise RuntimeError("the engine is built already")
         self.engine = engine = call.factory.build()
-        self.kv = bind_features(engine).kv_events
+        features = bind_features(engine)
+        self.kv, self.lora = features.kv_events, features.lora
         return Built(
             name=engine.name,
             device=engine.device,
@@ -274,6 +309,22 @@ class _Child:
     def _step(self, _: Step) -> Outputs:
         return Outputs(outputs=list(self._built().step()))
 
+    def _lora(self) -> LoraServing:
+        if self.lora is None:
+            raise CapabilityError(f"the {self._built().name} engine serves no LoRA adapters")
+        return self.lora
+
+    def _load_adapter(self, call: LoadAdapter) -> Done:
+        self._lora().load_adapter(call.name, call.path)
+        return Done()
+
+    def _unload_adapter(self, call: UnloadAdapter) -> Unloaded:
+        return Unloaded(found=self._lora().unload_adapter(call.name))
+
+    def _pin_adapter(self, call: PinAdapter) -> Done:
+        self._lora().pin_adapter(call.name, call.pinned)
+        return Done()
+
     def _drain(self, _: DrainKvEvents | None = None) -> Events:
         return Events(events=self.kv.drain_kv_events() if self.kv is not None else [])
 
@@ -282,13 +333,14 @@ class _Child:
         self.closed = True
         return self._drain()  # what closing produced (a cache cleared)
 
-    def state(self) -> tuple[EngineStats, bool]:
+    def state(self) -> tuple[EngineStats, bool, list[str]]:
         if self.engine is None or self.closed:
-            return IDLE_STATS, False
+            return IDLE_STATS, False, []
         try:
-            return self.engine.stats(), self.engine.has_work()
+            adapters = self.lora.adapters() if self.lora is not None else []
+            return self.engine.stats(), self.engine.has_work(), adapters
         except Exception:  # an engine that failed half-way: the call's own error says why
-            return IDLE_STATS, False
+            return IDLE_STATS, False, []
 
 
 def _serve(conn: multiprocessing.connection.Connection) -> None:
@@ -307,9 +359,10 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
             result: Result = child.handle(decode_call(data))
         except Exception as e:  # sent to the parent, raised there
             result = Failed.of(e)
-        stats, has_work = child.state()
+        stats, has_work, adapters = child.state()
+        reply = Reply(result=result, stats=stats, has_work=has_work, adapters=adapters)
         try:
-            conn.send_bytes(encode(Reply(result=result, stats=stats, has_work=has_work)))
+            conn.send_bytes(encode(reply))
         except (EOFError, OSError):
             break
         if child.closed or child.engine is None:
