@@ -284,7 +284,7 @@ class FineTuneRunner:
                     "invalid_training_file" if stage == TrainStage.PREPROCESS else "training_failed"
                 )
                 raise JobFailed(code, outcome.error)
-            reason = outcome.error if isinstance(outcome, TrainDone) else outcome
+            reason = outcome.error if isinstance(outcome, TrainDone) else str(outcome)
             graph = with_task(
                 run.graph, task.name, state=TaskState.PLANNED, te_id="", reason=reason
             )
@@ -347,15 +347,15 @@ class FineTuneRunner:
         return job
 
     async def _idle_te(self, job: FineTuneJob, refused: frozenset[str]) -> str:
-        """Waits for an idle TE (the job stays queued meanwhile); refusals are forgotten
-        once every idle TE has refused."""
+        """Waits for an idle TE that has not refused the stage (the job stays queued
+        meanwhile); once every idle TE has refused, they are asked again after a pause."""
         while True:
             await self._current(job.id)
-            tes = self._view().tes
-            te_id = training_te(tes, job.model, refused) or training_te(tes, job.model, frozenset())
+            te_id = training_te(self._view().tes, job.model, refused)
             if te_id is not None:
                 return te_id
             await asyncio.sleep(POLL_S)
+            refused = frozenset()
 
     def _train_task(self, job: FineTuneJob, stage: TrainStage, attempt: int) -> TrainTask:
         model = next((m for m in self._view().models if m.id == job.model), None)

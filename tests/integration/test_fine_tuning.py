@@ -22,9 +22,11 @@ from services.cluster_manager.service import ClusterManager
 from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from services.task_executor.worker import TaskExecutor
+from shared.errors import Refused
 from shared.fine_tuning import FineTuneStore
 from shared.messages.cluster import TEState
 from shared.messages.scaling import LoadModel
+from shared.messages.training import TrainTask
 from shared.store import Store
 from shared.tenancy import TenantStore
 from tests.integration.services import BusClient, Running, fast_settings, wait_health
@@ -97,9 +99,21 @@ async def test_a_fine_tuning_job_with_the_official_client(
         await run.start(lambda bus: ClusterManager(settings=settings, bus=bus, store=stores[0]))
         await run.start(lambda bus: Frontend(settings=settings, bus=bus, store=stores[1]))
         await run.start(lambda bus: JobExecutor(settings=settings, bus=bus, store=stores[2]))
-        await run.start(
+        trainer: TaskExecutor = await run.start(
             lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-train", pool_id="p")
         )
+        # Its first stage is refused (a TE the view showed idle that took other work
+        # meanwhile): the job executor asks again, the job goes on.
+        refused: list[str] = []
+        take = trainer.training.on_task
+
+        async def refuse_once(task: TrainTask) -> object:
+            if not refused:
+                refused.append(task.stage)
+                return Refused("busy for a moment").to_reply()
+            return await take(task)
+
+        trainer.training.on_task = refuse_once  # type: ignore[method-assign]
         bus_client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await bus_client.started.wait()
         base = f"http://127.0.0.1:{settings.frontend.http_port}"
@@ -158,6 +172,7 @@ async def test_a_fine_tuning_job_with_the_official_client(
         done, seen = await until_status(acme, job.id, {"succeeded", "failed", "cancelled"})
         assert done.status == "succeeded", (done.error, seen)
         assert seen[-1] == "succeeded" and "running" in seen
+        assert refused == ["preprocess"]
         name = f"ft:demo:zorblax:{job.id.removeprefix('ftjob-')}"
         assert done.fine_tuned_model == name and done.finished_at
         assert done.hyperparameters.n_epochs == EPOCHS and done.trained_tokens
