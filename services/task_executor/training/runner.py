@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.model_control import ModelControl
-from services.task_executor.training.stages import run_stage
+from services.task_executor.training.stages import run_stage, stage_done
 from shared.bus import Bus
 from shared.errors import Refused
 from shared.logging import get_logger
@@ -21,7 +21,6 @@ from shared.messages.cluster import TEState
 from shared.messages.training import (
     CancelTraining,
     TrainAccepted,
-    TrainDone,
     TrainProgress,
     TrainTask,
 )
@@ -91,11 +90,9 @@ class TrainingRunner:
             )
         except Exception as e:  # a bug or the device: the job may run it again elsewhere
             log.exception("training stage crashed", job=task.job_id, stage=task.stage)
-            done = TrainDone(
-                te_id=self._te_id,
-                job_id=task.job_id,
-                attempt=task.attempt,
-                stage=task.stage,
+            done = stage_done(
+                task,
+                self._te_id,
                 ok=False,
                 retryable=True,
                 error=f"{task.stage} crashed: {type(e).__name__}: {e}",

@@ -51,7 +51,8 @@ def auto_params(asked: TrainParams, examples: int) -> TrainParams:
     )
 
 
-def _done(task: TrainTask, te_id: str, **fields: Any) -> TrainDone:
+def stage_done(task: TrainTask, te_id: str, **fields: Any) -> TrainDone:
+    """The stage's end, as its TE reports it."""
     return TrainDone(
         te_id=te_id, job_id=task.job_id, attempt=task.attempt, stage=task.stage, **fields
     )
@@ -102,7 +103,7 @@ def run_stage(
             )
         return _evaluate(task, te_id, max_tokens)
     except (ValueError, KeyError, OSError) as e:  # the data, the template, the files
-        return _done(task, te_id, ok=False, error=f"{task.stage} failed: {e}")
+        return stage_done(task, te_id, ok=False, error=f"{task.stage} failed: {e}")
 
 
 def _tokenizer(model_path: str) -> Any:
@@ -117,11 +118,11 @@ def _preprocess(task: TrainTask, te_id: str, report: Report, max_tokens: int) ->
     if task.validation_file:
         read_examples(Path(task.validation_file), tok, max_tokens)
     if not train:
-        return _done(task, te_id, ok=False, error="the training file holds no example")
+        return stage_done(task, te_id, ok=False, error="the training file holds no example")
     params = auto_params(task.params, len(train))
     tokens = sum(len(e.input_ids) for e in train)
     report(_progress(task, te_id, params=params, examples=len(train), tokens=tokens))
-    return _done(task, te_id, ok=True)
+    return stage_done(task, te_id, ok=True)
 
 
 def _train(
@@ -170,8 +171,8 @@ def _train(
         should_stop=should_stop,
     )
     if trained.epochs < p.n_epochs:
-        return _done(task, te_id, ok=False, cancelled=True, steps=trained.steps)
-    return _done(task, te_id, ok=True, checkpoint=str(trained.checkpoint), steps=trained.steps)
+        return stage_done(task, te_id, ok=False, cancelled=True, steps=trained.steps)
+    return stage_done(task, te_id, ok=True, checkpoint=str(trained.checkpoint), steps=trained.steps)
 
 
 def _evaluate(task: TrainTask, te_id: str, max_tokens: int) -> TrainDone:
@@ -195,7 +196,7 @@ def _evaluate(task: TrainTask, te_id: str, max_tokens: int) -> TrainDone:
 
     train_loss, valid_loss = loss_of(task.training_file), loss_of(task.validation_file)
     publish_adapter(checkpoint, Path(task.adapter_dir))
-    return _done(task, te_id, ok=True, train_loss=train_loss, valid_loss=valid_loss)
+    return stage_done(task, te_id, ok=True, train_loss=train_loss, valid_loss=valid_loss)
 
 
 def publish_adapter(checkpoint: Path, target: Path) -> None:
