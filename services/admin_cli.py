@@ -8,6 +8,7 @@ file `meshserve up` wrote), so they work the same against a laptop cluster and a
     meshserve keys revoke KEY_ID
     meshserve tenants list
     meshserve tenants set T [--models a,b | --all-models] [--requests-per-minute N] ...
+    meshserve status [--watch SECONDS]            the cluster: models, node pools, TEs
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
-COMMANDS = ("keys", "tenants")
+COMMANDS = ("keys", "tenants", "status")
 LIMIT_FLAGS = (
     "requests_per_minute",
     "tokens_per_minute",
@@ -50,7 +53,15 @@ def add_commands(sub: Any) -> None:
     which.add_argument("--all-models", action="store_true", help="every model (the default)")
     for flag in LIMIT_FLAGS:
         tset.add_argument(f"--{flag.replace('_', '-')}", type=int, metavar="N")
-    for p in (*ks.choices.values(), *ts.choices.values()):
+    status = sub.add_parser(
+        "status",
+        help="the cluster as tables: each model's readiness, the node pools and their TEs "
+        "(GET /admin/status)",
+    )
+    status.add_argument(
+        "--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
+    )
+    for p in (*ks.choices.values(), *ts.choices.values(), status):
         p.add_argument("--url", help="the frontend (default http://127.0.0.1:MESHSERVE_HTTP_PORT)")
 
 
@@ -84,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     def call(method: str, path: str, body: Any = None) -> Any:
         return _call(base, key, method, path, body)
 
+    if args.command == "status":
+        return _status(lambda: call("GET", "/admin/status"), args.watch)
     if args.command == "keys" and args.action == "create":
         made = call("POST", "/admin/keys", {"tenant": args.tenant, "name": args.name})
         print(f"created {made['id']} for tenant {made['tenant']}", file=sys.stderr)
@@ -114,6 +127,55 @@ def run(args: argparse.Namespace) -> int:
         got = call("PUT", f"/admin/tenants/{args.tenant}", {"models": models, "limits": limits})
         print(json.dumps(got))
     return 0
+
+
+def status_tables(body: dict[str, Any]) -> None:
+    """``GET /admin/status`` as tables: models, then each node pool's TEs."""
+    print(
+        f"cluster {body['cluster']} (view {body['version']}), "
+        f"{len(body['job_executors'])} job executors, {len(body['frontends'])} frontends"
+    )
+    print()
+    _table(
+        ("model", "state", "ready", "loading"),
+        [
+            (m["id"], m["state"], m["ready_instances"], m["loading_instances"])
+            for m in body["models"]
+        ],
+    )
+    for pool in body["pools"]:
+        print(f"\npool {pool['id']} on {', '.join(pool['hosts'])}")
+        _table(
+            ("te", "state", "model", "role", "engine", "device", "running", "waiting", "kv"),
+            [
+                (
+                    te["id"],
+                    te["state"] + (f" ({te['training']})" if te["training"] else ""),
+                    te["model"] or "-",
+                    te["role"],
+                    te["engine"] or "-",
+                    te["device"] or "-",
+                    te["running"],
+                    te["waiting"],
+                    "-" if te["kv_used"] is None else f"{te['kv_used']:.0%}",
+                )
+                for te in pool["tes"]
+            ],
+        )
+
+
+def _status(fetch: Callable[[], Any], watch: float | None) -> int:
+    try:
+        while True:
+            body = fetch()
+            if watch:
+                print("\033[2J\033[H", end="")  # clear the terminal, cursor home
+            status_tables(body)
+            if not watch:
+                return 0
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _table(head: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:

@@ -94,6 +94,10 @@ _RESPONSES: dict[str, Any] = {
         created=_INT,
         owned_by=_STR,
         max_model_len=_INT,
+        parent=_STR,  # a fine-tuned model: its base model
+        state={"enum": ["ready", "loading", "at_zero"]},
+        ready_instances=_INT,
+        loading_instances=_INT,
     ),
     "ModelList": _obj(
         ["object", "data"], object={"const": "list"}, data={"type": "array", "items": _ref("Model")}

@@ -38,6 +38,8 @@ from services.frontend.openai_types import ChatCompletionRequest, CompletionRequ
 from services.frontend.openapi import document as openapi_document
 from services.frontend.outcomes import Outcomes
 from services.frontend.rate_limits import Lease, Limiter, check_sizes
+from services.frontend.status import model_state
+from services.frontend.status import status as cluster_status
 from services.frontend.streaming import StallGuard, raise_open_files_limit
 from services.frontend.validation import (
     check_text_size,
@@ -157,6 +159,7 @@ class Frontend:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/admin/status", self.status)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
         return app
@@ -306,6 +309,11 @@ class Frontend:
         }
         return web.json_response(body, status=200 if ok else 503)
 
+    async def status(self, request: web.Request) -> web.Response:
+        """The cluster for an operator (``status.py``): the admin's, when auth is on."""
+        principal_of(request).require_admin()
+        return web.json_response(cluster_status(self._view.view, time.time()))
+
     async def metrics(self, request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest())
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
@@ -321,6 +329,8 @@ class Frontend:
             "created": m.created,
             "owned_by": m.owned_by,
             "max_model_len": m.max_context,
+            # whether an instance serves it now, one is loading, or it is at zero
+            **model_state(m.id, self._view.view.tes).fields(),
         }
 
     def _adapter_obj(self, a: Adapter) -> dict[str, Any]:

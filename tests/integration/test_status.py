@@ -1,0 +1,64 @@
+"""Readiness per model and the operator's status on a real cluster: `GET /v1/models/{id}` says
+the model is at zero, then ready once a TE serves it; `GET /admin/status` and
+`meshserve status` show the TE, its pool and the model it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.task_executor.worker import TaskExecutor
+from shared.messages.cluster import TEState
+from shared.messages.scaling import LoadModel
+from tests.integration.services import BusClient, control_plane, fast_settings, wait_health
+
+pytestmark = [pytest.mark.nats, pytest.mark.redis]
+
+
+async def test_readiness_and_the_status_command(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    (tmp_path / "demo").symlink_to(demo_model_dir)
+    settings = fast_settings(cluster, nats_url, redis_url, tmp_path)
+    base = f"http://127.0.0.1:{settings.frontend.http_port}"
+    async with control_plane(settings, nats_url, redis_url) as run:
+        bus_client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
+        await bus_client.started.wait()
+        await run.start(
+            lambda bus: TaskExecutor(settings=settings, bus=bus, te_id="te-s1", pool_id="pool-s")
+        )
+        await wait_health(base, lambda body: len(body.get("task_executors", [])) == 1)
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        demo = await client.models.retrieve("demo")
+        assert demo.model_extra["state"] == "at_zero"
+        assert demo.model_extra["ready_instances"] == 0
+
+        ack = await bus_client.tes.control(
+            "te-s1", LoadModel(model="demo", path=str(tmp_path / "demo"))
+        )
+        assert ack.ok, ack
+        await bus_client.until(lambda v: any(t.state == TEState.READY for t in v.tes), 60)
+        await asyncio.sleep(0.3)  # the frontend's view catches up
+        demo = await client.models.retrieve("demo")
+        assert (demo.model_extra["state"], demo.model_extra["ready_instances"]) == ("ready", 1)
+        listed = {m.id: m.model_extra["state"] for m in (await client.models.list()).data}
+        assert listed == {"demo": "ready"}
+
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "services.cli", "status", "--url", base],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "pool pool-s" in out.stdout
+        te_line = next(line for line in out.stdout.splitlines() if line.startswith("te-s1"))
+        assert "ready" in te_line and "demo" in te_line and "torch" in te_line
+        model_line = next(line for line in out.stdout.splitlines() if line.startswith("demo"))
+        assert model_line.split()[:3] == ["demo", "ready", "1"]
