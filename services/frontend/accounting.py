@@ -1,7 +1,7 @@
 """What the frontend counts for the cluster's metrics (it serves them, at ``/metrics``): each
-request as it ends (its first token, its tokens, whether it was held for capacity, how it
-was routed, whether it met the SLO, which also goes to the scaler's ``Outcomes``), where its
-time to first token went, and each scale event the scaler announces."""
+request as it ends (vLLM's families, ``request_metrics``; whether it was held for capacity,
+how it was routed, whether it met the SLO, which also goes to the scaler's ``Outcomes``),
+where its time to first token went, and each scale event the scaler announces."""
 
 from __future__ import annotations
 
@@ -9,18 +9,12 @@ import time
 
 from prometheus_client import Counter, Histogram
 
+from services.frontend import request_metrics
 from services.frontend.generation import Generation
 from services.frontend.outcomes import Outcomes
 from shared.messages.cluster import ClusterView
 from shared.messages.scaling import ScaleEvent
 
-TTFT = Histogram(
-    "meshserve_ttft_seconds",
-    "Time to first token",
-    ["model"],
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
-TOKENS = Counter("meshserve_generated_tokens", "Tokens generated", ["model"])
 SLO_MET = Counter(
     "meshserve_slo_requests", "Finished requests, by whether they met the SLO", ["model", "met"]
 )
@@ -81,13 +75,23 @@ def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int,
     its job was first submitted (monotonic). Metrics name the model as the client did (a
     fine-tuned model by its own name); the outcome counts for the model whose TEs ran it."""
     n = len(gen.generated)
+    request_metrics.observe(
+        model_name=gen.base_model or model,
+        adapter=gen.adapter,
+        tenant=gen.tenant,
+        prompt_tokens=prompt_tokens,
+        output_tokens=n,
+        finish_reason=gen.finish_reason,
+        submitted=t0,
+        accepted=gen.accepted_at,
+        first_token=gen.first_token_at,
+        last_token=gen.last_token_at,
+        ended=time.monotonic(),
+    )
     ttft = None if gen.first_token_at is None else gen.first_token_at - t0
     tpot = None
     if n > 1 and gen.first_token_at is not None and gen.last_token_at is not None:
         tpot = (gen.last_token_at - gen.first_token_at) / (n - 1)
-    if ttft is not None:
-        TTFT.labels(model).observe(ttft)
-    TOKENS.labels(model).inc(n)
     if gen.held_s is not None:
         HELD.labels(model).inc()
         HELD_WAIT.labels(model).observe(gen.held_s)

@@ -270,6 +270,7 @@ class Generation:
     base_model: str = ""  # the model whose TEs serve it ("": ``model``)
     adapter: str = ""  # a fine-tuned model: its LoRA adapter, and where its files are
     adapter_path: str = ""
+    tenant: str = ""  # whose request (the metrics' label)
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0

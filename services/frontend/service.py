@@ -463,6 +463,7 @@ class Frontend:
                     base_model=info.id,
                     adapter=adapter.name if adapter is not None else "",
                     adapter_path=adapter.path if adapter is not None else "",
+                    tenant=principal.tenant,
                     prompt_token_ids=prompt,
                     sampling=sampling,
                     settings=self._settings,

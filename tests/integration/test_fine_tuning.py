@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cluster_manager.service import ClusterManager
 from services.frontend.service import Frontend
@@ -236,7 +237,12 @@ async def test_a_fine_tuning_job_with_the_official_client(
         assert await ask("demo") == base_answer  # the base model is unchanged beside it
         async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
             metrics = await r.text()
-        assert f'meshserve_generated_tokens_total{{model="{name}"}}' in metrics  # its own name
+        own = {"model_name": "demo", "adapter": name, "tenant": "acme"}  # its own name
+        assert any(
+            sample.name == "meshserve:generation_tokens_total" and sample.labels == own
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+        )
         await bus_client.until(lambda v: any(name in t.adapters for t in v.tes), 10)
 
         # Cancelled: the job ends cancelled and nothing is served (te-train trains it).

@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.task_executor.worker import TaskExecutor
 from shared.messages.cluster import TEState
@@ -49,6 +51,22 @@ async def test_readiness_and_the_status_command(
         listed = {m.id: m.model_extra["state"] for m in (await client.models.list()).data}
         assert listed == {"demo": "ready"}
 
+        # One request, in vLLM's families (meshserve: prefix, model_name), as Prometheus reads
+        # it (the counts are this process's: other tests' requests are in them too).
+        before = await _demo_samples(base)
+        await client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        after = await _demo_samples(base)
+
+        def grew(name: str) -> float:
+            return after.get(name, 0) - before.get(name, 0)
+
+        assert grew("meshserve:time_to_first_token_seconds_count") == 1
+        assert grew("meshserve:request_prefill_time_seconds_count") == 1
+        assert grew("meshserve:request_success_total") == 1
+        assert grew("meshserve:generation_tokens_total") >= 1
+
         out = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-m", "services.cli", "status", "--url", base],
@@ -62,3 +80,16 @@ async def test_readiness_and_the_status_command(
         assert "ready" in te_line and "demo" in te_line and "torch" in te_line
         model_line = next(line for line in out.stdout.splitlines() if line.startswith("demo"))
         assert model_line.split()[:3] == ["demo", "ready", "1"]
+
+
+async def _demo_samples(base: str) -> dict[str, float]:
+    """The demo model's samples at ``/metrics`` (default tenant, no adapter), summed over
+    their other labels."""
+    async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if (s.labels.get("model_name"), s.labels.get("adapter")) == ("demo", ""):
+                out[s.name] = out.get(s.name, 0) + s.value
+    return out

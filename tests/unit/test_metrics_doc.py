@@ -1,0 +1,46 @@
+"""The README's metric table is the code's (``services/frontend/metrics_doc.py``), and every
+family it names is exposed by ``/metrics`` in a form Prometheus' parser reads; vLLM's
+request families are there under the ``meshserve:`` prefix with ``model_name``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.frontend.metrics_doc import families, rewrite
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_FAMILIES = (
+    "time_to_first_token_seconds",
+    "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "request_success_total",
+)
+
+
+def test_the_readme_table_is_current():
+    text = (ROOT / "README.md").read_text()
+    assert rewrite(text) == text, "run scripts/gen-docs"
+
+
+def test_every_family_is_exposed_and_parses():
+    documented = families()
+    exposed = {f.name: f.type for f in text_string_to_metric_families(generate_latest().decode())}
+    for name, kind, _, _ in documented:
+        assert exposed.get(name.removesuffix("_total") if kind == "counter" else name) == kind
+
+
+def test_vllms_request_families_with_their_labels():
+    by_name = {name: labels for name, _, labels, _ in families()}
+    for family in VLLM_FAMILIES:
+        labels = by_name[f"meshserve:{family}"]
+        assert labels[:3] == ("model_name", "adapter", "tenant"), family
