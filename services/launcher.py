@@ -83,6 +83,9 @@ class Launcher:
         return self.settings.with_values(**updates)
 
     def _spawn(self, name: str, env: dict[str, str], crashes: list[float] | None = None) -> None:
+        if (port := self.settings.metrics.port) and name != "frontend":
+            # One /metrics port each on this host: the base port, then the next ones.
+            env = {**env, "MESHSERVE_METRICS_PORT": str(port + SERVICES.index(name))}
         if self._creds is not None:  # its own role's credentials, in the URLs it is given
             role = SERVICE_ROLE[name]
             env = {**env, **{var: self._creds.url(url, role) for var, url in self._secured.items()}}

@@ -91,6 +91,22 @@ class LogSettings(Section):
     )
 
 
+class MetricsSettings(Section):
+    """Prometheus `/metrics` of the services without an HTTP API of their own."""
+
+    env_prefix = "METRICS_"
+
+    port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Where the job executor, cluster manager, scaler and node pool serve "
+        "`GET /metrics` (the frontend serves it on its API port); 0: not served. `meshserve "
+        "up` gives them this port and the next three, in that order.",
+    )
+    host: str = Field(default="0.0.0.0", description="The address /metrics listens on.")
+
+
 class MembershipSettings(Section):
     heartbeat_interval: Duration = Field(
         default=timedelta(seconds=1),
@@ -745,6 +761,7 @@ class Settings(BaseModel):
         "subdirectory name is the model id.",
     )
     log: LogSettings = LogSettings()
+    metrics: MetricsSettings = MetricsSettings()
     membership: MembershipSettings = MembershipSettings()
     frontend: FrontendSettings = FrontendSettings()
     auth: AuthSettings = AuthSettings()

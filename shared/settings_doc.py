@@ -13,6 +13,7 @@ from shared.settings import CONFIG_VAR, ENV_PREFIX, Leaf, leaves, settings_table
 SECTIONS: dict[str | None, tuple[str, str]] = {
     None: ("Cluster", "The cluster's name, where NATS and Redis are, and where the models are."),
     "log": ("Logging", "What every service logs, and how."),
+    "metrics": ("Metrics", "Prometheus /metrics of the services without an HTTP API."),
     "membership": (
         "Membership and liveness",
         "Heartbeats, the liveness deadline that declares a member dead, shutdown, health files.",

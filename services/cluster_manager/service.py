@@ -24,6 +24,7 @@ from shared.messages.cluster import (
     ModelInfo,
     TEHeartbeat,
 )
+from shared.metrics_http import MetricsServer
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
@@ -66,9 +67,12 @@ class ClusterManager:
         self._life.spawn(self._sweeper(), name="sweeper")
         self._life.spawn(self._publisher(), name="view publisher")
         self._life.spawn(self._scanner(), name="model scanner")
+        metrics = MetricsServer(self._settings.metrics, "cluster_manager")
+        await metrics.start()
         try:
             await self._life.wait()
         finally:
+            await metrics.stop()
             await self._life.cancel_tasks()
             await self._store.close()
             self._life.stopped()

@@ -1,6 +1,6 @@
-"""The README's table of every metric family the frontend serves at ``/metrics``, generated
-from the metrics themselves (each is defined beside what measures it), so that the table
-cannot drift: ``python -m services.frontend.metrics_doc README.md`` rewrites it between its
+"""The README's table of every metric family meshserve serves at ``/metrics`` (the
+frontend's, and each node pool's for its TEs), generated from the metrics themselves (each
+is defined beside what measures it), so that the table cannot drift: ``python -m services.frontend.metrics_doc README.md`` rewrites it between its
 markers (``scripts/gen-docs`` does), and a test fails when it is stale."""
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ BEGIN, END = "<!-- metrics:begin (scripts/gen-docs) -->", "<!-- metrics:end -->"
 SUFFIX = {"counter": "_total", "gauge": "", "histogram": "", "summary": "", "info": "_info"}
 
 
-def families() -> list[tuple[str, str, tuple[str, ...], str]]:
-    """(name as exposed, type, labels, help) of every family the frontend registers."""
+def families() -> list[tuple[str, str, tuple[str, ...], str, str]]:
+    """(name as exposed, type, labels, help, served by) of every family meshserve serves:
+    the frontend's (its registry's, once its modules are imported) and a node pool's (its
+    TEs', ``pool_metrics``)."""
     import services.frontend.service  # noqa: F401  (every metric module, imported)
+    from services.task_executor.pool_metrics import SPECS
 
     out = []
     seen: set[int] = set()
@@ -28,14 +31,16 @@ def families() -> list[tuple[str, str, tuple[str, ...], str]]:
         kind = str(collector._type)
         name = collector._name + SUFFIX.get(kind, "")
         labels = tuple(collector._labelnames)
-        out.append((name, kind, labels, collector._documentation))
+        out.append((name, kind, labels, collector._documentation, "frontend"))
+    for kind, name, doc, labels in SPECS.values():
+        out.append((name + SUFFIX.get(kind, ""), kind, labels, doc, "node pool"))
     return sorted(out)
 
 
 def table() -> str:
-    rows = ["| metric | type | labels | what |", "|---|---|---|---|"]
-    for name, kind, labels, doc in families():
-        rows.append(f"| `{name}` | {kind} | {', '.join(labels) or '-'} | {doc} |")
+    rows = ["| metric | type | labels | served by | what |", "|---|---|---|---|---|"]
+    for name, kind, labels, doc, where in families():
+        rows.append(f"| `{name}` | {kind} | {', '.join(labels) or '-'} | {where} | {doc} |")
     return "\n".join(rows)
 
 

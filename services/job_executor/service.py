@@ -54,6 +54,7 @@ from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import TrafficReport
 from shared.messages.tasks import ChatTask, KvSource, TaskAccepted, TaskMode, TaskProgress
+from shared.metrics_http import MetricsServer
 from shared.native import Toolchain
 from shared.runner import Lifecycle
 from shared.settings import Settings
@@ -181,6 +182,8 @@ class JobExecutor:
         self._keeper.start(self._life)
         await self._fine_tuning.start(self._life)
         self._life.spawn(self._reporter(), name="traffic reporter")
+        metrics = MetricsServer(self._settings.metrics, "job_executor")
+        await metrics.start()
         try:
             await self._life.wait()
             # Stop taking jobs, then let the ones being placed finish.
@@ -188,6 +191,7 @@ class JobExecutor:
                 sub.close(), self._settings.membership.shutdown_grace.total_seconds()
             )
         finally:
+            await metrics.stop()
             await self._fine_tuning.stop()
             await self._life.cancel_tasks()
             await ClusterClient(self._bus, self._subjects).leave(self.je_id)

@@ -37,6 +37,7 @@ from shared.messages.scaling import (
     TrafficReport,
     UnloadModel,
 )
+from shared.metrics_http import MetricsServer
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
@@ -91,6 +92,8 @@ class Scaler:
         await self._view.start(self._life)
         await self._bus.subscribe(self._subjects.traffic(), {TrafficReport: self._on_traffic})
         await self._bus.subscribe(self._subjects.outcomes(), {OutcomeReport: self._on_outcomes})
+        metrics = MetricsServer(self._settings.metrics, "scaler")
+        await metrics.start()
         try:
             while not self._life.stopping:
                 await self._tick()
@@ -101,6 +104,7 @@ class Scaler:
                 waiter.cancel()
                 stopper.cancel()
         finally:
+            await metrics.stop()
             await self._life.cancel_tasks()
             if self._store is not None:
                 await self._store.close()

@@ -9,15 +9,21 @@ import signal
 import sys
 import uuid
 
+from prometheus_client import REGISTRY
+
 from services.task_executor.host_cache_watch import HostCachePublication, HostCacheWatch
+from services.task_executor.pool_metrics import PoolCollector
 from services.task_executor.weight_cache.transfer import WeightServer
 from shared.bus import Bus
+from shared.clients import ViewWatcher
 from shared.embedded import die_with_parent
 from shared.errors import Unavailable
 from shared.logging import get_logger
+from shared.metrics_http import MetricsServer
 from shared.runner import Lifecycle
 from shared.settings import Settings, process_environment
 from shared.store import Store
+from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
@@ -26,15 +32,23 @@ RESTART_BACKOFF_S = 1.0
 
 class NodePool:
     def __init__(
-        self, *, settings: Settings, pool_id: str | None = None, store: Store | None = None
+        self,
+        *,
+        settings: Settings,
+        pool_id: str | None = None,
+        store: Store | None = None,
+        bus: Bus | None = None,
     ) -> None:
         """``store``: where the pool publishes what its host cache holds (with the cache
-        on); None: nowhere."""
+        on); None: nowhere. ``bus``: where it reads the cluster view its ``/metrics`` reports
+        its TEs from (``MESHSERVE_METRICS_PORT``); None: no TE metrics."""
         self._settings = settings
         self._store = store
+        self._bus = bus
         self.pool_id = pool_id or settings.task_executor.pool_id or f"pool-{uuid.uuid4().hex[:6]}"
         self._life = Lifecycle("node pool")
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self.metrics = MetricsServer(settings.metrics, "node pool")
 
     async def run(self) -> None:
         server = self._start_weight_server()
@@ -43,9 +57,13 @@ class NodePool:
             self._life.spawn(HostCacheWatch(self._settings, publication).run(), name="host cache")
         for i in range(self._settings.task_executor.pool_size):
             self._life.spawn(self._keep_alive(i), name=f"slot {i}")
+        collector = await self._serve_metrics()
         try:
             await self._life.wait()
         finally:
+            await self.metrics.stop()
+            if collector is not None:
+                REGISTRY.unregister(collector)
             if server is not None:
                 server.stop()
             if self._store is not None:
@@ -55,6 +73,18 @@ class NodePool:
             self._life.stopped()
         if bad := {te: rc for te, rc in codes.items() if rc != 0}:
             raise RuntimeError(f"task executors did not stop cleanly: {bad}")
+
+    async def _serve_metrics(self) -> PoolCollector | None:
+        """``/metrics`` with this pool's TEs in vLLM's engine families, read from the
+        cluster view at each scrape."""
+        if not self._settings.metrics.port or self._bus is None:
+            return None
+        view = ViewWatcher(self._bus, Subjects(self._settings.cluster))
+        await view.start(self._life)
+        collector = PoolCollector(self.pool_id, lambda: view.view)
+        REGISTRY.register(collector)
+        await self.metrics.start()
+        return collector
 
     def _start_weight_server(self) -> WeightServer | None:
         """This host's weight cache served to other hosts' TEs (forks), its address handed
@@ -86,7 +116,9 @@ class NodePool:
         while not self._life.stopping:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
             # The pool's health file is the pool's: its TEs must not keep it fresh for it.
-            env = process_environment(self._settings.with_values(health_file=None).env())
+            # Nor its metrics port: the pool serves its TEs' metrics.
+            own = self._settings.with_values(health_file=None, metrics={"port": 0})
+            env = process_environment(own.env())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -125,11 +157,11 @@ class NodePool:
 
 
 async def create(settings: Settings, bus: Bus) -> NodePool:
-    # The pool itself needs no bus; its TEs connect on their own.
+    # Its TEs connect on their own; the pool reads the view (its TEs' metrics) on ``bus``.
     store = None
     if settings.redis_url and settings.host_cache.bytes != 0:
         try:
             store = await Store.connect(settings.redis_url)
         except Unavailable as e:  # it serves; the host cache is not published
             log.warning("host cache metadata not published", error=e.message)
-    return NodePool(settings=settings, store=store)
+    return NodePool(settings=settings, store=store, bus=bus)

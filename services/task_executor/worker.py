@@ -171,6 +171,8 @@ class TaskExecutor:
             hb.waiting = st.waiting + tasks.queued
             hb.free_kv_blocks = st.free_kv_blocks
             hb.total_kv_blocks = st.total_kv_blocks
+            hb.prefix_cache_queries = st.prefix_cache_queries
+            hb.prefix_cache_hits = st.prefix_cache_hit_tokens
             hb.capacity = control.capacity
             shares = tasks.shares()
             hb.queued_prompt_tokens = queued_prompt_tokens(shares)

@@ -108,6 +108,9 @@ class TEHeartbeat(Message):
     training: str = ""
     # The LoRA adapters its engine holds loaded (routing prefers a TE that holds a request's)
     adapters: list[str] = msgspec.field(default_factory=list)
+    # Its prefix cache since it loaded its model: prompt tokens looked up, and found there
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class JEHeartbeat(Message):
