@@ -8,6 +8,7 @@ import time
 
 import msgspec
 
+from services.cluster_manager import metrics
 from services.cluster_manager.membership import Member, expired, identity, member_id
 from services.cluster_manager.registry import scan_models
 from shared.bus import Bus
@@ -82,6 +83,9 @@ class ClusterManager:
 
     def view(self) -> ClusterView:
         members = list(self._members.values())
+        for kind in metrics.KINDS.values():
+            metrics.MEMBERS.labels(kind).set(sum(1 for m in members if metrics.kind_of(m) == kind))
+        metrics.MODELS.set(len(self._models))
         return ClusterView(
             cluster=self._settings.cluster,
             version=self._version,
@@ -112,6 +116,7 @@ class ClusterManager:
         if (hb := self._members.pop(msg.member_id, None)) is not None:
             self._last_seen.pop(msg.member_id, None)
             log.info("member left", member=msg.member_id)
+            metrics.MEMBERS_GONE.labels(metrics.kind_of(hb), "left").inc()
             self._changed()
             await self._member_down(msg.member_id, "left")
             await self._forget_kv(hb)
@@ -145,6 +150,8 @@ class ClusterManager:
             now = time.monotonic()
             dead = expired(self._last_seen, now=now, timeout=timeout)
             gone = [self._members.pop(mid, None) for mid in dead]
+            for hb in gone:
+                metrics.MEMBERS_GONE.labels(metrics.kind_of(hb), "silent").inc()
             for mid in dead:
                 self._last_seen.pop(mid, None)
                 log.warning("member declared dead", member=mid, silent_for_s=timeout)

@@ -5,36 +5,50 @@ markers (``scripts/gen-docs`` does), and a test fails when it is stale."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
-from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 BEGIN, END = "<!-- metrics:begin (scripts/gen-docs) -->", "<!-- metrics:end -->"
 SUFFIX = {"counter": "_total", "gauge": "", "histogram": "", "summary": "", "info": "_info"}
 
 
+# Where each service defines its metrics (module-level prometheus_client metrics); a test
+# checks that no registered metric is defined anywhere else.
+MODULES: dict[str, tuple[str, ...]] = {
+    "frontend": (
+        "services.frontend.request_metrics",
+        "services.frontend.accounting",
+        "services.frontend.answer",
+        "services.frontend.middleware",
+        "services.frontend.rate_limits",
+        "services.frontend.streaming",
+    ),
+    "job executor": ("services.job_executor.metrics",),
+    "cluster manager": ("services.cluster_manager.metrics",),
+    "scaler": ("services.scaler.metrics",),
+}
+
+
 def families() -> list[tuple[str, str, tuple[str, ...], str, str]]:
     """(name as exposed, type, labels, help, served by) of every family meshserve serves:
-    the frontend's (its registry's, once its modules are imported) and a node pool's (its
-    TEs', ``pool_metrics``)."""
-    import services.frontend.service  # noqa: F401  (every metric module, imported)
+    each service's module-level metrics, and a node pool's (its TEs', ``pool_metrics``)."""
     from services.task_executor.pool_metrics import SPECS
 
     out = []
-    seen: set[int] = set()
-    for collector in list(REGISTRY._collector_to_names):
-        if not isinstance(collector, MetricWrapperBase) or id(collector) in seen:
-            continue
-        seen.add(id(collector))
-        kind = str(collector._type)
-        name = collector._name + SUFFIX.get(kind, "")
-        labels = tuple(collector._labelnames)
-        out.append((name, kind, labels, collector._documentation, "frontend"))
+    for service, modules in MODULES.items():
+        for module in modules:
+            for metric in vars(importlib.import_module(module)).values():
+                if isinstance(metric, MetricWrapperBase):
+                    kind = str(metric._type)
+                    name = metric._name + SUFFIX.get(kind, "")
+                    doc = metric._documentation
+                    out.append((name, kind, tuple(metric._labelnames), doc, service))
     for kind, name, doc, labels in SPECS.values():
         out.append((name + SUFFIX.get(kind, ""), kind, labels, doc, "node pool"))
-    return sorted(out)
+    return sorted(set(out))
 
 
 def table() -> str:

@@ -12,6 +12,7 @@ import uuid
 
 import msgspec
 
+from services.job_executor import metrics
 from services.job_executor.admission import (
     INITIAL_MEAN_OUTPUT_TOKENS,
     mean_output_tokens,
@@ -206,6 +207,7 @@ class JobExecutor:
     async def _on_job(self, job: ChatJob) -> JobAccepted:
         t0 = time.monotonic()
         self._inflight += 1
+        metrics.IN_FLIGHT.inc()
         try:
             # First of all, tell the frontend who has the job: should this JE die before it
             # answers, the frontend hears it within one liveness deadline and resubmits.
@@ -215,11 +217,17 @@ class JobExecutor:
                     JobTaken(request_id=job.request_id, je_id=self.je_id, attempt=job.attempt),
                     request_id=job.request_id,
                 )
-            accepted = await self._place(job)
+            try:
+                accepted = await self._place(job)
+            except MeshserveError as e:
+                metrics.JOBS.labels(job.model, metrics.outcome_of(e)).inc()
+                raise
+            metrics.JOBS.labels(job.model, "placed").inc()
             accepted.je_s = time.monotonic() - t0
             return accepted
         finally:
             self._inflight -= 1
+            metrics.IN_FLIGHT.dec()
 
     async def _place(self, job: ChatJob) -> JobAccepted:
         log.debug("job received", model=job.model, attempt=job.attempt)
@@ -361,6 +369,7 @@ class JobExecutor:
                 if not held:
                     held = True
                     self._traffic.held(job.model, len(job.prompt_token_ids))
+                    metrics.HELD.labels(job.model).inc()
                     with contextlib.suppress(MeshserveError):
                         await self._bus.publish(
                             job.reply_to,

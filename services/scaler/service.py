@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from services.scaler import metrics
 from services.scaler.config import scaler_config
 from services.scaler.policy import Load, Unload
 from services.scaler.state import (
@@ -202,6 +203,10 @@ class Scaler:
         for s in step.settled:
             await self._scale_event(s, by_id.get(s.te_id), now)
         await self._first_tokens(view.tes, now)
+        metrics.observe_targets(decision.targets)
+        for model in {a.model for a in decision.actions if isinstance(a, Load)}:
+            if decision.targets[model].current == 0:
+                metrics.COLD_STARTS.labels(model).inc()
         for action in decision.actions:
             t = decision.targets[action.model]
             log.info(

@@ -55,8 +55,11 @@ async def test_every_service_without_an_api_serves_metrics(
         client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await client.started.wait()
         await client.until(lambda v: len(v.tes) == 1, 60)
-        for name in ("cm", "je"):
-            assert "python_gc_objects_collected" in await _scrape(ports[name])
+        cm, je = await _scrape(ports["cm"]), await _scrape(ports["je"])
+        members = {s.labels["kind"]: s.value for s in cm["meshserve:cluster_members"]}
+        assert members["task_executor"] == 1 and members["job_executor"] == 1
+        assert "meshserve:registered_models" in cm
+        assert {"meshserve:jobs", "meshserve:jobs_in_flight"} <= set(je)
 
         families = await _scrape(ports["pool"])
         assert {name for _, name, _, _ in SPECS.values()} <= set(families)

@@ -1,0 +1,50 @@
+"""What the scaler serves at its ``/metrics``: each model's replicas as its rule sees them
+(current, ready, wanted; prefill instances) and its inputs (the stable window's load in
+instances' worth, the SLO attainment it read), and the scale-ups that started from zero (a
+cold start: a request waits for the load). Scale events themselves, with their steps, are
+counted by every frontend (``frontend/accounting.py``), which hears each one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import Counter, Gauge
+
+from services.scaler.target import Target
+
+REPLICAS = Gauge(
+    "meshserve:replicas",
+    "A model's instances as the scaler counts them: current (ready and loading, not "
+    "draining), ready, wanted (its rule's target), prefill_current, prefill_wanted",
+    ["model_name", "kind"],
+)
+LOAD = Gauge(
+    "meshserve:scaler_load_instances",
+    "A model's work over the stable window, in instances' worth (what the rule sizes for)",
+    ["model_name"],
+)
+SLO = Gauge(
+    "meshserve:scaler_slo_attainment",
+    "A model's SLO attainment over the scaler's window, as the frontends reported it",
+    ["model_name"],
+)
+COLD_STARTS = Counter(
+    "meshserve:cold_starts",
+    "Scale-ups of a model that had no instance (a request waited for the load)",
+    ["model_name"],
+)
+
+
+def observe_targets(targets: Mapping[str, Target]) -> None:
+    for model, t in targets.items():
+        for kind, value in (
+            ("current", t.current),
+            ("ready", t.ready),
+            ("wanted", t.wanted),
+            ("prefill_current", t.prefill_current),
+            ("prefill_wanted", t.prefill_wanted),
+        ):
+            REPLICAS.labels(model, kind).set(value)
+        LOAD.labels(model).set(t.stable_load)
+        if t.slo_attainment is not None:
+            SLO.labels(model).set(t.slo_attainment)
