@@ -5,8 +5,12 @@ The frontend creates a job (``validating_files``) and marks it active; job execu
 active ones (``services/job_executor/fine_tuning.py``), each under its task graph's fencing
 number (``shared.task_graphs``), and move it along
 ``validating_files → queued → running → succeeded | failed | cancelled``. A status change is
-one optimistic transaction on the job's record that names the statuses it may leave, so a
-cancel and a job executor's step never both win. A terminal job leaves the active set.
+one optimistic transaction on the job's own record that names the statuses it may leave, so
+a cancel and a job executor's step never both win; registering the adapter and marking the
+job succeeded are one transaction, and so are a cancel and withdrawing the adapter. A
+terminal job stays in the active set until a job executor has stopped its stages and closed
+its graph (``settle``): a job cancelled while its job executor was dead is still cleaned
+up.
 
 The adapter of a succeeded job is registered under its model name,
 ``ft:<base>:<suffix>:<job>`` (OpenAI's form; an empty suffix leaves ``::``), for its
@@ -29,6 +33,7 @@ from shared.store import Store
 from shared.subjects import Keys
 
 BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1.0
+MAX_EVENTS = 10_000  # a job's newest events kept
 AUTO = "auto"
 
 
@@ -77,12 +82,13 @@ class FineTuneJob(msgspec.Struct, kw_only=True):
     trained_tokens: int | None = None
     estimated_finish: int | None = None
     # Internal: as preprocess resolved them; the latest epoch checkpoint (a resume starts
-    # there); how many times training was placed.
+    # there); how many times training was placed; tokens an epoch; the published adapter.
     params: TrainParams | None = None
     checkpoint: str = ""
     checkpoint_epoch: int = 0
     attempts: int = 0
     tokens_per_epoch: int = 0
+    adapter_path: str = ""  # the adapter evaluate published (served once the job succeeds)
 
     def model_name(self) -> str:
         return fine_tuned_name(self.model, self.suffix or "", self.id)
@@ -192,18 +198,20 @@ class FineTuneStore:
 
     async def create(self, job: FineTuneJob) -> None:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(self._keys.ft_jobs(), job.id, msgspec.json.encode(job))
+        pipe.set(self._keys.ft_job(job.id), msgspec.json.encode(job))
+        pipe.sadd(self._keys.ft_jobs(), job.id)
         pipe.zadd(self._keys.ft_active(), {job.id: job.created_at})
         await pipe.execute()
 
     async def get(self, job_id: str) -> FineTuneJob | None:
-        blob = await self._redis.hget(self._keys.ft_jobs(), job_id)
+        blob = await self._redis.get(self._keys.ft_job(job_id))
         return None if blob is None else msgspec.json.decode(blob, type=FineTuneJob)
 
     async def jobs(self) -> list[FineTuneJob]:
         """Every job, the newest first."""
-        blobs = await self._redis.hvals(self._keys.ft_jobs())
-        jobs = [msgspec.json.decode(b, type=FineTuneJob) for b in blobs]
+        ids = sorted(await self._redis.smembers(self._keys.ft_jobs()))
+        blobs = await self._redis.mget([self._keys.ft_job(_text(i)) for i in ids]) if ids else []
+        jobs = [msgspec.json.decode(b, type=FineTuneJob) for b in blobs if b is not None]
         return sorted(jobs, key=lambda j: (j.created_at, j.id), reverse=True)
 
     async def active(self) -> list[str]:
@@ -212,18 +220,25 @@ class FineTuneStore:
         return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
     async def update(
-        self, job_id: str, allowed: Iterable[JobStatus], **changes: Any
+        self,
+        job_id: str,
+        allowed: Iterable[JobStatus],
+        *,
+        register: Adapter | None = None,
+        withdraw: str = "",
+        **changes: Any,
     ) -> FineTuneJob | None:
         """Apply ``changes`` to the job if its status is one of ``allowed``: the job as
-        changed, or None (missing, or in another status). A terminal status takes the job
-        out of the active set and stamps ``finished_at``."""
+        changed, or None (missing, or in another status). In the same transaction,
+        ``register`` an adapter or ``withdraw`` one by name. A terminal status stamps
+        ``finished_at``; the job stays active until ``settle``."""
         allowed = frozenset(allowed)
-        key = self._keys.ft_jobs()
+        key = self._keys.ft_job(job_id)
         while True:
             async with self._redis.pipeline(transaction=True) as pipe:
                 try:
                     await pipe.watch(key)
-                    blob = await pipe.hget(key, job_id)
+                    blob = await pipe.get(key)
                     if blob is None:
                         return None
                     job = msgspec.json.decode(blob, type=FineTuneJob)
@@ -233,13 +248,22 @@ class FineTuneStore:
                     if job.status in TERMINAL and job.finished_at is None:
                         job.finished_at = int(time.time())
                     pipe.multi()  # type: ignore[no-untyped-call]
-                    pipe.hset(key, job_id, msgspec.json.encode(job))
-                    if job.status in TERMINAL:
-                        pipe.zrem(self._keys.ft_active(), job_id)
+                    pipe.set(key, msgspec.json.encode(job))
+                    if register is not None:
+                        pipe.hset(
+                            self._keys.adapters(), register.name, msgspec.json.encode(register)
+                        )
+                    if withdraw:
+                        pipe.hdel(self._keys.adapters(), withdraw)
                     await pipe.execute()
                     return job
                 except WatchError:
                     continue
+
+    async def settle(self, job_id: str) -> None:
+        """A terminal job whose stages are stopped and whose graph is closed: no longer
+        active."""
+        await self._redis.zrem(self._keys.ft_active(), job_id)
 
     # -- events and checkpoints -------------------------------------------------------------
 
@@ -259,7 +283,10 @@ class FineTuneStore:
             type="metrics" if data else "message",
             data=data,
         )
-        await self._redis.rpush(self._keys.ft_events(job_id), msgspec.json.encode(event))
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.rpush(self._keys.ft_events(job_id), msgspec.json.encode(event))
+        pipe.ltrim(self._keys.ft_events(job_id), -MAX_EVENTS, -1)
+        await pipe.execute()
         return event
 
     async def events(self, job_id: str) -> list[JobEvent]:
@@ -277,12 +304,6 @@ class FineTuneStore:
         return [msgspec.json.decode(b, type=JobCheckpoint) for b in blobs]
 
     # -- adapters ---------------------------------------------------------------------------
-
-    async def register(self, adapter: Adapter) -> None:
-        await self._redis.hset(self._keys.adapters(), adapter.name, msgspec.json.encode(adapter))
-
-    async def unregister(self, name: str) -> None:
-        await self._redis.hdel(self._keys.adapters(), name)
 
     async def adapter(self, name: str) -> Adapter | None:
         blob = await self._redis.hget(self._keys.adapters(), name)
@@ -304,3 +325,7 @@ def page(items: Sequence[Any], *, after: str | None, limit: int) -> tuple[list[A
         start = ids.index(after) + 1 if after in ids else len(items)
     chunk = list(items[start : start + limit])
     return chunk, start + limit < len(items)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -353,11 +353,16 @@ class Keys:
         return f"{self.cluster}:files:usage"
 
     def ft_jobs(self) -> str:
-        """Hash: fine-tuning job id -> JSON ``shared.fine_tuning.FineTuneJob``."""
+        """Set: every fine-tuning job's id."""
         return f"{self.cluster}:ft:jobs"
 
+    def ft_job(self, job_id: str) -> str:
+        """String: one fine-tuning job, JSON ``shared.fine_tuning.FineTuneJob``."""
+        return f"{self.cluster}:ft:job:{job_id}"
+
     def ft_active(self) -> str:
-        """Sorted set: the fine-tuning jobs not yet terminal, scored by creation time."""
+        """Sorted set: the fine-tuning jobs not yet settled (not terminal, or terminal with
+        stages a job executor has still to stop), scored by creation time."""
         return f"{self.cluster}:ft:active"
 
     def ft_events(self, job_id: str) -> str:

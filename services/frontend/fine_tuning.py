@@ -197,12 +197,12 @@ class FineTuningAPI:
         store = self._store()
         principal = principal_of(request)
         req, hp = parse_job_request(await self._read_body(request))
-        self._model(request, req.model)  # 404 unless it exists and the tenant may use it
         if req.model.startswith("ft:"):
             raise BadRequest(
                 "Fine-tuning a fine-tuned model is not supported; name its base model.",
                 param="model",
             )
+        self._model(request, req.model)  # 404 unless it exists and the tenant may use it
         await self._file(principal, req.training_file, "training_file")
         if req.validation_file:
             await self._file(principal, req.validation_file, "validation_file")
@@ -242,7 +242,10 @@ class FineTuningAPI:
     async def cancel(self, request: web.Request) -> web.Response:
         job = await self._owned(request)
         store = self._store()
-        cancelled = await store.update(job.id, LIVE, status=JobStatus.CANCELLED)
+        # An adapter registered a moment before is withdrawn in the same transaction.
+        cancelled = await store.update(
+            job.id, LIVE, status=JobStatus.CANCELLED, withdraw=job.model_name()
+        )
         if cancelled is None:
             now = await store.get(job.id)
             status = now.status if now is not None else "gone"

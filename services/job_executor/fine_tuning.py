@@ -67,6 +67,12 @@ PLACE_TIMEOUT_S = 5.0
 POLL_S = 0.5
 
 
+def _reported(step: int, total: int) -> bool:
+    """Whether a step's loss becomes an event: every step of a run of up to 100, else about
+    a hundred evenly spread, and the last."""
+    return step == total or step % max(1, total // 100) == 0
+
+
 def training_te(tes: Sequence[TEHeartbeat], model: str, refused: frozenset[str]) -> str | None:
     """Which idle TE runs a stage for ``model``: one whose host's weight cache holds the
     model first (its weights read from memory), then by name. Pure."""
@@ -96,8 +102,9 @@ class _Placement:
     te_id: str
     attempt: int
     started_at: float  # the TE's process start, as the view showed it when placed
-    placed_at: float
+    placed_at: float  # time.monotonic() (this JE's clock only)
     inbox: asyncio.Queue[TrainProgress | TrainDone]
+    missing_since: float | None = None  # time.monotonic() it was first missing from the view
 
 
 class _Refused(str):
@@ -128,6 +135,7 @@ class FineTuneRunner:
         cluster: str,
         files_dir: Path,
         heartbeat_s: float,
+        liveness_s: float,
         bus: Bus,
         subjects: Subjects,
         store: Store | None,
@@ -138,7 +146,7 @@ class FineTuneRunner:
         self._settings = settings
         self._dir = settings.directory(cluster)
         self._files_dir = files_dir
-        self._heartbeat_s = heartbeat_s
+        self._heartbeat_s, self._liveness_s = heartbeat_s, liveness_s
         self._bus, self._subjects = bus, subjects
         self._jobs = FineTuneStore(store, cluster) if store is not None else None
         self._graphs = GraphStore(store, cluster, je_id) if store is not None else None
@@ -183,6 +191,8 @@ class FineTuneRunner:
                 await self.scan_once()
             except (RedisError, OSError) as e:
                 log.warning("fine-tuning scan failed", error=str(e))
+            except Exception:  # one bad record must not stop the job executor
+                log.exception("fine-tuning scan failed")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -190,12 +200,17 @@ class FineTuneRunner:
                 )
 
     async def scan_once(self) -> None:
-        """Take each active job nobody live runs; wake the runs of cancelled jobs."""
+        """Take each active job nobody live runs (a terminal one too: its stages are stopped
+        and its graph closed, then it is settled)."""
         assert self._jobs is not None and self._graphs is not None
         for job_id in await self._jobs.active():
             if job_id in self._running:
                 continue
             held = await self._graphs.get(job_id)
+            job = await self._jobs.get(job_id)
+            if (job is None or job.status in TERMINAL) and (held is None or not held.open):
+                await self._jobs.settle(job_id)  # nothing of it runs anywhere
+                continue
             if held is not None and held.open:
                 if held.owner_alive and held.owner != self._graphs.me:
                     continue
@@ -208,7 +223,6 @@ class FineTuneRunner:
                 run = Running(graph, epoch)
                 self._spawn(job_id, run, stray)
                 continue
-            job = await self._jobs.get(job_id)
             if job is None:
                 continue
             graph = plan_fine_tune(
@@ -250,6 +264,10 @@ class FineTuneRunner:
             await self._fail(job_id, run, e.code, e.message)
         except asyncio.CancelledError:
             raise
+        except (RedisError, OSError) as e:
+            # Redis away a moment: the graph stays open under this JE, whose next scan
+            # takes it over (the stage on its TE stopped, resumed from its checkpoint).
+            log.warning("fine-tuning job paused", job=job_id, error=str(e))
         except Exception as e:  # a bug here must not leave the job running forever
             log.exception("fine-tuning job failed", job=job_id)
             await self._fail(job_id, run, "internal_error", f"The job failed: {e}")
@@ -317,7 +335,7 @@ class FineTuneRunner:
             te_id=te_id,
             attempt=msg.attempt,
             started_at=te.started_at if te is not None else 0.0,
-            placed_at=time.time(),
+            placed_at=time.monotonic(),
             inbox=asyncio.Queue(),
         )
         self._placements[key] = placement
@@ -335,6 +353,7 @@ class FineTuneRunner:
             try:
                 return await self._follow(job, placement)
             except StageLost as e:
+                await self._send_cancel(te_id, job.id, msg.attempt)  # should it still run
                 return str(e)
         finally:
             self._placements.pop(key, None)
@@ -374,7 +393,7 @@ class FineTuneRunner:
             out_dir=str(self._dir / job.id / f"{stage}-{attempt}"),
             params=job.params or asked_params(job, self._settings.rank),
             resume_from=job.checkpoint,
-            adapter_dir=str(self._dir / job.id / "adapter"),
+            adapter_dir=str(self._dir / job.id / f"adapter-{attempt}"),
             reply_to=self._subjects.train_progress(self._je_id),
         )
 
@@ -382,29 +401,40 @@ class FineTuneRunner:
         """The stage's reports, recorded as they come, until it ends; ``StageLost`` when its
         TE is gone; a cancelled job's stage is cancelled on its TE (it answers done)."""
         cancelled = False
+        check_at = time.monotonic() + POLL_S
         while True:
-            try:
-                msg = await asyncio.wait_for(p.inbox.get(), POLL_S)
-            except TimeoutError:
+            # The TE and the job's status are checked every POLL_S, reports or not.
+            if time.monotonic() >= check_at:
+                check_at = time.monotonic() + POLL_S
                 self._check_te(p)
                 if not cancelled:
                     now = await self._jobs_get(job.id)
                     if now is None or now.status in TERMINAL:
                         cancelled = True
                         await self._send_cancel(p.te_id, job.id, p.attempt)
+            try:
+                msg = await asyncio.wait_for(p.inbox.get(), max(check_at - time.monotonic(), 0))
+            except TimeoutError:
                 continue
             if isinstance(msg, TrainDone):
                 return msg
             await self._progress(job, msg)
 
     def _check_te(self, p: _Placement) -> None:
+        """``StageLost`` once the stage's TE has been missing from the view for a liveness
+        timeout (a view is briefly empty after the cluster manager restarts), restarted, or
+        no longer names the stage in its heartbeats (given a few heartbeats to say it)."""
+        now = time.monotonic()
         te = next((t for t in self._view().tes if t.te_id == p.te_id), None)
         if te is None:
-            raise StageLost(f"TE {p.te_id} left the cluster")
+            p.missing_since = p.missing_since or now
+            if now - p.missing_since > self._liveness_s:
+                raise StageLost(f"TE {p.te_id} left the cluster")
+            return
+        p.missing_since = None
         if te.started_at != p.started_at and p.started_at:
             raise StageLost(f"TE {p.te_id} restarted")
-        settled = te.sent_at > p.placed_at + 2 * self._heartbeat_s
-        if settled and te.training != p.key:
+        if now - p.placed_at > 3 * self._heartbeat_s and te.training != p.key:
             raise StageLost(f"TE {p.te_id} is no longer running the stage")
 
     async def _jobs_get(self, job_id: str) -> FineTuneJob | None:
@@ -427,13 +457,8 @@ class FineTuneRunner:
         jobs = self._jobs
         assert jobs is not None
         if msg.params is not None:  # preprocess: the data's size and the resolved params
-            await jobs.update(
-                job.id,
-                LIVE,
-                params=msg.params,
-                tokens_per_epoch=msg.tokens,
-                status=JobStatus.QUEUED,
-            )
+            await jobs.update(job.id, LIVE, params=msg.params, tokens_per_epoch=msg.tokens)
+            await jobs.update(job.id, (JobStatus.VALIDATING_FILES,), status=JobStatus.QUEUED)
             await jobs.add_event(
                 job.id,
                 f"Files validated: {msg.examples} training examples, {msg.tokens} tokens per "
@@ -472,7 +497,7 @@ class FineTuneRunner:
             await jobs.add_event(
                 job.id, text, data={"epoch": msg.epoch, "valid_loss": msg.valid_loss}
             )
-        elif msg.train_loss is not None:
+        elif msg.train_loss is not None and _reported(msg.step, msg.total_steps):
             await jobs.add_event(
                 job.id,
                 f"Step {msg.step}/{msg.total_steps}: training loss={msg.train_loss:.4f}",
@@ -488,59 +513,66 @@ class FineTuneRunner:
         if stage == TrainStage.TRAIN:
             await self._jobs.update(job.id, LIVE, checkpoint=done.checkpoint)
         elif stage == TrainStage.EVALUATE:
+            # Each attempt publishes its own copy: the one that ended is the one served.
+            await self._jobs.update(job.id, LIVE, adapter_path=done.checkpoint)
             data = {"train_loss": done.train_loss, "valid_loss": done.valid_loss}
             await self._jobs.add_event(job.id, "Evaluated the adapter", data=data)
 
     async def _succeed(self, job: FineTuneJob, run: Running) -> None:
-        """Register the adapter, then mark the job succeeded; a job cancelled meanwhile
-        keeps no adapter."""
+        """Register the adapter and mark the job succeeded, in one transaction (a job
+        cancelled meanwhile gets neither); then close the graph and settle the job."""
         assert self._jobs is not None
         name = job.model_name()
         # Fenced first: a deposed runner stops here (Deposed), before it registers anything.
         await self._keeper.step(run, run.graph)
-        await self._jobs.register(
-            Adapter(
-                name=name,
-                base=job.model,
-                path=str(self._dir / job.id / "adapter"),
-                tenant=job.tenant,
-                job_id=job.id,
-                created=int(time.time()),
-            )
+        adapter = Adapter(
+            name=name,
+            base=job.model,
+            path=job.adapter_path,
+            tenant=job.tenant,
+            job_id=job.id,
+            created=int(time.time()),
         )
         done = await self._jobs.update(
-            job.id, LIVE, status=JobStatus.SUCCEEDED, fine_tuned_model=name
+            job.id, LIVE, status=JobStatus.SUCCEEDED, fine_tuned_model=name, register=adapter
         )
-        if done is None:  # cancelled (or failed) meanwhile: never served
-            await self._jobs.unregister(name)
-        else:
+        if done is not None:
             await self._jobs.add_event(job.id, f"New fine-tuned model created: {name}")
             await self._jobs.add_event(job.id, "The job has successfully completed")
             log.info("fine-tuning job succeeded", job=job.id, model=name)
-        await self._keeper.step(run, msgspec.structs.replace(run.graph, finished=True))
+        await self._finish(run)
 
     async def _fail(self, job_id: str, run: Running, code: str, message: str) -> None:
         assert self._jobs is not None
+        await self._stop_stages(run)
         failed = await self._jobs.update(
             job_id, LIVE, status=JobStatus.FAILED, error=JobError(code=code, message=message)
         )
         if failed is not None:
             await self._jobs.add_event(job_id, message, level="error")
             log.warning("fine-tuning job failed", job=job_id, reason=message)
-        with contextlib.suppress(Deposed):
-            await self._keeper.step(run, msgspec.structs.replace(run.graph, finished=True))
+        await self._finish(run)
 
     async def _close(self, run: Running, job: FineTuneJob | None) -> None:
         """A job that ended under the runner (cancelled): its stages stopped, its graph
-        closed; a cancelled job's adapter, if one was registered, withdrawn."""
-        assert self._jobs is not None
+        closed, the job settled."""
+        await self._stop_stages(run)
+        await self._finish(run)
+
+    async def _stop_stages(self, run: Running) -> None:
         for task in run.graph.tasks:
             if task.state in (TaskState.PLACING, TaskState.PLACED):
                 await self._cancel_on_te(run.graph.graph_id, task)
-        if job is not None and job.status == JobStatus.CANCELLED:
-            await self._jobs.unregister(job.model_name())
-        with contextlib.suppress(Deposed):
+
+    async def _finish(self, run: Running) -> None:
+        """The graph closed (unless another JE took it over), then the job settled: a JE
+        that dies before this leaves the job active, and the next scan finishes it."""
+        assert self._jobs is not None
+        try:
             await self._keeper.step(run, msgspec.structs.replace(run.graph, finished=True))
+        except Deposed:
+            return
+        await self._jobs.settle(run.graph.graph_id)
 
     async def _cancel_on_te(self, job_id: str, task: GraphTask) -> None:
         if task.te_id:

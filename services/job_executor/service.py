@@ -139,6 +139,7 @@ class JobExecutor:
             cluster=settings.cluster,
             files_dir=settings.files.directory(settings.cluster),
             heartbeat_s=membership.heartbeat_interval.total_seconds(),
+            liveness_s=membership.liveness_timeout.total_seconds(),
             bus=bus,
             subjects=self._subjects,
             store=store,

@@ -45,7 +45,7 @@ class TrainTask(Message):
     validation_file: str = ""
     params: TrainParams = TrainParams()
     resume_from: str = ""  # a checkpoint of an earlier attempt to continue from
-    adapter_dir: str = ""  # evaluate: where the finished adapter is published
+    adapter_dir: str = ""  # evaluate: where this attempt publishes the finished adapter
     reply_to: str = ""
 
 
@@ -91,7 +91,7 @@ class TrainDone(Message):
     error: str = ""
     retryable: bool = False
     cancelled: bool = False
-    checkpoint: str = ""  # train: the last epoch's checkpoint
+    checkpoint: str = ""  # train: the last epoch's checkpoint; evaluate: the published adapter
     steps: int = 0
     train_loss: float | None = None  # evaluate: the mean over the training file
     valid_loss: float | None = None  # evaluate: over the validation file

@@ -21,8 +21,10 @@ from services.cluster_manager.service import ClusterManager
 from services.frontend.service import Frontend
 from services.job_executor.service import JobExecutor
 from shared.fine_tuning import FineTuneStore
+from shared.messages.cluster import TEState
 from shared.settings import Settings
 from shared.store import Store
+from shared.task_graphs import GraphStore
 from tests.integration.services import BusClient, Running, fast_settings, te_process, wait_health
 from tests.integration.test_fine_tuning import TRAIN, until_status
 
@@ -148,6 +150,45 @@ async def test_a_killed_job_executor_has_its_job_taken_over(
         await run.kill(owner)
         await _check_outcome(client, job_id, stores[4], cluster)
         assert survivor._fine_tuning.taken_over == 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        await run.stop()
+        for s in stores:
+            await s.close()
+
+
+async def test_a_job_cancelled_while_its_job_executor_is_dead_is_cleaned_up(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Nobody runs the cancelled job any more, yet its stage still trains on a TE: another
+    job executor takes its graph over, stops the stage, closes the graph and settles the
+    job; nothing is served."""
+    settings = _settings(cluster, nats_url, redis_url, tmp_path, demo_model_dir)
+    stores = [await Store.connect(redis_url) for _ in range(5)]
+    procs = [te_process(settings, "te-a")]
+    run, bus_client = await _cluster(settings, nats_url, redis_url, stores, jes=2)
+    try:
+        await bus_client.until(lambda v: len(v.tes) == 1 and len(v.jes) == 2, 60)
+        client, job_id = await _job(settings)
+        await _until(lambda: _has(stores[4], cluster, job_id, 1))
+        jes = [s for s, *_ in run.items if isinstance(s, JobExecutor)]
+        owner = next(je for je in jes if je._fine_tuning._running)
+        survivor = next(je for je in jes if je is not owner)
+        await run.kill(owner)
+        assert (await client.fine_tuning.jobs.cancel(job_id)).status == "cancelled"
+        jobs = FineTuneStore(stores[4], cluster)
+
+        async def cleaned() -> bool:
+            held = await GraphStore(stores[4], cluster, "test").get(job_id)
+            return job_id not in await jobs.active() and held is not None and not held.open
+
+        await _until(cleaned, 60)
+        await bus_client.until(lambda v: v.tes[0].state == TEState.IDLE, 30)  # not training
+        assert survivor._fine_tuning.taken_over == 1
+        assert await jobs.adapters() == []
+        assert (await client.fine_tuning.jobs.retrieve(job_id)).status == "cancelled"
     finally:
         for p in procs:
             p.kill()

@@ -6,7 +6,8 @@ synchronous, reporting progress through ``report`` (called on that thread).
   training), and resolves the ``auto`` hyperparameters from the data's size;
 - train: ``lora.train_lora``, resumed from the job's last epoch checkpoint when there is one;
 - evaluate: the finished adapter's mean loss per answer token on both files, and the
-  adapter published, whole or not at all, where TEs of the base model load it from."""
+  adapter published, whole or not at all, in a directory of the attempt's own (TrainDone's
+  ``checkpoint``), where TEs of the base model load it from once the job succeeds."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def run_stage(
             return _train(
                 task, te_id, report, should_stop, _config(task.params, max_tokens, precision)
             )
-        return _evaluate(task, te_id, max_tokens)
+        return _evaluate(task, te_id, should_stop, max_tokens)
     except (ValueError, KeyError, OSError) as e:  # the data, the template, the files
         return stage_done(task, te_id, ok=False, error=f"{task.stage} failed: {e}")
 
@@ -175,7 +176,9 @@ def _train(
     return stage_done(task, te_id, ok=True, checkpoint=str(trained.checkpoint), steps=trained.steps)
 
 
-def _evaluate(task: TrainTask, te_id: str, max_tokens: int) -> TrainDone:
+def _evaluate(
+    task: TrainTask, te_id: str, should_stop: Callable[[], bool], max_tokens: int
+) -> TrainDone:
     import peft
     import transformers
 
@@ -195,8 +198,17 @@ def _evaluate(task: TrainTask, te_id: str, max_tokens: int) -> TrainDone:
         return mean_loss(model, examples, batch, pad_id, _device())
 
     train_loss, valid_loss = loss_of(task.training_file), loss_of(task.validation_file)
+    if should_stop():  # cancelled: nothing published
+        return stage_done(task, te_id, ok=False, cancelled=True)
     publish_adapter(checkpoint, Path(task.adapter_dir))
-    return stage_done(task, te_id, ok=True, train_loss=train_loss, valid_loss=valid_loss)
+    return stage_done(
+        task,
+        te_id,
+        ok=True,
+        checkpoint=task.adapter_dir,
+        train_loss=train_loss,
+        valid_loss=valid_loss,
+    )
 
 
 def publish_adapter(checkpoint: Path, target: Path) -> None:
