@@ -21,6 +21,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from shared import tracing
 from shared.errors import (
     BadRequest,
     Internal,
@@ -107,7 +108,7 @@ class Bus:
         return self._nc.new_inbox()
 
     async def publish(self, subject: str, msg: Message, *, request_id: str | None = None) -> None:
-        headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+        headers = _headers(request_id)
         try:
             await self._nc.publish(subject, encode(msg), headers=headers)
         except nats.errors.Error as e:
@@ -122,7 +123,7 @@ class Bus:
         timeout: float,
         request_id: str | None = None,
     ) -> M:
-        headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+        headers = _headers(request_id)
         try:
             resp = await self._nc.request(subject, encode(msg), timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as e:
@@ -156,8 +157,12 @@ class Bus:
             # Logs of this handler carry the request id the frontend assigned, if any.
             request_id = (m.headers or {}).get(REQUEST_ID_HEADER)
             context = {"request_id": request_id} if request_id else {}
-            with structlog.contextvars.bound_contextvars(**context):
-                reply = await dispatch(m)
+            token = tracing.attach(m.headers)  # the sender's span, the parent of its own
+            try:
+                with structlog.contextvars.bound_contextvars(**context):
+                    reply = await dispatch(m)
+            finally:
+                tracing.detach(token)
             if m.reply and reply is not None:
                 try:
                     await m.respond(encode(reply))
@@ -218,3 +223,10 @@ class Bus:
                 await self._nc.drain()
             except (TimeoutError, nats.errors.Error):
                 await self._nc.close()
+
+
+def _headers(request_id: str | None) -> dict[str, str] | None:
+    """The request id, and the current span's trace context where one records."""
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    tracing.inject(headers)
+    return headers or None

@@ -1,5 +1,6 @@
 """structlog setup: readable in a terminal, JSON lines in production. request_id and
-service are bound as context so one request can be followed across processes."""
+service are bound as context so one request can be followed across processes; a line
+written inside a span carries its trace_id and span_id (``shared/tracing.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import sys
 
 import structlog
+
+from shared.tracing import ids
 
 
 def setup_logging(*, service: str, fmt: str = "console", level: str = "info") -> None:
@@ -19,6 +22,7 @@ def setup_logging(*, service: str, fmt: str = "console", level: str = "info") ->
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
@@ -31,6 +35,13 @@ def setup_logging(*, service: str, fmt: str = "console", level: str = "info") ->
     )
     structlog.contextvars.bind_contextvars(service=service)
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr)
+
+
+def _trace_ids(
+    _logger: object, _method: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    event.update(ids())
+    return event
 
 
 def get_logger(name: str | None = None) -> structlog.typing.FilteringBoundLogger:

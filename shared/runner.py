@@ -13,7 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
-from shared import health, heap
+from shared import health, heap, tracing
 from shared.access import SERVICE_ROLE
 from shared.bus import Bus
 from shared.logging import get_logger, setup_logging
@@ -155,6 +155,7 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
 def run_service(name: str, factory: ServiceFactory, settings: Settings | None = None) -> None:
     settings = settings or Settings.load()
     setup_logging(service=name, fmt=settings.log.format, level=settings.log.level)
+    tracing.setup(settings.tracing.otlp_endpoint, name)
     try:
         import uvloop
 

@@ -107,6 +107,16 @@ class MetricsSettings(Section):
     host: str = Field(default="0.0.0.0", description="The address /metrics listens on.")
 
 
+class TracingSettings(Section):
+    """Traces of each request across the services (OpenTelemetry, GenAI conventions)."""
+
+    otlp_endpoint: str = Field(
+        default="",
+        description="Where every service exports its spans, OTLP over HTTP (e.g. "
+        "`http://otel-collector:4318/v1/traces`); empty: no spans are recorded or sent.",
+    )
+
+
 class MembershipSettings(Section):
     heartbeat_interval: Duration = Field(
         default=timedelta(seconds=1),
@@ -762,6 +772,7 @@ class Settings(BaseModel):
     )
     log: LogSettings = LogSettings()
     metrics: MetricsSettings = MetricsSettings()
+    tracing: TracingSettings = TracingSettings()
     membership: MembershipSettings = MembershipSettings()
     frontend: FrontendSettings = FrontendSettings()
     auth: AuthSettings = AuthSettings()

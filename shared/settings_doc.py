@@ -14,6 +14,7 @@ SECTIONS: dict[str | None, tuple[str, str]] = {
     None: ("Cluster", "The cluster's name, where NATS and Redis are, and where the models are."),
     "log": ("Logging", "What every service logs, and how."),
     "metrics": ("Metrics", "Prometheus /metrics of the services without an HTTP API."),
+    "tracing": ("Tracing", "Spans of each request across the services, exported over OTLP."),
     "membership": (
         "Membership and liveness",
         "Heartbeats, the liveness deadline that declares a member dead, shutdown, health files.",

@@ -15,11 +15,13 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import structlog
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.frontend import responses as R
@@ -47,6 +49,7 @@ from services.frontend.validation import (
     parse_completion_request,
     sampling_params,
 )
+from shared import tracing
 from shared.bus import Bus
 from shared.clients import (
     ClusterClient,
@@ -471,7 +474,8 @@ class Frontend:
                     jobs=self._jobs,
                     tes=self._tes,
                 )
-                return await self._answers.answer(request, req, gen, tok, lease, chat=chat)
+                with traced(gen, chat=chat):
+                    return await self._answers.answer(request, req, gen, tok, lease, chat=chat)
             finally:
                 await asyncio.shield(lease.release())
 
@@ -479,6 +483,32 @@ class Frontend:
         if not principal.limited:
             return Lease(None, principal.tenant, rid, principal.limits)
         return await self._limiter.admit(principal.tenant, principal.limits, rid, prompt_tokens)
+
+
+@contextlib.contextmanager
+def traced(gen: Generation, *, chat: bool) -> Iterator[None]:
+    """The request's span (GenAI conventions: ``{operation} {model}``), the parent of the
+    job executor's and the TE's: the bus carries its context."""
+    operation = "chat" if chat else "text_completion"
+    start = time.monotonic()
+    with tracing.tracer().start_as_current_span(
+        f"{operation} {gen.model}",
+        kind=SpanKind.SERVER,
+        attributes={
+            tracing.OPERATION: operation,
+            tracing.REQUEST_MODEL: gen.model,
+            tracing.REQUEST_ID: gen.request_id,
+        },
+    ) as span:
+        try:
+            yield
+        finally:
+            if span.is_recording():
+                span.set_attribute(tracing.INPUT_TOKENS, len(gen.prompt_token_ids))
+                span.set_attribute(tracing.OUTPUT_TOKENS, len(gen.generated))
+                span.set_attribute(tracing.FINISH_REASONS, [gen.finish_reason or "abort"])
+                if gen.first_token_at is not None:
+                    span.set_attribute(tracing.TIME_TO_FIRST_TOKEN, gen.first_token_at - start)
 
 
 async def create(settings: Settings, bus: Bus) -> Frontend:

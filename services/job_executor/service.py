@@ -36,7 +36,7 @@ from services.job_executor.planner import DECODE, PREFILL, plan_chat, with_task
 from services.job_executor.routing import RoutingConfig, spread_of
 from services.job_executor.traffic import RateMeter, TrafficLedger
 from services.views import TEView, te_view
-from shared import block_hash
+from shared import block_hash, tracing
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
 from shared.errors import (
@@ -219,7 +219,15 @@ class JobExecutor:
                     request_id=job.request_id,
                 )
             try:
-                accepted = await self._place(job)
+                with tracing.tracer().start_as_current_span(
+                    f"place {job.model}",
+                    attributes={
+                        tracing.REQUEST_MODEL: job.model,
+                        tracing.REQUEST_ID: job.request_id,
+                        "meshserve.attempt": job.attempt,
+                    },
+                ):
+                    accepted = await self._place(job)
             except MeshserveError as e:
                 metrics.JOBS.labels(job.model, metrics.outcome_of(e)).inc()
                 raise

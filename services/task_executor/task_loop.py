@@ -17,7 +17,9 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+from opentelemetry import context as otel_context
 
+from services.task_executor import task_spans
 from services.task_executor.disaggregation import PrefillSide, prefill_request, pull_prompt
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
@@ -28,6 +30,7 @@ from services.task_executor.kv_publisher import KvEventPublisher
 from services.task_executor.kv_transport.client import TransferFailed
 from services.task_executor.kv_transport.outbox import Outbox
 from services.task_executor.model_control import ModelControl
+from shared import tracing
 from shared.bus import Bus
 from shared.errors import (
     BadRequest,
@@ -79,6 +82,12 @@ class _Stream:
     outbox: Outbox | None = None  # a prefill task's KV, offered to its decode TE
     head: list[int] = dataclasses.field(default_factory=list)  # a decode task's first tokens
     kv_note: KvTransferNote | None = None  # a decode task's: how its prompt's KV came
+    # Traced: the placement's context (its spans' parent), and when the engine took it and
+    # its first token came (time.monotonic()).
+    trace: otel_context.Context | None = None
+    model: str = ""
+    started_at: float = 0.0
+    first_token_at: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +254,8 @@ class TaskLoop:
             placement=self.placements,
             accepted_at=time.monotonic(),
             mode=task.mode,
+            trace=otel_context.get_current() if tracing.ids() else None,
+            model=task.model,
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
         request = EngineRequest(
@@ -302,9 +313,25 @@ class TaskLoop:
                 n=len(orphans),
             )
 
-    def _close_stream(self, key: str, *, finished: bool = False) -> _Stream | None:
-        """``finished``: it ran to its end (stop or length), with ``generated`` tokens."""
+    def _close_stream(
+        self, key: str, *, finished: bool = False, reason: str | None = None
+    ) -> _Stream | None:
+        """``finished``: it ran to its end (``reason``: stop or length), with ``generated``
+        tokens."""
         stream = self._streams.pop(key, None)
+        if stream is not None and stream.trace is not None:
+            task_spans.record(
+                stream.trace,
+                model=stream.model,
+                request_id=stream.request_id,
+                accepted=stream.accepted_at,
+                started=stream.started_at,
+                first_token=stream.first_token_at,
+                ended=time.monotonic(),
+                prompt_tokens=stream.prompt_tokens,
+                output_tokens=stream.generated,
+                finish_reason=reason if finished else None,
+            )
         if stream is not None:
             del self._engine_streams[stream.engine_id]
             progress = self._progress_of(stream)
@@ -400,6 +427,7 @@ class TaskLoop:
                     features.kv_export.add_request(req, retain_kv=True, kv_sink=add.outbox)
                 else:
                     engine.add_request(req)
+                stream.started_at = time.monotonic()
             except ValueError as e:  # a prompt (or an adapter) this engine can never serve
                 await self._finish(stream, BadRequest(str(e), param="messages"))
             except OSError as e:  # the adapter's files are not readable here
@@ -430,6 +458,7 @@ class TaskLoop:
                 out = msgspec.structs.replace(out, new_token_ids=[*stream.head, *out.new_token_ids])
                 stream.head = []
             if not stream.generated and out.new_token_ids:
+                stream.first_token_at = time.monotonic()
                 if self._control.ready_at:
                     # The first task's first token after a load: the end of the scale-up.
                     first = time.monotonic() - stream.accepted_at
@@ -445,7 +474,7 @@ class TaskLoop:
                 cached_tokens=out.num_cached_tokens,
             )
             if out.finished:
-                self._close_stream(stream.key, finished=True)
+                self._close_stream(stream.key, finished=True, reason=out.finish_reason)
                 log.debug(
                     "task finished",
                     request_id=stream.request_id,
