@@ -143,6 +143,26 @@ def status_tables(body: dict[str, Any]) -> None:
             for m in body["models"]
         ],
     )
+    if traffic := body.get("traffic"):
+        print("\ntraffic seen by this frontend (last 10 minutes)")
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1000:.0f}ms"
+
+        _table(
+            ("model", "req/s", "ttft p50", "ttft p95", "slo", "held"),
+            [
+                (
+                    model,
+                    f"{t['rate_per_s']:.2f}",
+                    ms(t["ttft_p50_s"]),
+                    ms(t["ttft_p95_s"]),
+                    f"{t['slo_attainment']:.0%}",
+                    t["held"],
+                )
+                for model, t in sorted(traffic.items())
+            ],
+        )
     for pool in body["pools"]:
         print(f"\npool {pool['id']} on {', '.join(pool['hosts'])}")
         _table(
@@ -164,6 +184,18 @@ def status_tables(body: dict[str, Any]) -> None:
         )
 
 
+def _events(body: dict[str, Any]) -> None:
+    if events := body.get("scale_events"):
+        print("\nrecent scale events")
+        _table(
+            ("kind", "model", "te", "ok", "seconds", "reason"),
+            [
+                (e["kind"], e["model"], e["te"], e["ok"], f"{e['total_s']:.2f}", e["reason"])
+                for e in events[:5]
+            ],
+        )
+
+
 def _status(fetch: Callable[[], Any], watch: float | None) -> int:
     try:
         while True:
@@ -171,6 +203,7 @@ def _status(fetch: Callable[[], Any], watch: float | None) -> int:
             if watch:
                 print("\033[2J\033[H", end="")  # clear the terminal, cursor home
             status_tables(body)
+            _events(body)
             if not watch:
                 return 0
             time.sleep(watch)

@@ -12,6 +12,7 @@ from prometheus_client import Counter, Histogram
 from services.frontend import request_metrics
 from services.frontend.generation import Generation
 from services.frontend.outcomes import Outcomes
+from services.frontend.recent import Recent
 from shared.messages.cluster import ClusterView
 from shared.messages.scaling import ScaleEvent
 
@@ -70,7 +71,14 @@ PD_FALLBACKS = Counter(
 )
 
 
-def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int, t0: float) -> None:
+def account(
+    outcomes: Outcomes,
+    recent: Recent,
+    model: str,
+    gen: Generation,
+    prompt_tokens: int,
+    t0: float,
+) -> None:
     """A request ended (however): its metrics, and its outcome for the scaler. ``t0``: when
     its job was first submitted (monotonic). Metrics name the model as the client did (a
     fine-tuned model by its own name); the outcome counts for the model whose TEs ran it."""
@@ -120,6 +128,7 @@ def account(outcomes: Outcomes, model: str, gen: Generation, prompt_tokens: int,
         tpot_s=tpot,
     )
     SLO_MET.labels(model, str(met).lower()).inc()
+    recent.request(model, at=time.time(), ttft_s=ttft, met=met, held=gen.held_s is not None)
 
 
 PHASE = Histogram(

@@ -20,6 +20,7 @@ from services.frontend.middleware import ARRIVED
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 from services.frontend.outcomes import Outcomes
 from services.frontend.rate_limits import Lease
+from services.frontend.recent import Recent
 from services.frontend.stop import StopMatcher
 from services.frontend.streaming import STREAM_DELAY, StallGuard
 from shared.errors import MeshserveError, Unavailable
@@ -62,12 +63,16 @@ async def texts(
 
 class Answerer:
     """One per frontend: ``stalls`` cuts a stream whose client reads nothing, ``life`` says
-    whether the frontend is stopping, ``outcomes`` gathers what the scaler is told."""
+    whether the frontend is stopping, ``outcomes`` gathers what the scaler is told,
+    ``recent`` what an operator's status shows."""
 
-    def __init__(self, *, stalls: StallGuard, life: Lifecycle, outcomes: Outcomes) -> None:
+    def __init__(
+        self, *, stalls: StallGuard, life: Lifecycle, outcomes: Outcomes, recent: Recent
+    ) -> None:
         self._stalls = stalls
         self._life = life
         self._outcomes = outcomes
+        self._recent = recent
 
     async def answer(
         self,
@@ -97,7 +102,7 @@ class Answerer:
         finally:
             await pieces.aclose()
             await gen.cancel()
-            account(self._outcomes, req.model, gen, len(prompt), t0)
+            account(self._outcomes, self._recent, req.model, gen, len(prompt), t0)
             log.debug(
                 "request finished",
                 completion_tokens=len(gen.generated),

@@ -40,6 +40,7 @@ from services.frontend.openai_types import ChatCompletionRequest, CompletionRequ
 from services.frontend.openapi import document as openapi_document
 from services.frontend.outcomes import Outcomes
 from services.frontend.rate_limits import Lease, Limiter, check_sizes
+from services.frontend.recent import Recent
 from services.frontend.status import model_state
 from services.frontend.status import status as cluster_status
 from services.frontend.streaming import StallGuard, raise_open_files_limit
@@ -129,7 +130,10 @@ class Frontend:
         self._scaler = ScalerClient(bus, self._subjects)
         self._outcomes = Outcomes(settings.scaler.slo())
         self._stalls = StallGuard(settings.frontend.stall_timeout.total_seconds())
-        self._answers = Answerer(stalls=self._stalls, life=self._life, outcomes=self._outcomes)
+        self._recent = Recent()  # what this frontend saw lately, for an operator's status
+        self._answers = Answerer(
+            stalls=self._stalls, life=self._life, outcomes=self._outcomes, recent=self._recent
+        )
         self.port: int | None = None
         self._started = time.time()
         # Its liveness lets TEs stop the generations of a frontend that died.
@@ -175,7 +179,7 @@ class Frontend:
         self._life.spawn(self._limiter.renew_forever(), name="lease renewer")
         self._hb.start(self._life)
         await self._bus.subscribe(self._subjects.member_down(), {MemberDown: self._on_member_down})
-        await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: on_scale_event})
+        await self._bus.subscribe(self._subjects.scale_events(), {ScaleEvent: self._on_scale})
         self._life.spawn(self._report_outcomes(), name="outcome reporter")
         self._life.spawn(self._stalls.run(), name="stall guard")
         # Every stream's tokens come through this one subscription: none may be dropped
@@ -315,7 +319,18 @@ class Frontend:
     async def status(self, request: web.Request) -> web.Response:
         """The cluster for an operator (``status.py``): the admin's, when auth is on."""
         principal_of(request).require_admin()
-        return web.json_response(cluster_status(self._view.view, time.time()))
+        now = time.time()
+        body = cluster_status(
+            self._view.view,
+            now,
+            traffic=self._recent.models(now),
+            scale_events=self._recent.scale_events(),
+        )
+        return web.json_response(body)
+
+    async def _on_scale(self, msg: ScaleEvent) -> None:
+        await on_scale_event(msg)
+        self._recent.scale_event(msg, time.time())
 
     async def metrics(self, request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest())

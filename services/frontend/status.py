@@ -64,9 +64,17 @@ def _te(te: TEHeartbeat, now: float) -> dict[str, Any]:
     }
 
 
-def status(view: ClusterView, now: float) -> dict[str, Any]:
+def status(
+    view: ClusterView,
+    now: float,
+    *,
+    traffic: dict[str, dict[str, Any]] | None = None,
+    scale_events: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The whole view as a JSON body: models with their readiness, node pools with their
-    TEs, job executors and frontends."""
+    TEs, job executors and frontends; and, as this frontend saw them lately
+    (``recent.Recent``), each model's traffic (fine-tuned models by their own names) and the
+    cluster's scale events."""
     pools: dict[str, dict[str, Any]] = {}
     for te in sorted(view.tes, key=lambda t: (t.pool_id, t.te_id)):
         pool = pools.setdefault(
@@ -88,4 +96,6 @@ def status(view: ClusterView, now: float) -> dict[str, Any]:
         "pools": list(pools.values()),
         "job_executors": [msgspec.to_builtins(je) for je in view.jes],
         "frontends": [msgspec.to_builtins(fe) for fe in view.frontends],
+        "traffic": traffic or {},
+        "scale_events": scale_events or [],
     }

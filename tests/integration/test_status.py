@@ -66,6 +66,9 @@ async def test_readiness_and_the_status_command(
         assert grew("meshserve:request_prefill_time_seconds_count") == 1
         assert grew("meshserve:request_success_total") == 1
         assert grew("meshserve:generation_tokens_total") >= 1
+        async with aiohttp.ClientSession() as http, http.get(f"{base}/admin/status") as r:
+            traffic = (await r.json())["traffic"]
+        assert traffic["demo"]["requests"] == 1 and traffic["demo"]["ttft_p50_s"] > 0
 
         out = await asyncio.to_thread(
             subprocess.run,
@@ -78,6 +81,7 @@ async def test_readiness_and_the_status_command(
         assert "pool pool-s" in out.stdout
         te_line = next(line for line in out.stdout.splitlines() if line.startswith("te-s1"))
         assert "ready" in te_line and "demo" in te_line and "torch" in te_line
+        assert "traffic seen by this frontend" in out.stdout
         model_line = next(line for line in out.stdout.splitlines() if line.startswith("demo"))
         assert model_line.split()[:3] == ["demo", "ready", "1"]
 

@@ -4,8 +4,10 @@ and the node pools with their TEs, from a cluster view."""
 from __future__ import annotations
 
 from services.admin_cli import status_tables
+from services.frontend.recent import Recent
 from services.frontend.status import Readiness, model_state, status
 from shared.messages.cluster import ClusterView, ModelInfo, TEHeartbeat, TEState
+from shared.messages.scaling import ScaleEvent
 
 
 def _te(te_id: str, state: TEState, model: str | None, pool: str = "p1") -> TEHeartbeat:
@@ -60,3 +62,39 @@ def test_the_status_body_groups_tes_by_pool(capsys):
     status_tables(body)
     out = capsys.readouterr().out
     assert "pool p2 on host-p2" in out and "at_zero" in out and "75%" in out
+
+
+def test_recent_traffic_per_model_and_minute():
+    recent = Recent(window_s=600)
+    t0 = 10_000.0
+    # 10 requests a minute ago, 20 in the last minute (2 of them missing the SLO, 1 held)
+    for k in range(10):
+        recent.request("m1", at=t0 - 90 + k, ttft_s=0.1 * (k + 1), met=True, held=False)
+    for k in range(20):
+        recent.request("m1", at=t0 - 30 + k, ttft_s=0.05, met=k >= 2, held=k == 0)
+    recent.request("old", at=t0 - 700, ttft_s=1.0, met=True, held=False)  # past the window
+    got = recent.models(t0)
+    assert set(got) == {"m1"}
+    m1 = got["m1"]
+    assert m1["requests"] == 30 and m1["held"] == 1
+    assert m1["rate_per_s"] == 20 / 60
+    assert m1["ttft_p50_s"] == 0.05 and m1["ttft_p95_s"] == 0.9  # 95th of 30: the 29th
+    assert m1["slo_attainment"] == 28 / 30
+    minutes = m1["minutes"]
+    assert len(minutes) == 10 and minutes[-1]["requests"] == 20
+    assert minutes[-1]["slo_attainment"] == 18 / 20 and minutes[0]["slo_attainment"] is None
+
+
+def test_recent_scale_events_latest_first_and_in_the_status():
+    recent = Recent()
+    for k, kind in enumerate(("up", "down")):
+        recent.scale_event(
+            ScaleEvent(
+                kind=kind, model="m1", te_id=f"t{k}", pool_id="p", total_s=1.5, steps={"te_load": 1}
+            ),
+            at=100.0 + k,
+        )
+    events = recent.scale_events()
+    assert [(e["kind"], e["te"]) for e in events] == [("down", "t1"), ("up", "t0")]
+    body = status(VIEW, now=101.5, traffic={"m1": {"requests": 1}}, scale_events=events)
+    assert body["traffic"] == {"m1": {"requests": 1}} and body["scale_events"] == events
