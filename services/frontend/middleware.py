@@ -31,7 +31,8 @@ MAX_BODY = web.AppKey("max_body_bytes", int)
 ARRIVED = web.RequestKey("arrived", float)  # when the frontend began on it (monotonic)
 
 # Paths anyone may call: probes, metrics, the API's description.
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+# The status page itself holds no data: the status it reads needs the admin key.
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/dashboard")
 
 REQUESTS = Counter("meshserve_http_requests", "HTTP requests", ["endpoint", "status"])
 SHED = Counter(

@@ -16,6 +16,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -77,6 +78,7 @@ log = get_logger(__name__)
 
 OPENAPI = web.AppKey("openapi_json", bytes)
 
+DASHBOARD = (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
 OUTCOME_REPORT_S = 1.0
 LISTEN_BACKLOG = 4096
 
@@ -167,6 +169,7 @@ class Frontend:
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/admin/status", self.status)
+        app.router.add_get("/dashboard", self.dashboard)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
         return app
@@ -327,6 +330,19 @@ class Frontend:
             scale_events=self._recent.scale_events(),
         )
         return web.json_response(body)
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        """The status page: plain HTML and a small script that polls ``/admin/status``;
+        its policy forbids fetching anything from anywhere else."""
+        return web.Response(
+            body=DASHBOARD,
+            content_type="text/html",
+            headers={
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; connect-src 'self'; form-action 'none'",
+                "Cache-Control": "no-cache",
+            },
+        )
 
     async def _on_scale(self, msg: ScaleEvent) -> None:
         await on_scale_event(msg)

@@ -57,6 +57,10 @@ def _te(te: TEHeartbeat, now: float) -> dict[str, Any]:
         "running": te.running,
         "waiting": te.waiting,
         "kv_used": kv_used,
+        # prompt tokens its prefix cache held, of those looked up, since its model loaded
+        "cache_hit_rate": (
+            te.prefix_cache_hits / te.prefix_cache_queries if te.prefix_cache_queries else None
+        ),
         "adapters": list(te.adapters),
         "training": te.training,
         "generated_tokens": te.generated_tokens,
