@@ -82,11 +82,9 @@ class FineTuneJob(msgspec.Struct, kw_only=True):
     trained_tokens: int | None = None
     estimated_finish: int | None = None
     # Internal: as preprocess resolved them; the latest epoch checkpoint (a resume starts
-    # there); how many times training was placed; tokens an epoch; the published adapter.
+    # there); tokens an epoch; the published adapter.
     params: TrainParams | None = None
     checkpoint: str = ""
-    checkpoint_epoch: int = 0
-    attempts: int = 0
     tokens_per_epoch: int = 0
     adapter_path: str = ""  # the adapter evaluate published (served once the job succeeds)
 

@@ -13,7 +13,8 @@ from shared.settings import MetricsSettings
 log = get_logger(__name__)
 
 
-async def _metrics(_: web.Request) -> web.Response:
+async def metrics_response(_: web.Request) -> web.Response:
+    """This process's registry in Prometheus' text format (also the frontend's /metrics)."""
     resp = web.Response(body=generate_latest())
     resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return resp
@@ -29,7 +30,7 @@ class MetricsServer:
         if not self._settings.port:
             return
         app = web.Application()
-        app.router.add_get("/metrics", _metrics)
+        app.router.add_get("/metrics", metrics_response)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._settings.host, self._settings.port)

@@ -70,6 +70,14 @@ def detach(token: object | None) -> None:
         otel_context.detach(token)  # type: ignore[arg-type]
 
 
+def current() -> otel_context.Context | None:
+    """The current context where it holds a valid span (a task's spans' parent), else
+    None."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    return otel_context.get_current()
+
+
 def ids() -> dict[str, str]:
     """The current span's trace and span ids (hex), for log lines; empty outside one."""
     ctx = trace.get_current_span().get_span_context()

@@ -21,6 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from services.frontend.auth import Principal, principal_of
 from shared.errors import BadRequest, NotFound, Unavailable
 from shared.file_store import CHUNK, FileObject, FileStore
+from shared.fine_tuning import page
 
 MAX_LIST = 10_000
 FILES_PATH = "/v1/files"  # also where the auth middleware allows an upload's size
@@ -112,16 +113,13 @@ class FilesAPI:
             objs = [o for o in objs if o.purpose == purpose]
         if order == "asc":
             objs.reverse()
-        if after := q.get("after"):
-            ids = [o.id for o in objs]
-            objs = objs[ids.index(after) + 1 :] if after in ids else []
-        page = objs[:limit]
+        chunk, more = page(objs, after=q.get("after"), limit=limit)
         body: dict[str, Any] = {
             "object": "list",
-            "data": [o.openai() for o in page],
-            "has_more": len(objs) > limit,
-            "first_id": page[0].id if page else None,
-            "last_id": page[-1].id if page else None,
+            "data": [o.openai() for o in chunk],
+            "has_more": more,
+            "first_id": chunk[0].id if chunk else None,
+            "last_id": chunk[-1].id if chunk else None,
         }
         return web.json_response(body)
 

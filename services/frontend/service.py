@@ -23,7 +23,6 @@ import msgspec
 import structlog
 from aiohttp import web
 from opentelemetry.trace import SpanKind
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.frontend import responses as R
 from services.frontend.accounting import LeaseEnds, on_scale_event
@@ -68,6 +67,7 @@ from shared.logging import get_logger
 from shared.messages.auth import KeyRevoked
 from shared.messages.cluster import FEHeartbeat, MemberDown
 from shared.messages.scaling import OutcomeReport, ScaleEvent
+from shared.metrics_http import metrics_response
 from shared.runner import Lifecycle
 from shared.settings import Settings
 from shared.store import Store
@@ -170,7 +170,7 @@ class Frontend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/admin/status", self.status)
         app.router.add_get("/dashboard", self.dashboard)
-        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/metrics", metrics_response)
         app.router.add_get("/openapi.json", self.openapi)
         return app
 
@@ -347,11 +347,6 @@ class Frontend:
     async def _on_scale(self, msg: ScaleEvent) -> None:
         await on_scale_event(msg)
         self._recent.scale_event(msg, time.time())
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        resp = web.Response(body=generate_latest())
-        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
-        return resp
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=request.app[OPENAPI], content_type="application/json")

@@ -248,7 +248,7 @@ class FineTuneRunner:
             while True:
                 job = await self._jobs.get(job_id)
                 if job is None or job.status in TERMINAL:
-                    await self._close(run, job)
+                    await self._close(run)
                     return
                 todo = ready(run.graph)
                 if not todo:
@@ -258,8 +258,7 @@ class FineTuneRunner:
         except Deposed:
             log.warning("fine-tuning job taken over by another job executor", job=job_id)
         except JobEnded:
-            job = await self._jobs.get(job_id)
-            await self._close(run, job)
+            await self._close(run)
         except JobFailed as e:
             await self._fail(job_id, run, e.code, e.message)
         except asyncio.CancelledError:
@@ -400,6 +399,7 @@ class FineTuneRunner:
     async def _follow(self, job: FineTuneJob, p: _Placement) -> TrainDone:
         """The stage's reports, recorded as they come, until it ends; ``StageLost`` when its
         TE is gone; a cancelled job's stage is cancelled on its TE (it answers done)."""
+        assert self._jobs is not None
         cancelled = False
         check_at = time.monotonic() + POLL_S
         while True:
@@ -408,7 +408,7 @@ class FineTuneRunner:
                 check_at = time.monotonic() + POLL_S
                 self._check_te(p)
                 if not cancelled:
-                    now = await self._jobs_get(job.id)
+                    now = await self._jobs.get(job.id)
                     if now is None or now.status in TERMINAL:
                         cancelled = True
                         await self._send_cancel(p.te_id, job.id, p.attempt)
@@ -436,10 +436,6 @@ class FineTuneRunner:
             raise StageLost(f"TE {p.te_id} restarted")
         if now - p.placed_at > 3 * self._heartbeat_s and te.training != p.key:
             raise StageLost(f"TE {p.te_id} is no longer running the stage")
-
-    async def _jobs_get(self, job_id: str) -> FineTuneJob | None:
-        assert self._jobs is not None
-        return await self._jobs.get(job_id)
 
     # -- what the stages report -------------------------------------------------------------
 
@@ -488,7 +484,6 @@ class FineTuneRunner:
                 job.id,
                 LIVE,
                 checkpoint=msg.checkpoint,
-                checkpoint_epoch=msg.epoch,
                 trained_tokens=now.tokens_per_epoch * msg.epoch,
             )
             text = f"Epoch {msg.epoch}/{epochs} done: checkpoint saved"
@@ -553,7 +548,7 @@ class FineTuneRunner:
             log.warning("fine-tuning job failed", job=job_id, reason=message)
         await self._finish(run)
 
-    async def _close(self, run: Running, job: FineTuneJob | None) -> None:
+    async def _close(self, run: Running) -> None:
         """A job that ended under the runner (cancelled): its stages stopped, its graph
         closed, the job settled."""
         await self._stop_stages(run)

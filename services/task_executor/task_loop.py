@@ -254,7 +254,7 @@ class TaskLoop:
             placement=self.placements,
             accepted_at=time.monotonic(),
             mode=task.mode,
-            trace=otel_context.get_current() if tracing.ids() else None,
+            trace=tracing.current(),
             model=task.model,
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
