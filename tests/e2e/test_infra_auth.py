@@ -48,9 +48,12 @@ def service_urls(cluster: Cluster) -> dict[str, dict[str, str]]:
     """Each service's NATS and Redis URLs, as the launcher gave them."""
     out = {}
     for pid in processes_of(cluster.name):
-        argv = cmdline(pid)
-        if len(argv) > 2 and argv[1] == "-m" and argv[2].startswith("services."):
+        try:
+            argv = cmdline(pid)
             env = environ(pid)
+        except FileNotFoundError:  # a short-lived child that exited since it was listed
+            continue
+        if len(argv) > 2 and argv[1] == "-m" and argv[2].startswith("services."):
             if "MESHSERVE_NATS_URL" in env:
                 out.setdefault(argv[2].removeprefix("services."), env)
     return out
