@@ -1,7 +1,7 @@
 """Docker where no image registry answers: the engine installed and started where it can be
 (root, with apt), a Debian bookworm base image made here (``debootstrap`` and
 ``docker import``), and the images compose.yaml runs built from it: meshserve's
-(``Dockerfile``), NATS and Redis (``docker/local-infra.Dockerfile``).
+(``Dockerfile``), NATS, Redis and Prometheus (``docker/local-infra.Dockerfile``).
 
   python -m devtools.docker_local images   # builds what is missing; prints compose's variables
   eval "$(python -m devtools.docker_local images)" && docker compose up -d
@@ -44,6 +44,7 @@ class Images:
     meshserve: str = "meshserve:local"
     nats: str = "meshserve-nats:local"
     redis: str = "meshserve-redis:local"
+    prometheus: str = "meshserve-prometheus:local"
 
     def compose_env(self) -> dict[str, str]:
         """The variables that point compose.yaml at these images."""
@@ -52,6 +53,7 @@ class Images:
             "MESHSERVE_IMAGE": self.meshserve,
             "MESHSERVE_NATS_IMAGE": self.nats,
             "MESHSERVE_REDIS_IMAGE": self.redis,
+            "MESHSERVE_PROMETHEUS_IMAGE": self.prometheus,
         }
 
 
@@ -249,7 +251,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def build(d: Docker, images: Images = Images(), *, workdir: Path | None = None) -> dict[str, float]:
-    """The base image (if missing) and the three images, with ``--network host`` (the
+    """The base image (if missing) and the four images, with ``--network host`` (the
     package registries are reached through the host). Returns seconds per image."""
     seconds: dict[str, float] = {}
     t0 = time.monotonic()
@@ -266,7 +268,11 @@ def build(d: Docker, images: Images = Images(), *, workdir: Path | None = None) 
             "-t", images.meshserve, str(ROOT), timeout=1800,
         )  # fmt: skip
         seconds["meshserve"] = time.monotonic() - t0
-    for target, tag in (("nats", images.nats), ("redis", images.redis)):
+    for target, tag in (
+        ("nats", images.nats),
+        ("redis", images.redis),
+        ("prometheus", images.prometheus),
+    ):
         t0 = time.monotonic()
         say(f"docker build {tag}")
         d.run(

@@ -1,6 +1,7 @@
-# NATS and Redis images built from a local Debian bookworm base, for hosts that reach no
+# NATS, Redis and Prometheus images built from a local Debian bookworm base, for hosts that reach no
 # image registry (the tests: tests/docker/images.py). compose.yaml takes them through
-# MESHSERVE_NATS_IMAGE and MESHSERVE_REDIS_IMAGE; they run as its official images do.
+# MESHSERVE_NATS_IMAGE, MESHSERVE_REDIS_IMAGE and MESHSERVE_PROMETHEUS_IMAGE; they run as its
+# official images do.
 #   docker build -f docker/local-infra.Dockerfile --target nats --build-arg BASE=B -t T docker
 ARG BASE=debian:bookworm-slim
 
@@ -25,3 +26,16 @@ RUN apt-get update && apt-get install -y --no-install-recommends redis-server \
     && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb
 EXPOSE 6379
 CMD ["redis-server"]
+
+FROM ${BASE} AS prometheus
+# Debian's Prometheus, started as the official image starts it (compose.yaml's command: its
+# flags; the store in /prometheus, owned by nobody). wget: compose.yaml's health check.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends prometheus wget \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+    && mkdir -p /prometheus /etc/prometheus && chown nobody:nogroup /prometheus
+USER nobody
+WORKDIR /prometheus
+EXPOSE 9090
+ENTRYPOINT ["/usr/bin/prometheus"]
+CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]

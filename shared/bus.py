@@ -30,6 +30,7 @@ from shared.errors import (
     PeerUnreachable,
     from_reply,
 )
+from shared.infra_metrics import BUS_ERRORS
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.base import Message, decoder_for, encode
@@ -75,6 +76,7 @@ class Bus:
         listeners: list[Bus] = []
 
         async def disconnected() -> None:
+            BUS_ERRORS.labels("disconnected").inc()
             for bus in listeners:
                 for cb in list(bus.on_disconnected):
                     cb()
@@ -83,6 +85,10 @@ class Bus:
             for bus in listeners:
                 for cb in list(bus.on_reconnected):
                     cb()
+
+        async def error(e: Exception) -> None:
+            BUS_ERRORS.labels("client").inc()
+            log.warning("nats client error", error=f"{type(e).__name__}: {e}")
 
         nc = await nats.connect(
             url,
@@ -95,6 +101,7 @@ class Bus:
             allow_reconnect=True,
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
+            error_cb=error,
         )
         bus = cls(nc)
         listeners.append(bus)
@@ -112,6 +119,7 @@ class Bus:
         try:
             await self._nc.publish(subject, encode(msg), headers=headers)
         except nats.errors.Error as e:
+            BUS_ERRORS.labels("transport").inc()
             raise PeerUnreachable(f"bus publish on {subject} failed: {e}") from e
 
     async def request(
@@ -127,14 +135,18 @@ class Bus:
         try:
             resp = await self._nc.request(subject, encode(msg), timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError as e:
+            BUS_ERRORS.labels("no_responder").inc()
             raise NoResponder(f"nobody serves {subject}") from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
+            BUS_ERRORS.labels("timeout").inc()
             raise PeerUnreachable(f"no reply on {subject} within {timeout:.1f}s") from e
         except nats.errors.Error as e:
+            BUS_ERRORS.labels("transport").inc()
             raise PeerUnreachable(f"bus request on {subject} failed: {e}") from e
         try:
             out: M | ErrorReply = decoder_for(reply, ErrorReply).decode(resp.data)
         except msgspec.DecodeError as e:
+            BUS_ERRORS.labels("undecodable").inc()
             raise Internal(f"undecodable reply on {subject}: {e}") from e
         if isinstance(out, ErrorReply):
             raise from_reply(out)

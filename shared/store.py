@@ -7,8 +7,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+import redis.asyncio.client
+import redis.exceptions
 
 from shared.errors import Unavailable
+from shared.infra_metrics import REDIS_ERRORS
 
 
 class Store:
@@ -17,7 +20,7 @@ class Store:
 
     @classmethod
     async def connect(cls, url: str) -> Store:
-        client = aioredis.from_url(url, decode_responses=False, socket_connect_timeout=5)
+        client = MeteredRedis.from_url(url, decode_responses=False, socket_connect_timeout=5)
         try:
             await client.ping()
         except Exception as e:
@@ -40,6 +43,53 @@ class Store:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _count(e: BaseException) -> None:
+    """One failed command or transaction in ``meshserve:redis_errors_total``."""
+    if isinstance(e, redis.exceptions.NoScriptError):
+        return  # a script's first call loads it: a step of the protocol, not a failure
+    if isinstance(e, redis.exceptions.WatchError):
+        REDIS_ERRORS.labels("watch").inc()
+    elif isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
+        REDIS_ERRORS.labels("connection").inc()
+    elif isinstance(e, redis.exceptions.RedisError):
+        REDIS_ERRORS.labels("refused").inc()
+
+
+class MeteredPipeline(redis.asyncio.client.Pipeline):
+    """A pipeline or transaction whose failures are counted (``MeteredRedis.pipeline``)."""
+
+    async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().immediate_execute_command(*args, **options)
+        except Exception as e:
+            _count(e)
+            raise
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error)
+        except Exception as e:
+            _count(e)
+            raise
+
+
+class MeteredRedis(aioredis.Redis):
+    """redis-py's client, with each failed command counted by kind (the callers still get
+    the error and decide what it means)."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **options)
+        except Exception as e:
+            _count(e)
+            raise
+
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Any:
+        return MeteredPipeline(
+            self.connection_pool, self.response_callbacks, transaction, shard_hint
+        )
 
 
 def redacted(url: str) -> str:

@@ -27,6 +27,12 @@ OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
 REQUEST_ID = "meshserve.request_id"
+# A disaggregated request's KV transfer (the decode TE's ``kv_transfer`` span).
+KV_PREFILL_TE = "meshserve.kv.prefill_te"
+KV_TRANSPORT = "meshserve.kv.transport"
+KV_BYTES = "meshserve.kv.bytes"
+KV_HELD_TOKENS = "meshserve.kv.held_tokens"
+KV_FALLBACK = "meshserve.kv.fallback"
 
 
 def setup(endpoint: str, service: str) -> bool:

@@ -95,6 +95,7 @@ def account(
         first_token=gen.first_token_at,
         last_token=gen.last_token_at,
         ended=time.monotonic(),
+        token_gaps=gen.token_gaps,
     )
     ttft = None if gen.first_token_at is None else gen.first_token_at - t0
     tpot = None

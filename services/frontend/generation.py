@@ -276,6 +276,8 @@ class Generation:
     cached_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # (seconds since the tokens before, how many came): each arrival after the first token's
+    token_gaps: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     # When the oldest of the tokens yielded last reached this frontend (monotonic): what the
     # frontend adds to a token's latency is measured from here.
     arrived_at: float | None = None
@@ -473,7 +475,10 @@ class Generation:
                 return
             if ids:
                 self.arrived_at = arrived
-                self.last_token_at = time.monotonic()
+                now = time.monotonic()
+                if self.last_token_at is not None:
+                    self.token_gaps.append((now - self.last_token_at, len(ids)))
+                self.last_token_at = now
                 if self.first_token_at is None:
                     self.first_token_at, self.te_s = self.last_token_at, chunk.te_s
                 self.generated.extend(ids)

@@ -11,6 +11,8 @@ came back), decode (first token to last)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Histogram
 
 LABELS = ["model_name", "adapter", "tenant"]
@@ -38,6 +40,12 @@ TIME_TO_FIRST_TOKEN = _histogram(
     "time_to_first_token_seconds",
     "Time to first token (submitted to the first token)",
     TTFT_BUCKETS,
+)
+INTER_TOKEN_LATENCY = _histogram(
+    "inter_token_latency_seconds",
+    "Time between a request's successive tokens as the frontend received them (tokens that "
+    "came together share their gap)",
+    TPOT_BUCKETS,
 )
 TIME_PER_OUTPUT_TOKEN = _histogram(
     "request_time_per_output_token_seconds",
@@ -89,9 +97,11 @@ def observe(
     first_token: float | None,
     last_token: float | None,
     ended: float,
+    token_gaps: Iterable[tuple[float, int]] = (),
 ) -> None:
     """One request that ended; times are ``time.monotonic()`` readings (None: never
-    reached)."""
+    reached); ``token_gaps``: (seconds since the tokens before, how many came) for each
+    arrival of tokens after the first."""
     labels = (model_name, adapter, tenant)
     PROMPT_TOKENS.labels(*labels).inc(prompt_tokens)
     GENERATION_TOKENS.labels(*labels).inc(output_tokens)
@@ -109,6 +119,10 @@ def observe(
                 TIME_PER_OUTPUT_TOKEN.labels(*labels).observe(
                     (last_token - first_token) / (output_tokens - 1)
                 )
+    itl = INTER_TOKEN_LATENCY.labels(*labels)
+    for gap, n in token_gaps:
+        for _ in range(n):
+            itl.observe(gap / n)
     if finish_reason is not None:
         PROMPT_TOKENS_PER_REQUEST.labels(*labels).observe(prompt_tokens)
         GENERATION_TOKENS_PER_REQUEST.labels(*labels).observe(output_tokens)

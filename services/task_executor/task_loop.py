@@ -88,6 +88,7 @@ class _Stream:
     model: str = ""
     started_at: float = 0.0
     first_token_at: float = 0.0
+    kv_window: tuple[float, float] | None = None  # a decode task's pull: began, ended
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -331,6 +332,8 @@ class TaskLoop:
                 prompt_tokens=stream.prompt_tokens,
                 output_tokens=stream.generated,
                 finish_reason=reason if finished else None,
+                kv=stream.kv_note,
+                kv_window=stream.kv_window,
             )
         if stream is not None:
             del self._engine_streams[stream.engine_id]
@@ -516,6 +519,7 @@ class TaskLoop:
         failed or stalled transfer, the fallback (``MESHSERVE_PD_FALLBACK``)."""
         assert task.kv_source is not None
         importer = self._control.features.kv_import
+        began = time.monotonic()
         try:
             if importer is None:
                 raise TransferFailed("this engine imports no KV")
@@ -525,6 +529,7 @@ class TaskLoop:
                 log.exception("KV pull failed", request_id=stream.request_id)
             if self._streams.get(stream.key) is not stream:
                 return
+            stream.kv_window = (began, time.monotonic())
             self.kv_fallbacks += 1
             fallback = self._settings.task_executor.pd_fallback
             stream.kv_note = KvTransferNote(prefill_te=task.kv_source.te_id, fallback=str(e))
@@ -548,6 +553,7 @@ class TaskLoop:
         else:
             if self._streams.get(stream.key) is not stream:
                 return
+            stream.kv_window = (began, time.monotonic())
             pulled = got.pulled
             self.kv_pulled_bytes += pulled.nbytes
             stream.kv_note = KvTransferNote(

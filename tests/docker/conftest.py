@@ -80,9 +80,17 @@ class Compose:
         self.project = project
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        prometheus = free_port()
+        self.prometheus_url = f"http://127.0.0.1:{prometheus}"
         # Only the variables compose.yaml is meant to see: none of the test run's MESHSERVE_*.
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")}
-        self.env = {**env, **IMAGES.compose_env(), "MESHSERVE_HTTP_PORT": str(port)}
+        self.env = {
+            **env,
+            **IMAGES.compose_env(),
+            "MESHSERVE_HTTP_PORT": str(port),
+            "MESHSERVE_PROMETHEUS_PORT": str(prometheus),
+            "MESHSERVE_GRAFANA_PORT": str(free_port()),
+        }
 
     def __call__(
         self, *args: str, check: bool = True, timeout: float = 600
@@ -142,11 +150,14 @@ class Compose:
 
 @pytest.fixture(scope="module")
 def compose(docker: docker_local.Docker) -> Iterator[Compose]:
-    """compose.yaml up (detached) with the demo model generated into its volume."""
+    """compose.yaml up (detached) with the demo model generated into its volume, and the
+    observability profile's Prometheus (its Grafana has no image here: checked by `config`)
+    scraping from the start."""
     c = Compose(docker, f"{PROJECT_PREFIX}{uuid.uuid4().hex[:8]}", free_port())
     try:
         t0 = time.monotonic()
         c("up", "-d", timeout=900)
+        c("up", "-d", "prometheus", timeout=300)
         c.wait_healthy(timeout=300)
         print(f"compose up to a ready frontend: {time.monotonic() - t0:.0f} s")
         yield c

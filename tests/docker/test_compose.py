@@ -4,10 +4,15 @@ no request lost, and `docker compose down` leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import threading
 import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -140,6 +145,77 @@ def test_fine_tuning_through_compose(compose: Compose) -> None:
         model=job.fine_tuned_model, messages=PROMPT, max_tokens=8, temperature=0
     )
     assert r.usage is not None and r.usage.completion_tokens > 0
+
+
+OBSERVABILITY = Path(__file__).resolve().parents[2] / "deploy" / "observability"
+SCRAPED = {"frontend", "job-executor", "cluster-manager", "scaler", "node-pool"}
+
+
+def _prometheus(c: Compose, path: str, **query: str) -> dict:
+    url = f"{c.prometheus_url}/api/v1/{path}"
+    if query:
+        url += "?" + urllib.parse.urlencode(query)
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.load(r)
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def _finite(result: list[dict]) -> bool:
+    return any(math.isfinite(float(s["value"][1])) for s in result)
+
+
+def test_observability_profile_scrapes_every_service_and_every_panel_has_data(
+    compose: Compose,
+) -> None:
+    """The profile's Prometheus (running since `up`, through the tests above: cold starts, a
+    TE killed and restarted, a fine-tuning job) finds every service up, loads the alert
+    rules, and answers every query of the shipped dashboard with data after more traffic."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            targets = _prometheus(compose, "targets")["activeTargets"]
+        except OSError as e:
+            targets = [{"labels": {"job": "?"}, "health": repr(e)}]
+        health = {t["labels"]["job"]: t["health"] for t in targets}
+        if set(health) == SCRAPED and all(h == "up" for h in health.values()):
+            break
+        assert time.monotonic() < deadline, f"targets: {health}\n{targets}"
+        time.sleep(2)
+    rules = _prometheus(compose, "rules")["groups"]
+    assert [g["name"] for g in rules] == ["meshserve"]
+    assert all(r["health"] == "ok" for r in rules[0]["rules"]), rules
+    # Traffic in two rounds with scrapes (every 5 s) between, so every rate has an increase.
+    for _ in range(2):
+        for _ in range(3):
+            _greedy(compose, 16)
+            _streamed(compose, 16)
+        time.sleep(12)
+    dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    empty = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            data = _prometheus(compose, "query", query=target["expr"])
+            if not _finite(data["result"]):
+                empty.append((panel["title"], target["expr"], data["result"]))
+    assert not empty, "panels without data:\n" + "\n".join(map(str, empty))
+
+
+def test_observability_profile_config(compose: Compose) -> None:
+    """Grafana cannot run here (no image): its service is checked by `config`, with
+    Prometheus provisioned as its data source and the dashboard mounted."""
+    config = yaml.safe_load(compose("--profile", "observability", "config").stdout)
+    grafana = config["services"]["grafana"]
+    # docker-compose 1.29 writes volumes as strings, compose v2 as mappings.
+    mounts = dict(
+        (v["target"], v["source"]) if isinstance(v, dict) else v.split(":")[1::-1]
+        for v in grafana["volumes"]
+    )
+    assert Path(mounts["/etc/grafana/provisioning"]) == OBSERVABILITY / "grafana"
+    assert Path(mounts["/var/lib/grafana/dashboards/meshserve.json"]) == (
+        OBSERVABILITY / "grafana-dashboard.json"
+    )
+    assert not compose("ps", "-q", "grafana").stdout.split()
 
 
 ANONYMOUS = """

@@ -54,8 +54,11 @@ async def test_readiness_and_the_status_command(
         # One request, in vLLM's families (meshserve: prefix, model_name), as Prometheus reads
         # it (the counts are this process's: other tests' requests are in them too).
         before = await _demo_samples(base)
-        await client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        r = await client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_body={"ignore_eos": True},
         )
         after = await _demo_samples(base)
 
@@ -64,6 +67,9 @@ async def test_readiness_and_the_status_command(
 
         assert grew("meshserve:time_to_first_token_seconds_count") == 1
         assert grew("meshserve:request_prefill_time_seconds_count") == 1
+        # One inter-token latency per token after the first.
+        assert r.usage is not None and r.usage.completion_tokens == 4
+        assert grew("meshserve:inter_token_latency_seconds_count") == 3
         assert grew("meshserve:request_success_total") == 1
         assert grew("meshserve:generation_tokens_total") >= 1
         async with aiohttp.ClientSession() as http, http.get(f"{base}/admin/status") as r:

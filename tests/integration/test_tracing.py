@@ -1,7 +1,8 @@
 """One request's spans form one trace across three services (in-memory exporter): the
 frontend's ``chat demo`` (GenAI attributes), the job executor's ``place demo`` inside it,
 the TE's ``task demo`` inside that with its ``queue``, ``prefill`` and ``decode``; the
-context crosses the bus in NATS headers. Log lines inside a span carry its ids."""
+context crosses the bus in NATS headers. A disaggregated request adds the prefill TE's task
+and the decode TE's ``kv_transfer``. Log lines inside a span carry its ids."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shared import tracing
 from shared.logging import _trace_ids
 from shared.messages.cluster import TEState
 from shared.messages.scaling import LoadModel
+from shared.messages.tasks import TaskMode
 from tests.integration.services import BusClient, control_plane, fast_settings
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis]
@@ -89,6 +91,55 @@ async def test_a_requests_spans_form_one_trace(
         assert tuple(attrs[tracing.FINISH_REASONS]) == (r.choices[0].finish_reason,)
         assert 0 < attrs[tracing.TIME_TO_FIRST_TOKEN] < chat.end_time - chat.start_time
         assert (task.attributes or {})[tracing.OUTPUT_TOKENS] == r.usage.completion_tokens
+
+
+async def test_a_disaggregated_requests_kv_transfer_is_a_span_of_its_decode_task(
+    spans: InMemorySpanExporter,
+    cluster: str,
+    nats_url: str,
+    redis_url: str,
+    tmp_path: Path,
+    demo_model_dir: Path,
+) -> None:
+    (tmp_path / "demo").symlink_to(demo_model_dir)
+    settings = fast_settings(cluster, nats_url, redis_url, tmp_path, pd="always")
+    roles = {"te-p": TaskMode.PREFILL, "te-d": TaskMode.DECODE}
+    async with control_plane(settings, nats_url, redis_url) as run:
+        client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
+        await client.started.wait()
+        for te_id in roles:
+            await run.start(
+                lambda bus, te_id=te_id: TaskExecutor(
+                    settings=settings, bus=bus, te_id=te_id, pool_id="p"
+                )
+            )
+        await client.until(lambda v: len(v.tes) == 2, 30)
+        path = str(tmp_path / "demo")
+        for te_id, role in roles.items():
+            ack = await client.tes.control(te_id, LoadModel(model="demo", path=path, role=role))
+            assert ack.ok, ack
+        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        api = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{settings.frontend.http_port}/v1", api_key="none"
+        )
+        spans.clear()
+        r = await api.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Hi there"}], max_tokens=5
+        )
+        assert r.usage is not None
+    finished = spans.get_finished_spans()
+    (chat,) = [s for s in finished if s.name == "chat demo"]
+    tasks = [s for s in finished if s.name == "task demo"]
+    assert len(tasks) == 2, [s.name for s in finished]  # the prefill's and the decode's
+    (kv,) = [s for s in finished if s.name == "kv_transfer"]
+    (decode,) = [t for t in tasks if t.context.span_id == kv.parent.span_id]
+    assert {s.context.trace_id for s in (chat, kv, *tasks)} == {chat.context.trace_id}
+    assert decode.start_time <= kv.start_time <= kv.end_time <= decode.end_time
+    attrs = kv.attributes or {}
+    assert attrs[tracing.KV_PREFILL_TE] == "te-p"
+    assert attrs[tracing.KV_TRANSPORT] == "shm"  # one host
+    assert attrs[tracing.KV_BYTES] > 0 and tracing.KV_FALLBACK not in attrs
+    assert kv.status.status_code != trace.StatusCode.ERROR
 
 
 def test_log_lines_inside_a_span_carry_its_ids(spans: InMemorySpanExporter) -> None:

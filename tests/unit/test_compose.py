@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
 INFRA = ("nats", "redis")
 ONE_SHOT = ("secrets", "demo-model")
+OBSERVABILITY = ("prometheus", "grafana")
 
 
 def _meshserve() -> dict[str, dict]:
-    return {n: s for n, s in SERVICES.items() if n not in INFRA + ONE_SHOT}
+    return {n: s for n, s in SERVICES.items() if n not in INFRA + ONE_SHOT + OBSERVABILITY}
 
 
 def test_compose_runs_each_service_once_with_a_real_subcommand():
@@ -59,3 +60,31 @@ def test_the_models_are_there_before_whoever_reads_them_starts():
             "condition": "service_completed_successfully"
         }
         assert any(v.endswith(":/models:ro") for v in SERVICES[name]["volumes"]), name
+
+
+def test_the_observability_profile_mounts_what_the_repository_ships():
+    """Prometheus reads deploy/observability (scrape config, alert rules); Grafana its
+    provisioning (the Prometheus data source, the dashboard provider) and the dashboard at
+    the path the provider reads. Neither starts without the profile; both listen on the
+    host's loopback only (Prometheus has no authentication)."""
+    for name in OBSERVABILITY:
+        s = SERVICES[name]
+        assert s["profiles"] == ["observability"], name
+        assert all(p.startswith("127.0.0.1:") for p in s["ports"]), name
+        for volume in s["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), volume
+    prometheus = SERVICES["prometheus"]
+    assert "./deploy/observability:/etc/prometheus:ro" in prometheus["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    provisioning = ROOT / "deploy" / "observability" / "grafana"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == "http://prometheus:9090" and source["isDefault"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "meshserve.yml").read_text())[
+        "providers"
+    ]
+    dashboard = next(v for v in SERVICES["grafana"]["volumes"] if "grafana-dashboard" in v)
+    assert dashboard.split(":")[1].startswith(provider["options"]["path"] + "/")

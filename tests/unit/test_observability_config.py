@@ -1,7 +1,7 @@
 """The shipped Grafana dashboard, alert rules and Prometheus scrape config
 (``deploy/observability/``) ask only for families meshserve serves, with labels those
 families have, and scrape every service. (Running them against a live Prometheus is the
-compose profile's test, not built yet.)"""
+compose profile's test, tests/docker/test_compose.py.)"""
 
 from __future__ import annotations
 
@@ -77,8 +77,13 @@ def test_prometheus_scrapes_every_service():
     targets = {
         target
         for job in config["scrape_configs"]
-        for group in job["static_configs"]
+        for group in job.get("static_configs", [])
         for target in group["targets"]
+    } | {
+        f"{name}:{sd['port']}"
+        for job in config["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
     }
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
     port = compose["frontend"]["ports"][0].rsplit(":", 1)[1]
