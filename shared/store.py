@@ -62,7 +62,7 @@ class MeteredPipeline(redis.asyncio.client.Pipeline):
 
     async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
         try:
-            return await super().immediate_execute_command(*args, **options)
+            return await super().immediate_execute_command(*args, **options)  # type: ignore[no-untyped-call]
         except Exception as e:
             _count(e)
             raise
@@ -81,7 +81,7 @@ class MeteredRedis(aioredis.Redis):
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         try:
-            return await super().execute_command(*args, **options)
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
         except Exception as e:
             _count(e)
             raise
