@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from services.task_executor.capacity import CAPACITY_MAX_BATCH
 from shared.messages.scaling import InstanceCapacity
+from shared.perf_model import CAPACITY_MAX_BATCH
 
 # A load that maps its weights from the host cache, over one that reads the checkpoint: 0.17 s
 # against 0.55 s from a warm disk for the Qwen2-0.5B-shaped model (README, Performance:

@@ -21,15 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadgen.costmodel import EngineProfile
-from services.task_executor.capacity import (
-    decode_step_s,
-    fit_prefill,
-    pace_at_full_budget,
-    prefill_s,
-)
 from services.task_executor.checkpoint import shard_files
 from services.task_executor.engines.capabilities import bind_features
 from services.task_executor.engines.factory import choose_engine, create_engine
+from services.task_executor.perf_profile import decode_step_s, pace_at_full_budget, prefill_s
+from shared.perf_model import fit_prefill
 from shared.settings import Settings
 
 

@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
         from services.task_executor.capacity import profile_model
         from shared.settings import Settings
 
-        capacity, where = profile_model(Path(args.model_dir), Settings.load())
-        print(f"{args.model_dir}: capacity {where}: {capacity}")
+        perf, where = profile_model(Path(args.model_dir), Settings.load())
+        print(f"{args.model_dir}: performance model {where} ({perf.grid} grid)")
+        print(f"  capacity: {perf.capacity()}")
         return
     if args.command == "infra-secrets":
         from pathlib import Path

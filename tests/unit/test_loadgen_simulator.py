@@ -12,7 +12,7 @@ from loadgen.plan import plan
 from loadgen.report import summarize
 from loadgen.simulator import SimConfig, simulate
 from loadgen.traces import TraceRequest
-from services.task_executor.capacity import fit_prefill
+from shared.perf_model import fit_prefill
 from shared.slo import SLO
 from tests.shared_traces import azure_slice
 
