@@ -1,0 +1,206 @@
+"""Shadow validation before admission (LLM-Mesh): before a request joins an instance, play
+the next iterations of the instance's whole device forward with each instance's profiled
+iteration times (``shared.perf_model``, plus a margin), turns in headroom order
+(``shared.headroom.next_turn``), once with the request and once without, and refuse the
+placement when it would
+
+- make the new request late: its first token after its TTFT deadline (``late``);
+- push a request the device already holds past a deadline it would have met (``pushes``);
+- make one decode round of the device exceed the TPOT SLO: a turn for every instance that
+  holds requests, each decoding its batch (the new request in its target's), longer than
+  the tightest TPOT limit among them, where it was not without it (``tpot``).
+
+The play runs until the new request has its first token and ``horizon_tokens`` more (or
+its deadline for them has passed); the run without it covers the same span. A refused
+placement tries another instance, another device, or asks the scaler for one; the client
+hears of it only when nothing can take it. Pure: the job executor, the node pool and the
+simulator call it as is.
+
+An iteration of an instance, as its engine runs one: every running request decodes a token
+(up to ``max_num_seqs``), and waiting prompts fill the rest of the iteration's prefill
+budget (``max_prefill_tokens``, chunked), first come first served; a prompt whose last
+chunk ran gets its first token then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from shared.headroom import RequestView, next_turn
+from shared.perf_model import PerfModel
+
+MARGIN = 0.10  # profiled times are stretched by this much
+HORIZON_TOKENS = 2  # tokens past the new request's first that the play covers
+MAX_ITERATIONS = 20_000  # a bound on the play, whatever the device holds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance on the device: its model's performance model and the requests it holds,
+    in the order its engine takes them (running first, then waiting)."""
+
+    instance: str
+    perf: PerfModel
+    requests: tuple[RequestView, ...]
+    max_num_seqs: int
+    max_prefill_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verdict:
+    ok: bool
+    reason: str = ""  # "late", "pushes" or "tpot" when refused
+    request: str = ""  # the request it would push, or whose TPOT it would break
+    first_token_s: float = math.inf  # the new request's predicted TTFT (from its arrival)
+
+
+@dataclasses.dataclass(slots=True)
+class _Req:
+    view: RequestView
+    computed: int
+    output: int
+    missed: bool = False  # a token after its deadline (or overdue at the end)
+    first_token: float | None = None
+
+    def deadline(self) -> float:
+        v = self.view
+        return v.arrival + v.ttft_slo + v.tpot_slo * self.output
+
+    def done(self) -> bool:
+        return self.output >= max(1, self.view.expected_output)
+
+
+@dataclasses.dataclass(slots=True)
+class _Instance:
+    view: InstanceView
+    reqs: list[_Req]
+
+    def earliest(self) -> float:
+        return min((r.deadline() for r in self.reqs), default=math.inf)
+
+    def iterate(self, now: float, margin: float) -> float:
+        """One iteration from ``now``: its end time; tokens and deadlines recorded."""
+        v = self.view
+        decoding = [r for r in self.reqs if r.computed >= r.view.prompt_tokens][: v.max_num_seqs]
+        slots = v.max_num_seqs - len(decoding)
+        budget = v.max_prefill_tokens
+        chunks: list[tuple[_Req, int]] = []
+        for r in self.reqs:
+            if budget <= 0 or slots <= 0:
+                break
+            if r.computed < r.view.prompt_tokens:
+                n = min(r.view.prompt_tokens - r.computed, budget)
+                chunks.append((r, n))
+                budget -= n
+                slots -= 1
+        context = sum(r.view.prompt_tokens + r.output for r in decoding)
+        mean = context / len(decoding) if decoding else 0.0
+        prefill = sum(n for _, n in chunks)
+        end = now + v.perf.iteration_s(len(decoding), mean, prefill) * (1 + margin)
+        for r in decoding:
+            _token(r, end)
+        for r, n in chunks:
+            r.computed += n
+            if r.computed >= r.view.prompt_tokens:
+                _token(r, end)
+        self.reqs = [r for r in self.reqs if not r.done()]
+        return end
+
+
+def _token(r: _Req, at: float) -> None:
+    if at > r.deadline():
+        r.missed = True
+    if r.first_token is None:
+        r.first_token = at
+    r.output += 1
+
+
+def _play(
+    device: Sequence[InstanceView],
+    now: float,
+    margin: float,
+    *,
+    until: float,
+    new: tuple[str, RequestView] | None,
+    new_tokens: int,
+) -> tuple[dict[str, _Req], float]:
+    """The device's iterations from ``now`` in headroom order: every request's record by
+    id, and when the play stopped (``until``, or earlier when the new request has
+    ``new_tokens`` tokens or nothing is left to run)."""
+
+    def record(r: RequestView) -> _Req:
+        return _Req(r, r.computed_tokens, r.output_tokens)
+
+    instances = {i.instance: _Instance(i, [record(r) for r in i.requests]) for i in device}
+    watched: _Req | None = None
+    if new is not None:
+        target, view = new
+        watched = record(view)
+        instances[target].reqs.append(watched)
+    records = {r.view.id: r for inst in instances.values() for r in inst.reqs}
+    t = now
+    for _ in range(MAX_ITERATIONS):
+        if t >= until or (watched is not None and watched.output >= new_tokens):
+            break
+        turn = next_turn({name: inst.earliest() for name, inst in instances.items()})
+        if turn is None:
+            break
+        t = instances[turn].iterate(t, margin)
+    end = min(t, until)
+    for inst in instances.values():  # a token still to come whose deadline has passed
+        for r in inst.reqs:
+            if r.deadline() < end:
+                r.missed = True
+    return records, t
+
+
+def decode_round_s(
+    device: Sequence[InstanceView], margin: float, new: tuple[str, RequestView] | None
+) -> float:
+    """One turn for each instance holding requests, each a decode step of its batch (up to
+    ``max_num_seqs``, at its mean context), with ``new`` in its target's: how long a request
+    waits between two tokens when every instance decodes."""
+    total = 0.0
+    for inst in device:
+        requests = list(inst.requests)
+        if new is not None and new[0] == inst.instance:
+            requests.append(new[1])
+        batch = requests[: inst.max_num_seqs]
+        if batch:
+            context = sum(r.prompt_tokens + r.output_tokens for r in batch) / len(batch)
+            total += inst.perf.decode_step_s(len(batch), context)
+    return total * (1 + margin)
+
+
+def validate(
+    device: Sequence[InstanceView],
+    target: str,
+    new: RequestView,
+    now: float,
+    *,
+    margin: float = MARGIN,
+    horizon_tokens: int = HORIZON_TOKENS,
+) -> Verdict:
+    """Whether ``new`` may join instance ``target`` of ``device`` at ``now``. The requests
+    of the device and ``new`` need distinct ids."""
+    tokens = min(max(1, new.expected_output), 1 + horizon_tokens)
+    last_due = new.arrival + new.ttft_slo + new.tpot_slo * (tokens - 1)
+    with_new, end = _play(device, now, margin, until=last_due, new=(target, new), new_tokens=tokens)
+    without, _ = _play(device, now, margin, until=end, new=None, new_tokens=0)
+    mine = with_new[new.id]
+    first = math.inf if mine.first_token is None else mine.first_token - new.arrival
+    if mine.first_token is None or mine.first_token > new.arrival + new.ttft_slo:
+        return Verdict(ok=False, reason="late", request=new.id, first_token_s=first)
+    for rid, before in without.items():
+        if with_new[rid].missed and not before.missed:
+            return Verdict(ok=False, reason="pushes", request=rid, first_token_s=first)
+    held = [r for i in device for r in i.requests]
+    tightest = min([*held, new], key=lambda r: r.tpot_slo)
+    held_limit = min((r.tpot_slo for r in held), default=math.inf)
+    if decode_round_s(device, margin, (target, new)) > tightest.tpot_slo and (
+        decode_round_s(device, margin, None) <= held_limit
+    ):
+        return Verdict(ok=False, reason="tpot", request=tightest.id, first_token_s=first)
+    return Verdict(ok=True, first_token_s=first)

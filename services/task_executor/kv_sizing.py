@@ -1,0 +1,118 @@
+"""KV sized by demand (LLM-Mesh): an instance's KV pool follows what its requests need,
+growing early and shrinking lazily, so that instances sharing a device leave each other the
+memory they do not use. Pure.
+
+Demand, in tokens: ``C × max(Σ_r (I_r + max(O_r, Ō)), L_min)`` over the requests the instance
+holds, ``I_r`` a request's prompt, ``O_r`` the output it asks for (its ``max_tokens``), ``Ō``
+the mean output of recent requests (a request asking for little may still run long), ``C``
+a safety factor and ``L_min`` a floor (one request of the model's longest context).
+
+The pool grows as soon as its slack falls under half of ``w`` (to ``demand × (1 + w)``), and
+shrinks only when it holds more than ``(1 + h)`` times that for ``shrink_after_s``: a
+band between the two, so a demand that wobbles never makes the pool grow and shrink in
+turn. Sizes are whole multiples of ``granularity`` tokens (the engine's block size, or
+more).
+
+When the demand was under-estimated and the pool is full, the instance evicts the request
+with the most headroom (``evict``: the one that can best afford to start over); it is
+admitted again and its prefix recomputed, its output unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+from shared.headroom import RequestView
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvSizing:
+    scale: float = 1.0  # C
+    min_tokens: int = 0  # L_min
+    grow_slack: float = 0.25  # w
+    shrink_slack: float = 0.5  # h
+    shrink_after_s: float = 30.0
+    granularity: int = 16
+
+
+def demand_tokens(
+    requests: Iterable[tuple[int, int]], mean_output: float, sizing: KvSizing
+) -> float:
+    """``requests``: (prompt tokens, output tokens asked for) of each request held."""
+    need = sum(prompt + max(output, mean_output) for prompt, output in requests)
+    return sizing.scale * max(need, sizing.min_tokens)
+
+
+def _rounded(tokens: float, granularity: int) -> int:
+    g = max(1, granularity)
+    return max(g, math.ceil(tokens / g) * g)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resize:
+    tokens: int  # the pool's size from now (the current one when it holds)
+    over_since: float | None  # since when the pool has been above the shrink line
+
+
+def next_size(
+    current: int, demand: float, *, now: float, over_since: float | None, sizing: KvSizing
+) -> Resize:
+    """The pool's next size: grown at once to ``demand × (1 + w)`` when its slack is under
+    ``w / 2``; shrunk to that once it has stayed above ``(1 + h)`` times it for
+    ``shrink_after_s``; else as it is. ``over_since`` carries the shrink timer between
+    calls."""
+    target = _rounded(demand * (1 + sizing.grow_slack), sizing.granularity)
+    if current < demand * (1 + sizing.grow_slack / 2):
+        return Resize(max(target, current), None)
+    if current > target * (1 + sizing.shrink_slack):
+        since = now if over_since is None else over_since
+        if now - since >= sizing.shrink_after_s:
+            return Resize(target, None)
+        return Resize(current, since)
+    return Resize(current, None)
+
+
+def evict(requests: Sequence[RequestView], now: float) -> RequestView | None:
+    """The request to evict from a full pool: the most headroom (ties: the latest to
+    arrive, which loses the least work)."""
+    return max(requests, key=lambda r: (r.headroom(now), r.arrival), default=None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceOp:
+    """A change of what one device's memory holds: ``shrink`` or ``unload`` releases
+    ``bytes``, ``grow`` or ``load`` needs them. ``urgency``: the earliest deadline the op
+    serves (smaller first among those that need memory)."""
+
+    kind: str  # "shrink", "unload", "grow", "load"
+    instance: str
+    bytes: int
+    urgency: float = math.inf
+
+
+RELEASES = ("shrink", "unload")
+
+
+def order_ops(ops: Iterable[DeviceOp], free_bytes: int) -> tuple[list[DeviceOp], list[DeviceOp]]:
+    """The ops to run now, in order, and those that must wait. Every release runs first (a
+    grow never starts before the shrink that makes its room has finished: the caller runs
+    them in this order, each after the one before); then the ops that need memory, most
+    urgent first, each while what the releases freed and what was free still holds it.
+    The first that does not fit waits, and so does every op after it: none overtakes it, so
+    a large load is never starved by a stream of small grows."""
+    ops = list(ops)
+    releases = [op for op in ops if op.kind in RELEASES]
+    needs = sorted(
+        (op for op in ops if op.kind not in RELEASES), key=lambda op: (op.urgency, op.instance)
+    )
+    free = free_bytes + sum(op.bytes for op in releases)
+    now: list[DeviceOp] = list(releases)
+    wait: list[DeviceOp] = []
+    for op in needs:
+        if not wait and op.bytes <= free:
+            now.append(op)
+            free -= op.bytes
+        else:
+            wait.append(op)
+    return now, wait

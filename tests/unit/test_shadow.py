@@ -1,0 +1,109 @@
+"""Headroom order (``shared/headroom.py``) and shadow validation before admission
+(``services/job_executor/shadow.py``): each of its rejection rules, on a device whose
+instances' iteration times are known exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.job_executor.shadow import InstanceView, validate
+from shared.headroom import RequestView, earliest_deadline, next_turn
+from shared.perf_model import PerfModel
+
+# 1 ms a prompt token; a decode step 10 ms whatever the batch and context.
+PERF = PerfModel(
+    prefill_lengths=[16, 4096],
+    prefill_s=[0.016, 4.096],
+    decode_batches=[1, 32],
+    decode_contexts=[16, 4096],
+    decode_s=[[0.01, 0.01], [0.01, 0.01]],
+    max_num_seqs=32,
+)
+
+
+def _req(rid: str, *, prompt: int = 10, ttft: float = 2.0, tpot: float = 0.25, **kw) -> RequestView:  # type: ignore[no-untyped-def]
+    values = {"arrival": 0.0, "expected_output": 50} | kw
+    return RequestView(id=rid, prompt_tokens=prompt, ttft_slo=ttft, tpot_slo=tpot, **values)  # type: ignore[arg-type]
+
+
+def _inst(name: str, *requests: RequestView) -> InstanceView:
+    return InstanceView(
+        instance=name, perf=PERF, requests=requests, max_num_seqs=32, max_prefill_tokens=2048
+    )
+
+
+def test_headroom_is_the_next_tokens_deadline_less_now():
+    r = _req("a", ttft=2.0, tpot=0.1, arrival=10.0)
+    assert r.deadline() == 12.0 and r.headroom(11.5) == pytest.approx(0.5)
+    decoding = _req("b", ttft=2.0, tpot=0.1, arrival=10.0, output_tokens=5, computed_tokens=10)
+    assert decoding.deadline() == pytest.approx(12.5)
+    assert decoding.headroom(13.0) < 0  # late: an SLO miss
+    assert earliest_deadline([r, decoding]) == 12.0 and earliest_deadline([]) == math.inf
+
+
+def test_the_turn_goes_to_the_least_headroom_and_ties_agree():
+    assert next_turn({"a": 5.0, "b": 3.0, "c": 4.0}) == "b"
+    assert next_turn({"b": 3.0, "a": 3.0}) == "a"
+    assert next_turn({"a": math.inf}) is None and next_turn({}) is None
+
+
+def test_a_request_an_idle_device_can_serve_is_admitted():
+    v = validate([_inst("a"), _inst("b")], "a", _req("new", prompt=100), 0.0)
+    assert v.ok and v.reason == ""
+    assert v.first_token_s == pytest.approx(0.1 * 1.1)  # its prefill, with the margin
+
+
+def test_a_request_that_would_be_late_is_refused():
+    v = validate([_inst("a")], "a", _req("new", prompt=4000, ttft=2.0), 0.0)
+    assert (v.ok, v.reason, v.request) == (False, "late", "new")
+    assert v.first_token_s == pytest.approx(4.0 * 1.1)
+
+
+def test_a_request_that_pushes_an_admitted_one_past_its_deadline_is_refused():
+    # a's waiting prompt (0.55 s) is due at 0.6 s: it makes it alone. The newcomer is due
+    # first (0.3 s), so it runs first, and a's first token comes at 0.66 s.
+    a = _req("held", prompt=500, ttft=0.6)
+    v = validate([_inst("a", a), _inst("b")], "b", _req("new", prompt=100, ttft=0.3), 0.0)
+    assert (v.ok, v.reason, v.request) == (False, "pushes", "held")
+    # The same newcomer with a later deadline waits its turn: both make it.
+    v = validate([_inst("a", a), _inst("b")], "b", _req("new", prompt=100, ttft=1.0), 0.0)
+    assert v.ok, v
+
+
+def test_a_request_that_stretches_a_decode_round_past_the_tpot_is_refused():
+    # A decoding request with a 15 ms TPOT: its instance's step (11 ms with the margin) fits;
+    # a turn of a second instance in every round (22 ms) does not.
+    tight = _req("decoding", ttft=10.0, tpot=0.015, computed_tokens=10, output_tokens=5)
+    v = validate([_inst("a", tight), _inst("b")], "b", _req("new", prompt=20), 0.0)
+    assert (v.ok, v.reason, v.request) == (False, "tpot", "decoding")
+    # Joining its own instance adds no turn to the round.
+    v = validate([_inst("a", tight), _inst("b")], "a", _req("new", prompt=20), 0.0)
+    assert v.ok, v
+    # With a 50 ms TPOT both turns fit.
+    loose = _req("decoding", ttft=10.0, tpot=0.05, computed_tokens=10, output_tokens=5)
+    v = validate([_inst("a", loose), _inst("b")], "b", _req("new", prompt=20), 0.0)
+    assert v.ok, v
+    # The newcomer's own TPOT counts too.
+    v = validate([_inst("a", loose), _inst("b")], "b", _req("new", prompt=20, tpot=0.015), 0.0)
+    assert (v.ok, v.reason, v.request) == (False, "tpot", "new")
+
+
+def test_what_was_already_late_does_not_block_a_newcomer():
+    late = _req("late", prompt=10, ttft=0.001, computed_tokens=10, output_tokens=1)
+    v = validate([_inst("a", late)], "a", _req("new", prompt=50), 0.0)
+    assert v.ok, v
+
+
+def test_the_newcomer_on_a_busy_instance_shares_its_iterations():
+    # 31 decoding requests on the target: the newcomer's prefill joins their iterations.
+    busy = [
+        _req(f"r{i}", ttft=5.0, tpot=0.5, computed_tokens=10, output_tokens=3) for i in range(31)
+    ]
+    v = validate([_inst("a", *busy)], "a", _req("new", prompt=200), 0.0)
+    assert v.ok and v.first_token_s == pytest.approx(0.2 * 1.1)
+    # A full batch: the newcomer waits for a slot; none frees within its TTFT.
+    full = [*busy, _req("r31", ttft=5.0, tpot=0.5, computed_tokens=10, output_tokens=3)]
+    v = validate([_inst("a", *full)], "a", _req("new", prompt=200, ttft=0.5), 0.0)
+    assert (v.ok, v.reason) == (False, "late")
