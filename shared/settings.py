@@ -542,6 +542,18 @@ class TaskExecutorSettings(Section):
         "length, renewed by the decode TE while it pulls; a lease not renewed frees the KV "
         "(a decode TE that vanished), as does the decode TE's release or a dropped connection.",
     )
+    device_turns: bool = Field(
+        default=True,
+        description="The TEs of a node pool sharing a device run their engine iterations one "
+        "at a time, the next turn to the TE holding the request closest to its SLO deadline "
+        "(LLM-Mesh; services/task_executor/device_arbiter.py). Off: each TE's iterations run "
+        "whenever it has work, competing for the cores.",
+    )
+    device_arbiter: str = Field(
+        default="",
+        description="The Unix socket of the node pool's device arbiter; set by the pool for "
+        "its TEs (empty: no arbiter).",
+    )
     kv_segment_pool_bytes: int = Field(
         default=1 << 30,
         ge=0,

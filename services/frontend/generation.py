@@ -271,6 +271,7 @@ class Generation:
     adapter: str = ""  # a fine-tuned model: its LoRA adapter, and where its files are
     adapter_path: str = ""
     tenant: str = ""  # whose request (the metrics' label)
+    arrived: float = dataclasses.field(default_factory=time.monotonic)  # reached this frontend
     generated: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
@@ -350,6 +351,7 @@ class Generation:
             exclude_te_ids=exclude,
             adapter=self.adapter,
             adapter_path=self.adapter_path,
+            age_s=time.monotonic() - self.arrived,
         )
         submit = asyncio.create_task(self._offer(job, attempt))
         lost = asyncio.create_task(attempt.lost.wait())

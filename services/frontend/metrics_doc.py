@@ -29,6 +29,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "job executor": ("services.job_executor.metrics",),
     "cluster manager": ("services.cluster_manager.metrics",),
     "scaler": ("services.scaler.metrics",),
+    "node pool": ("services.task_executor.device_arbiter",),
     "every service": ("shared.infra_metrics",),
 }
 

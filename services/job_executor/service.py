@@ -120,6 +120,8 @@ class JobExecutor:
         self._views: list[TEView] = []
         self._views_of: ClusterView | None = None  # the view _views were made from
         self._inflight = 0
+        # When each job in hand reached its frontend, on this JE's clock (its tasks' age).
+        self._arrivals: dict[str, float] = {}
         self._started = time.time()
         self._mean_output_tokens = INITIAL_MEAN_OUTPUT_TOKENS  # admission's moving mean
         self._outputs = OutputPredictor()  # learns from the tasks it placed, as they end
@@ -207,6 +209,7 @@ class JobExecutor:
 
     async def _on_job(self, job: ChatJob) -> JobAccepted:
         t0 = time.monotonic()
+        self._arrivals[job.key] = t0 - job.age_s
         self._inflight += 1
         metrics.IN_FLIGHT.inc()
         try:
@@ -235,6 +238,7 @@ class JobExecutor:
             accepted.je_s = time.monotonic() - t0
             return accepted
         finally:
+            self._arrivals.pop(job.key, None)
             self._inflight -= 1
             metrics.IN_FLIGHT.dec()
 
@@ -495,6 +499,7 @@ class JobExecutor:
             kv_source=source,
             adapter=job.adapter,
             adapter_path=job.adapter_path,
+            age_s=time.monotonic() - self._arrivals.get(job.key, time.monotonic() - job.age_s),
         )
 
     async def _place_graph(

@@ -7,10 +7,13 @@ import asyncio
 import contextlib
 import signal
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 from prometheus_client import REGISTRY
 
+from services.task_executor.device_arbiter import DeviceArbiter
 from services.task_executor.host_cache_watch import HostCachePublication, HostCacheWatch
 from services.task_executor.pool_metrics import PoolCollector
 from services.task_executor.weight_cache.transfer import WeightServer
@@ -49,8 +52,17 @@ class NodePool:
         self._life = Lifecycle("node pool")
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self.metrics = MetricsServer(settings.metrics, "node pool")
+        te = settings.task_executor
+        # Its TEs share the pool's device (its cores, or its GPU): one iteration at a time.
+        self.arbiter = (
+            DeviceArbiter(Path(tempfile.gettempdir()) / f"meshserve-turns-{uuid.uuid4().hex[:12]}")
+            if te.device_turns and te.pool_size > 1
+            else None
+        )
 
     async def run(self) -> None:
+        if self.arbiter is not None:
+            await self.arbiter.start()
         server = self._start_weight_server()
         if server is not None and self._store is not None:
             publication = HostCachePublication(self._settings, self.pool_id, self._store)
@@ -69,6 +81,8 @@ class NodePool:
             if self._store is not None:
                 await self._store.close()
             codes = await self._stop_all()
+            if self.arbiter is not None:
+                await self.arbiter.stop()
             await self._life.cancel_tasks()
             self._life.stopped()
         if bad := {te: rc for te, rc in codes.items() if rc != 0}:
@@ -117,7 +131,11 @@ class NodePool:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
             # The pool's health file is the pool's: its TEs must not keep it fresh for it.
             # Nor its metrics port: the pool serves its TEs' metrics.
-            own = self._settings.with_values(health_file=None, metrics={"port": 0})
+            own = self._settings.with_values(
+                health_file=None,
+                metrics={"port": 0},
+                device_arbiter=str(self.arbiter.path) if self.arbiter is not None else "",
+            )
             env = process_environment(own.env())
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ import msgspec
 from opentelemetry import context as otel_context
 
 from services.task_executor import task_spans
+from services.task_executor.device_arbiter import TurnClient
 from services.task_executor.disaggregation import PrefillSide, prefill_request, pull_prompt
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
@@ -89,6 +91,7 @@ class _Stream:
     started_at: float = 0.0
     first_token_at: float = 0.0
     kv_window: tuple[float, float] | None = None  # a decode task's pull: began, ended
+    arrival: float = 0.0  # when the request reached its frontend, on this TE's clock
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +151,13 @@ class TaskLoop:
         self._closing = False
         self._idle = asyncio.Event()
         self._idle.set()
+        # Turns on the device this pool's TEs share (device_arbiter.py); each iteration asks
+        # with the most urgent deadline among this TE's requests.
+        self._turns = TurnClient(
+            settings.task_executor.device_arbiter if settings.task_executor.device_turns else "",
+            te_id,
+        )
+        self._slo = settings.scaler.slo()
 
     # -- observation -------------------------------------------------------------------
 
@@ -254,6 +264,7 @@ class TaskLoop:
             je_id=task.je_id,
             placement=self.placements,
             accepted_at=time.monotonic(),
+            arrival=time.monotonic() - task.age_s,
             mode=task.mode,
             trace=tracing.current(),
             model=task.model,
@@ -385,6 +396,7 @@ class TaskLoop:
                         await self._apply_queued(engine)
                         if not engine.has_work():
                             break
+                        await self._turns.acquire(self._earliest_deadline(), engine.device)
                         outputs = await self._thread.run(engine.step)
                         self._kv.collect(self._control.features.kv_events)
                     previous, emitting = emitting, None
@@ -406,9 +418,24 @@ class TaskLoop:
                     if isinstance(e, EngineProcessDied):
                         await self._control.lose(engine, e)
                     break
+            self._turns.release()
             await _settle(emitting)
             if not self._streams:
                 self._idle.set()
+        self._turns.close()
+
+    def _earliest_deadline(self) -> float:
+        """When the most urgent of this TE's requests is due its next token
+        (``shared.headroom``: arrival + TTFT limit + TPOT × tokens so far), on the host's
+        monotonic clock."""
+        slo = self._slo
+        return min(
+            (
+                s.arrival + slo.ttft_limit_s(s.prompt_tokens) + slo.tpot_s * s.generated
+                for s in self._streams.values()
+            ),
+            default=math.inf,
+        )
 
     async def _apply_queued(self, engine: Engine) -> None:
         for engine_id in self._aborts:

@@ -24,6 +24,7 @@ class ChatJob(Message):
     # A fine-tuned model: the LoRA adapter of ``model`` it runs under, and its directory.
     adapter: str = ""
     adapter_path: str = ""
+    age_s: float = 0.0  # seconds since the request reached its frontend, when it was sent
 
     @property
     def key(self) -> str:

@@ -63,6 +63,9 @@ class ChatTask(Message):
     # ``adapter_path``), "": the base model.
     adapter: str = ""
     adapter_path: str = ""
+    # Seconds since the request reached its frontend, when the task was sent: its deadlines
+    # (``shared.headroom``) count from then, on the TE's clock.
+    age_s: float = 0.0
 
     @property
     def key(self) -> str:

@@ -1,0 +1,197 @@
+"""One executor per device (LLM-Mesh): the TEs of a node pool that share a device (the
+cores the pool owns, or one GPU) run their engine iterations one at a time, and the next
+turn goes to the TE holding the request with the least headroom (``shared.headroom``).
+
+Why an arbiter and not several engines in one process: a TE stays one process serving one
+model (a crash takes one model down, not the device's others; the cluster sees the same
+one-model-per-instance TEs as before), and what it shares is only *when* it runs. Each
+iteration is short (milliseconds), so asking costs little: a line over a Unix socket each
+way, tens of microseconds beside iterations of milliseconds.
+
+The pool serves the arbiter on a Unix socket (its path goes to its TEs as
+``MESHSERVE_DEVICE_ARBITER``). A TE says hello with its id and device, then asks for a
+turn with its most urgent deadline (``want <deadline>``: monotonic seconds, the host's
+clock, which every process on it shares) and runs an iteration once told ``go``. It keeps
+the turn until its next iteration, which it asks for with ``next <deadline>``: its turn
+given back and asked for again in one step, so that the earliest deadline wins among all
+TEs, itself included (given back first, then asked again, two busy TEs would simply
+alternate). A TE with nothing left to run says ``done``; one that goes away (or whose
+connection drops) gives its turn back too. Turns granted past their deadline are counted
+(negative headroom: an SLO miss in the making).
+
+The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
+runs its iterations unarbitrated, as before."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+from prometheus_client import Counter, Histogram
+
+from shared.headroom import next_turn
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+TURNS = Counter(
+    "meshserve:device_turns",
+    "Engine iterations a node pool's device arbiter granted, by device",
+    ["device"],
+)
+LATE_TURNS = Counter(
+    "meshserve:device_late_turns",
+    "Turns granted to a TE whose most urgent request was already past its deadline "
+    "(negative headroom: an SLO miss), by device",
+    ["device"],
+)
+TURN_WAIT = Histogram(
+    "meshserve:device_turn_wait_seconds",
+    "Time a TE waited for its turn on its device (an iteration of another TE running)",
+    ["device"],
+    buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+)
+
+
+@dataclasses.dataclass(slots=True)
+class _Client:
+    name: str
+    device: str
+    writer: asyncio.StreamWriter
+    wants: float | None = None  # the deadline it asked with (None: not asking)
+    asked_at: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Device:
+    holder: _Client | None = None
+    waiting: dict[str, _Client] = dataclasses.field(default_factory=dict)
+
+
+class DeviceArbiter:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._devices: dict[str, _Device] = {}
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client: _Client | None = None
+        try:
+            hello = (await reader.readline()).decode().split()
+            if len(hello) != 3 or hello[0] != "hello":
+                return
+            client = _Client(name=hello[1], device=hello[2], writer=writer)
+            device = self._devices.setdefault(client.device, _Device())
+            while line := await reader.readline():
+                word, _, arg = line.decode().strip().partition(" ")
+                if word in ("done", "next") and device.holder is client:
+                    device.holder = None
+                if word in ("want", "next"):
+                    client.wants, client.asked_at = float(arg), time.monotonic()
+                    device.waiting[client.name] = client
+                self._grant(client.device, device)
+        except (OSError, ValueError, UnicodeDecodeError):
+            pass
+        finally:
+            if client is not None:
+                device = self._devices[client.device]
+                device.waiting.pop(client.name, None)
+                if device.holder is client:
+                    device.holder = None
+                self._grant(client.device, device)
+            writer.close()
+
+    def _grant(self, name: str, device: _Device) -> None:
+        """The turn to the waiting TE with the earliest deadline, when nobody holds it."""
+        while device.holder is None and device.waiting:
+            chosen = next_turn(
+                {n: c.wants if c.wants is not None else math.inf for n, c in device.waiting.items()}
+            )
+            if chosen is None:  # only TEs asking with no deadline at all: first come
+                chosen = next(iter(device.waiting))
+            client = device.waiting.pop(chosen)
+            now = time.monotonic()
+            try:
+                client.writer.write(b"go\n")
+            except (OSError, RuntimeError):
+                continue  # gone: the next one
+            device.holder = client
+            TURNS.labels(name).inc()
+            TURN_WAIT.labels(name).observe(now - client.asked_at)
+            if client.wants is not None and client.wants < now:
+                LATE_TURNS.labels(name).inc()
+            client.wants = None
+
+
+class TurnClient:
+    """A TE's side: ``await acquire(deadline)`` before each engine iteration (it keeps the
+    turn after it), ``release()`` once it has nothing to run. Without an arbiter, or once
+    talking to it failed, every turn is granted at once."""
+
+    def __init__(self, path: str, name: str) -> None:
+        self._path, self._name = path, name
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._off = not path
+        self.holding = False
+
+    async def acquire(self, deadline: float, device: str) -> None:
+        """``device``: the engine's (its turns are that device's; the first one names it)."""
+        if self._off:
+            return
+        try:
+            if self._writer is None:
+                self._reader, self._writer = await asyncio.open_unix_connection(self._path)
+                self._writer.write(f"hello {self._name} {device}\n".encode())
+            assert self._reader is not None
+            d = deadline if math.isfinite(deadline) else 1e18
+            self._writer.write(f"{'next' if self.holding else 'want'} {d!r}\n".encode())
+            self.holding = False
+            if (await self._reader.readline()).strip() != b"go":
+                raise ConnectionError("the device arbiter went away")
+            self.holding = True
+        except asyncio.CancelledError:  # a "go" may be on its way: start afresh next time
+            self._drop()
+            raise
+        except (OSError, ConnectionError, ValueError) as e:
+            log.warning("device arbiter unreachable: iterations run unarbitrated", error=str(e))
+            self._drop()
+            self._off = True
+
+    def release(self) -> None:
+        if self.holding and self._writer is not None:
+            self.holding = False
+            try:
+                self._writer.write(b"done\n")
+            except (OSError, RuntimeError):
+                self._off = True
+
+    def _drop(self) -> None:
+        """The connection closed (the arbiter gives back whatever turn it held)."""
+        self.holding = False
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = self._reader = None
+
+    def close(self) -> None:
+        self._drop()
+        self._off = True

@@ -1,0 +1,83 @@
+"""A node pool's TEs share its device one iteration at a time (``device_arbiter.py``): two
+real TE processes of one pool, each serving the demo model, decode at once; their turns go
+through the pool's arbiter (its ``/metrics`` counts them, and the waits of one TE for the
+other), and greedy output is what each TE produces alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.cluster_manager.service import ClusterManager
+from services.task_executor.pool import NodePool
+from shared.embedded import free_port
+from shared.messages.cluster import TEState
+from shared.messages.scaling import LoadModel
+from shared.store import Store
+from tests.integration.services import BusClient, Running, fast_settings
+
+pytestmark = [pytest.mark.nats, pytest.mark.redis, pytest.mark.slow]
+
+
+async def _turns(port: int) -> dict[str, float]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("meshserve:device_") and s.labels.get("device") == "cpu":
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+async def test_a_pools_tes_take_turns_on_its_device(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    (tmp_path / "demo").symlink_to(demo_model_dir)
+    port = free_port()
+    settings = fast_settings(
+        cluster, nats_url, redis_url, tmp_path, pool_size=2, device="cpu"
+    ).with_values(metrics={"port": port, "host": "127.0.0.1"})
+    run = Running(settings, nats_url)
+    store = await Store.connect(redis_url)
+    try:
+        quiet = settings.with_values(metrics={"port": 0})  # the pool serves the port
+        await run.start(lambda bus: ClusterManager(settings=quiet, bus=bus, store=store))
+        pool: NodePool = await run.start(
+            lambda bus: NodePool(settings=settings, pool_id="pool-turns", bus=bus)
+        )
+        assert pool.arbiter is not None
+        client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
+        await client.started.wait()
+        await client.until(lambda v: len(v.tes) == 2, 60)
+        tes = [t.te_id for t in client.view.view.tes]
+        for te_id in tes:
+            ack = await client.tes.control(
+                te_id, LoadModel(model="demo", path=str(tmp_path / "demo"))
+            )
+            assert ack.ok, ack
+        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        prompts = [[(7 * i + k) % 400 + 30 for i in range(40 + 20 * k)] for k in range(4)]
+        alone = [(await client.run_on(tes[0], p, 24))[0] for p in prompts]
+        before = await _turns(port)
+        together = await asyncio.gather(
+            *(client.run_on(tes[k % 2], p, 24) for k, p in enumerate(prompts))
+        )
+        assert [tokens for tokens, _ in together] == alone
+        after = await _turns(port)
+        turns = after["meshserve:device_turns_total"] - before.get(
+            "meshserve:device_turns_total", 0
+        )
+        assert turns >= 24  # at least one turn per token of the longest request
+        waited = after["meshserve:device_turn_wait_seconds_sum"] - before.get(
+            "meshserve:device_turn_wait_seconds_sum", 0
+        )
+        assert waited > 0  # one TE waited while the other's iteration ran
+    finally:
+        await run.stop()
+        await store.close()
