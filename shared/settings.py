@@ -546,8 +546,9 @@ class TaskExecutorSettings(Section):
         default=True,
         description="The TEs of a node pool sharing a device run their engine iterations one "
         "at a time, the next turn to the TE holding the request closest to its SLO deadline "
-        "(LLM-Mesh; services/task_executor/device_arbiter.py). Off: each TE's iterations run "
-        "whenever it has work, competing for the cores.",
+        "(LLM-Mesh; services/task_executor/device_arbiter.py), where that pays: a GPU, or CPU "
+        "TEs whose threads together outnumber the cores. Off: each TE's iterations run "
+        "whenever it has work, competing for the device.",
     )
     device_arbiter: str = Field(
         default="",

@@ -9,15 +9,22 @@ iteration is short (milliseconds), so asking costs little: a line over a Unix so
 way, tens of microseconds beside iterations of milliseconds.
 
 The pool serves the arbiter on a Unix socket (its path goes to its TEs as
-``MESHSERVE_DEVICE_ARBITER``). A TE says hello with its id and device, then asks for a
-turn with its most urgent deadline (``want <deadline>``: monotonic seconds, the host's
-clock, which every process on it shares) and runs an iteration once told ``go``. It keeps
-the turn until its next iteration, which it asks for with ``next <deadline>``: its turn
-given back and asked for again in one step, so that the earliest deadline wins among all
-TEs, itself included (given back first, then asked again, two busy TEs would simply
-alternate). A TE with nothing left to run says ``done``; one that goes away (or whose
-connection drops) gives its turn back too. Turns granted past their deadline are counted
+``MESHSERVE_DEVICE_ARBITER``). A TE says hello with its id and device, asks for a turn with
+its most urgent deadline (``want <deadline>``: monotonic seconds, the host's clock, which
+every process on it shares), runs one iteration once told ``go`` and says ``done``. The
+turn goes to the earliest deadline among the TEs waiting when it frees: a TE between two
+iterations (publishing its tokens, taking new requests) is not waiting, so the device never
+idles while another TE could run (work-conserving). A TE that goes away (or whose
+connection drops) gives its turn back. Turns granted past their deadline are counted
 (negative headroom: an SLO miss in the making).
+
+Turns pay where one TE's iteration fills the device (``shares_device``): a GPU, or CPU TEs
+whose threads together outnumber the cores. Measured on host A (2 cores, AVX-512 BF16), two
+TEs of the 0.5B bench model with torch's default threads decoding 8 requests at once
+(the setup of tests/integration/test_device_turns.py, timed by hand; ``scripts/bench-sharing``
+is to measure it properly): 3.6 s with turns against 7.5-12.4 s competing for the cores; on
+the tiny demo model, whose iterations are mostly Python, turns cost 10-20%. With one thread per TE on two cores the
+TEs run side by side and the pool serves no turns.
 
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
 runs its iterations unarbitrated, as before."""
@@ -29,12 +36,14 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from prometheus_client import Counter, Histogram
 
 from shared.headroom import next_turn
 from shared.logging import get_logger
+from shared.settings import TaskExecutorSettings
 
 log = get_logger(__name__)
 
@@ -77,6 +86,7 @@ class DeviceArbiter:
         self.path = path
         self._devices: dict[str, _Device] = {}
         self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +97,9 @@ class DeviceArbiter:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in self._connections.values():
+                writer.close()
+            await asyncio.gather(*self._connections, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
@@ -95,6 +108,9 @@ class DeviceArbiter:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client: _Client | None = None
+        me = asyncio.current_task()
+        assert me is not None
+        self._connections[me] = writer
         try:
             hello = (await reader.readline()).decode().split()
             if len(hello) != 3 or hello[0] != "hello":
@@ -103,9 +119,9 @@ class DeviceArbiter:
             device = self._devices.setdefault(client.device, _Device())
             while line := await reader.readline():
                 word, _, arg = line.decode().strip().partition(" ")
-                if word in ("done", "next") and device.holder is client:
+                if word == "done" and device.holder is client:
                     device.holder = None
-                if word in ("want", "next"):
+                elif word == "want":
                     client.wants, client.asked_at = float(arg), time.monotonic()
                     device.waiting[client.name] = client
                 self._grant(client.device, device)
@@ -119,6 +135,7 @@ class DeviceArbiter:
                     device.holder = None
                 self._grant(client.device, device)
             writer.close()
+            self._connections.pop(me, None)
 
     def _grant(self, name: str, device: _Device) -> None:
         """The turn to the waiting TE with the earliest deadline, when nobody holds it."""
@@ -143,32 +160,42 @@ class DeviceArbiter:
 
 
 class TurnClient:
-    """A TE's side: ``await acquire(deadline)`` before each engine iteration (it keeps the
-    turn after it), ``release()`` once it has nothing to run. Without an arbiter, or once
-    talking to it failed, every turn is granted at once."""
+    """A TE's side: ``async with client.turn(deadline, device):`` around each engine
+    iteration. Without an arbiter, or once talking to it failed, every turn is granted at
+    once."""
 
     def __init__(self, path: str, name: str) -> None:
         self._path, self._name = path, name
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._off = not path
-        self.holding = False
 
-    async def acquire(self, deadline: float, device: str) -> None:
-        """``device``: the engine's (its turns are that device's; the first one names it)."""
+    @contextlib.asynccontextmanager
+    async def turn(self, deadline: float, device: str) -> AsyncIterator[None]:
+        """``device``: the engine's (the turns are that device's; the first names it)."""
+        held = await self._acquire(deadline, device)
+        try:
+            yield
+        finally:
+            if held and self._writer is not None:
+                try:
+                    self._writer.write(b"done\n")
+                except (OSError, RuntimeError):
+                    self._drop()
+
+    async def _acquire(self, deadline: float, device: str) -> bool:
         if self._off:
-            return
+            return False
         try:
             if self._writer is None:
                 self._reader, self._writer = await asyncio.open_unix_connection(self._path)
                 self._writer.write(f"hello {self._name} {device}\n".encode())
             assert self._reader is not None
             d = deadline if math.isfinite(deadline) else 1e18
-            self._writer.write(f"{'next' if self.holding else 'want'} {d!r}\n".encode())
-            self.holding = False
+            self._writer.write(f"want {d!r}\n".encode())
             if (await self._reader.readline()).strip() != b"go":
                 raise ConnectionError("the device arbiter went away")
-            self.holding = True
+            return True
         except asyncio.CancelledError:  # a "go" may be on its way: start afresh next time
             self._drop()
             raise
@@ -176,18 +203,10 @@ class TurnClient:
             log.warning("device arbiter unreachable: iterations run unarbitrated", error=str(e))
             self._drop()
             self._off = True
-
-    def release(self) -> None:
-        if self.holding and self._writer is not None:
-            self.holding = False
-            try:
-                self._writer.write(b"done\n")
-            except (OSError, RuntimeError):
-                self._off = True
+            return False
 
     def _drop(self) -> None:
         """The connection closed (the arbiter gives back whatever turn it held)."""
-        self.holding = False
         if self._writer is not None:
             self._writer.close()
             self._writer = self._reader = None
@@ -195,3 +214,14 @@ class TurnClient:
     def close(self) -> None:
         self._drop()
         self._off = True
+
+
+def shares_device(te: TaskExecutorSettings, cores: int) -> bool:
+    """Whether a pool's TEs contend for one device, so that taking turns pays: a GPU (or
+    ``auto``, which may be one), or CPU TEs whose threads together outnumber the cores (0
+    threads: torch's default, every core)."""
+    if not te.device_turns or te.pool_size < 2:
+        return False
+    if te.device != "cpu":
+        return True
+    return (te.torch_threads or cores) * te.pool_size > cores

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import tempfile
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from services.task_executor.device_arbiter import DeviceArbiter
+from services.task_executor.device_arbiter import DeviceArbiter, shares_device
 from services.task_executor.host_cache_watch import HostCachePublication, HostCacheWatch
 from services.task_executor.pool_metrics import PoolCollector
 from services.task_executor.weight_cache.transfer import WeightServer
@@ -56,7 +57,7 @@ class NodePool:
         # Its TEs share the pool's device (its cores, or its GPU): one iteration at a time.
         self.arbiter = (
             DeviceArbiter(Path(tempfile.gettempdir()) / f"meshserve-turns-{uuid.uuid4().hex[:12]}")
-            if te.device_turns and te.pool_size > 1
+            if shares_device(te, len(os.sched_getaffinity(0)))
             else None
         )
 

@@ -396,8 +396,8 @@ class TaskLoop:
                         await self._apply_queued(engine)
                         if not engine.has_work():
                             break
-                        await self._turns.acquire(self._earliest_deadline(), engine.device)
-                        outputs = await self._thread.run(engine.step)
+                        async with self._turns.turn(self._earliest_deadline(), engine.device):
+                            outputs = await self._thread.run(engine.step)
                         self._kv.collect(self._control.features.kv_events)
                     previous, emitting = emitting, None
                     if previous is not None:
@@ -418,7 +418,6 @@ class TaskLoop:
                     if isinstance(e, EngineProcessDied):
                         await self._control.lose(engine, e)
                     break
-            self._turns.release()
             await _settle(emitting)
             if not self._streams:
                 self._idle.set()

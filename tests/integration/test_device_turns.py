@@ -1,5 +1,6 @@
 """A node pool's TEs share its device one iteration at a time (``device_arbiter.py``): two
-real TE processes of one pool, each serving the demo model, decode at once; their turns go
+real TE processes of one pool (torch's default threads: each iteration fills the cores),
+each serving the demo model, decode at once; their turns go
 through the pool's arbiter (its ``/metrics`` counts them, and the waits of one TE for the
 other), and greedy output is what each TE produces alone."""
 
@@ -41,7 +42,7 @@ async def test_a_pools_tes_take_turns_on_its_device(
     (tmp_path / "demo").symlink_to(demo_model_dir)
     port = free_port()
     settings = fast_settings(
-        cluster, nats_url, redis_url, tmp_path, pool_size=2, device="cpu"
+        cluster, nats_url, redis_url, tmp_path, pool_size=2, device="cpu", torch_threads=0
     ).with_values(metrics={"port": port, "host": "127.0.0.1"})
     run = Running(settings, nats_url)
     store = await Store.connect(redis_url)

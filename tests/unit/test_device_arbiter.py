@@ -1,7 +1,8 @@
 """One executor per device (``services/task_executor/device_arbiter.py``), over a real Unix
-socket: one turn at a time per device, the next to the earliest deadline (the holder's own
-next iteration included), a TE that leaves gives its turn back, devices are independent,
-late turns are counted."""
+socket: one turn at a time per device, the next to the earliest deadline among the TEs
+waiting, a TE between iterations holds nothing, a TE that leaves gives its turn back,
+devices are independent, late turns are counted; turns are served only where one
+iteration fills the device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from services.task_executor.device_arbiter import LATE_TURNS, DeviceArbiter, TurnClient
+from services.task_executor.device_arbiter import (
+    LATE_TURNS,
+    DeviceArbiter,
+    TurnClient,
+    shares_device,
+)
+from shared.settings import Settings
 
 
 @pytest.fixture
@@ -23,57 +30,76 @@ async def arbiter(tmp_path: Path) -> AsyncIterator[DeviceArbiter]:
     await a.stop()
 
 
-async def _granted(task: asyncio.Task[None]) -> bool:
-    await asyncio.sleep(0.05)
-    return task.done()
+class _Turn:
+    """A turn being asked for or held by a test's TE."""
+
+    def __init__(self, client: TurnClient, deadline: float, device: str = "cpu") -> None:
+        self._cm = client.turn(deadline, device)
+        self.entered = asyncio.create_task(self._cm.__aenter__())
+
+    async def granted(self) -> bool:
+        await asyncio.sleep(0.05)
+        return self.entered.done()
+
+    async def end(self) -> None:
+        await self.entered
+        await self._cm.__aexit__(None, None, None)
 
 
-async def test_the_turn_goes_to_the_earliest_deadline(arbiter: DeviceArbiter) -> None:
+async def test_the_turn_goes_to_the_earliest_deadline_waiting(arbiter: DeviceArbiter) -> None:
     a, b, c = (TurnClient(str(arbiter.path), n) for n in "abc")
-    await a.acquire(100.0, "cpu")
-    wait_b = asyncio.create_task(b.acquire(10.0, "cpu"))
-    wait_c = asyncio.create_task(c.acquire(5.0, "cpu"))
-    assert not await _granted(wait_b) and not await _granted(wait_c)  # a holds it
-    # a asks for its next iteration (20): c (5), then b (10), then a.
-    wait_a = asyncio.create_task(a.acquire(20.0, "cpu"))
-    assert await _granted(wait_c) and not await _granted(wait_b) and not wait_a.done()
-    c.release()
-    assert await _granted(wait_b) and not await _granted(wait_a)
-    b.release()
-    assert await _granted(wait_a)
+    turn_a = _Turn(a, 100.0)
+    assert await turn_a.granted()
+    turn_b, turn_c = _Turn(b, 10.0), _Turn(c, 5.0)
+    assert not await turn_b.granted() and not await turn_c.granted()  # a holds it
+    await turn_a.end()
+    assert await turn_c.granted() and not await turn_b.granted()  # 5 before 10
+    again_a = _Turn(a, 1.0)  # a asks again, most urgent now
+    assert not await again_a.granted()
+    await turn_c.end()
+    assert await again_a.granted() and not await turn_b.granted()
+    await again_a.end()
+    assert await turn_b.granted()
+    await turn_b.end()
     for client in (a, b, c):
         client.close()
 
 
-async def test_the_holder_keeps_the_turn_while_its_deadline_is_earliest(
-    arbiter: DeviceArbiter,
-) -> None:
+async def test_a_te_between_iterations_does_not_hold_the_device(arbiter: DeviceArbiter) -> None:
+    """Work-conserving: when a's iteration ends, b (waiting) runs, even though a is about to
+    ask again with an earlier deadline."""
     a, b = TurnClient(str(arbiter.path), "a"), TurnClient(str(arbiter.path), "b")
-    await a.acquire(1.0, "cpu")
-    wait_b = asyncio.create_task(b.acquire(5.0, "cpu"))
-    for deadline in (2.0, 3.0, 4.0):  # its next iterations, still the most urgent
-        await asyncio.wait_for(a.acquire(deadline, "cpu"), 1)
-        assert not await _granted(wait_b)
-    a.release()  # nothing left to run
-    assert await _granted(wait_b)
+    turn_a = _Turn(a, 1.0)
+    assert await turn_a.granted()
+    turn_b = _Turn(b, 5.0)
+    assert not await turn_b.granted()
+    await turn_a.end()
+    assert await turn_b.granted()
+    again_a = _Turn(a, 2.0)
+    assert not await again_a.granted()
+    await turn_b.end()
+    assert await again_a.granted()
+    await again_a.end()
     a.close()
     b.close()
 
 
 async def test_a_te_that_goes_away_gives_its_turn_back(arbiter: DeviceArbiter) -> None:
     a, b = TurnClient(str(arbiter.path), "a"), TurnClient(str(arbiter.path), "b")
-    await a.acquire(1.0, "cpu")
-    wait_b = asyncio.create_task(b.acquire(5.0, "cpu"))
-    assert not await _granted(wait_b)
+    turn_a = _Turn(a, 1.0)  # held (and never ended)
+    assert await turn_a.granted()
+    turn_b = _Turn(b, 5.0)
+    assert not await turn_b.granted()
     a.close()  # its process died: the connection drops
-    assert await _granted(wait_b)
+    assert await turn_b.granted()
     b.close()
 
 
 async def test_devices_do_not_wait_for_each_other(arbiter: DeviceArbiter) -> None:
     gpu0, gpu1 = TurnClient(str(arbiter.path), "g0"), TurnClient(str(arbiter.path), "g1")
-    await gpu0.acquire(1.0, "cuda:0")
-    await asyncio.wait_for(gpu1.acquire(1.0, "cuda:1"), 1)
+    held = _Turn(gpu0, 1.0, "cuda:0")
+    assert await held.granted()
+    assert await _Turn(gpu1, 1.0, "cuda:1").granted()
     gpu0.close()
     gpu1.close()
 
@@ -82,15 +108,32 @@ async def test_a_turn_past_its_deadline_is_counted_late(arbiter: DeviceArbiter) 
     late = LATE_TURNS.labels("cpu")
     before = late._value.get()
     a = TurnClient(str(arbiter.path), "a")
-    await a.acquire(time.monotonic() + 60, "cpu")
-    await a.acquire(time.monotonic() - 1, "cpu")  # its most urgent request is overdue
+    async with a.turn(time.monotonic() + 60, "cpu"):
+        pass
+    async with a.turn(time.monotonic() - 1, "cpu"):  # its most urgent request is overdue
+        pass
     assert late._value.get() == before + 1
     a.close()
 
 
 async def test_without_an_arbiter_turns_are_granted_at_once(tmp_path: Path) -> None:
-    none = TurnClient("", "a")
-    await asyncio.wait_for(none.acquire(1.0, "cpu"), 1)
-    gone = TurnClient(str(tmp_path / "nobody"), "a")  # an arbiter that is not there
-    await asyncio.wait_for(gone.acquire(1.0, "cpu"), 1)
-    await asyncio.wait_for(gone.acquire(1.0, "cpu"), 1)  # and stays off
+    for client in (TurnClient("", "a"), TurnClient(str(tmp_path / "nobody"), "a")):
+        for _ in range(2):  # an arbiter that is not there: off, and stays off
+            await asyncio.wait_for(_Turn(client, 1.0).entered, 1)
+
+
+@pytest.mark.parametrize(
+    ("values", "pays"),
+    [
+        ({"device": "cpu", "torch_threads": 0}, True),  # each TE's threads fill the cores
+        ({"device": "cpu", "torch_threads": 1}, False),  # 2 TEs x 1 thread on 2 cores
+        ({"device": "cpu", "torch_threads": 2}, True),
+        ({"device": "cuda"}, True),
+        ({"device": "auto", "torch_threads": 1}, True),  # may be a GPU
+        ({"device": "cpu", "torch_threads": 0, "pool_size": 1}, False),
+        ({"device": "cpu", "torch_threads": 0, "device_turns": False}, False),
+    ],
+)
+def test_turns_are_served_where_one_iteration_fills_the_device(values: dict, pays: bool) -> None:
+    te = Settings.load(**({"pool_size": 2} | values)).task_executor
+    assert shares_device(te, cores=2) is pays
