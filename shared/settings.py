@@ -550,6 +550,15 @@ class TaskExecutorSettings(Section):
         "TEs whose threads together outnumber the cores. Off: each TE's iterations run "
         "whenever it has work, competing for the device.",
     )
+    shadow_admission: bool = Field(
+        default=False,
+        description="Where a pool's TEs take turns and a model has a performance model, a TE "
+        "asks the device arbiter to play the device's next iterations forward with the new "
+        "request (shadow validation, services/job_executor/shadow.py) before it takes it, and "
+        "refuses it (the job executor tries another instance) when it would be late, push "
+        "another request past its deadline, or stretch a decode round past the TPOT. Off "
+        "until scripts/bench-sharing measures it.",
+    )
     device_arbiter: str = Field(
         default="",
         description="The Unix socket of the node pool's device arbiter; set by the pool for "

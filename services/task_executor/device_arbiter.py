@@ -26,8 +26,14 @@ is to measure it properly): 3.6 s with turns against 7.5-12.4 s competing for th
 the tiny demo model, whose iterations are mostly Python, turns cost 10-20%. With one thread per TE on two cores the
 TEs run side by side and the pool serves no turns.
 
+With ``MESHSERVE_SHADOW_ADMISSION`` the arbiter also validates: a TE tells it what it
+serves (``instance``: its performance model and limits) and, with each ``want``, the
+requests it holds; before taking a request it asks ``check`` and the arbiter plays the
+device's next iterations forward (``services/job_executor/shadow.py``) over every TE of
+the device, answering with a ``verdict``.
+
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
-runs its iterations unarbitrated, as before."""
+runs its iterations unarbitrated, and takes every request, as before."""
 
 from __future__ import annotations
 
@@ -36,13 +42,16 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
+import msgspec
 from prometheus_client import Counter, Histogram
 
-from shared.headroom import next_turn
+from services.job_executor.shadow import InstanceView, Verdict, validate
+from shared.headroom import RequestView, next_turn
 from shared.logging import get_logger
+from shared.perf_model import PerfModel
 from shared.settings import TaskExecutorSettings
 
 log = get_logger(__name__)
@@ -57,6 +66,13 @@ LATE_TURNS = Counter(
     "Turns granted to a TE whose most urgent request was already past its deadline "
     "(negative headroom: an SLO miss), by device",
     ["device"],
+)
+CHECKS = Counter(
+    "meshserve:device_admission_checks",
+    "Shadow validations of a request joining an instance on a device, by outcome: admitted, "
+    "late (it would miss its TTFT), pushes (it would push a held request past its "
+    "deadline), tpot (a decode round of the device would exceed the TPOT)",
+    ["device", "outcome"],
 )
 TURN_WAIT = Histogram(
     "meshserve:device_turn_wait_seconds",
@@ -73,12 +89,34 @@ class _Client:
     writer: asyncio.StreamWriter
     wants: float | None = None  # the deadline it asked with (None: not asking)
     asked_at: float = 0.0
+    # For shadow validation: its instance (None: it serves nothing, or has no performance
+    # model) and its requests as it last said.
+    instance: Instance | None = None
+    requests: tuple[RequestView, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
 class _Device:
     holder: _Client | None = None
     waiting: dict[str, _Client] = dataclasses.field(default_factory=dict)
+    clients: dict[str, _Client] = dataclasses.field(default_factory=dict)
+
+
+class Instance(msgspec.Struct, frozen=True):
+    """What a TE serves, as shadow validation plays it: its model's performance model and
+    its engine's batch and prefill limits."""
+
+    perf: PerfModel
+    max_num_seqs: int
+    max_prefill_tokens: int
+
+
+def encode_requests(requests: Iterable[RequestView]) -> str:
+    return msgspec.json.encode([dataclasses.astuple(r) for r in requests]).decode()
+
+
+def decode_requests(text: str) -> tuple[RequestView, ...]:
+    return tuple(RequestView(*row) for row in msgspec.json.decode(text or "[]"))
 
 
 class DeviceArbiter:
@@ -117,13 +155,29 @@ class DeviceArbiter:
                 return
             client = _Client(name=hello[1], device=hello[2], writer=writer)
             device = self._devices.setdefault(client.device, _Device())
+            device.clients[client.name] = client
             while line := await reader.readline():
                 word, _, arg = line.decode().strip().partition(" ")
                 if word == "done" and device.holder is client:
                     device.holder = None
                 elif word == "want":
-                    client.wants, client.asked_at = float(arg), time.monotonic()
+                    deadline, _, requests = arg.partition(" ")
+                    client.wants, client.asked_at = float(deadline), time.monotonic()
+                    if requests:
+                        client.requests = decode_requests(requests)
                     device.waiting[client.name] = client
+                elif word == "requests":
+                    client.requests = decode_requests(arg)
+                elif word == "instance":
+                    client.instance = (
+                        msgspec.json.decode(arg, type=Instance) if arg != "none" else None
+                    )
+                elif word == "check":
+                    ask, _, new = arg.partition(" ")
+                    verdict = self._check(device, client, decode_requests(new)[0])
+                    writer.write(
+                        f"verdict {ask} {msgspec.json.encode(verdict).decode()}\n".encode()
+                    )
                 self._grant(client.device, device)
         except (OSError, ValueError, UnicodeDecodeError):
             pass
@@ -131,11 +185,33 @@ class DeviceArbiter:
             if client is not None:
                 device = self._devices[client.device]
                 device.waiting.pop(client.name, None)
+                device.clients.pop(client.name, None)
                 if device.holder is client:
                     device.holder = None
                 self._grant(client.device, device)
             writer.close()
             self._connections.pop(me, None)
+
+    def _check(self, device: _Device, client: _Client, new: RequestView) -> Verdict:
+        """Shadow validation of ``new`` joining ``client``'s instance, over every instance of
+        the device that has a performance model (``services/job_executor/shadow.py``)."""
+        if client.instance is None:
+            return Verdict(ok=True)
+        instances = [
+            InstanceView(
+                instance=c.name,
+                perf=c.instance.perf,
+                requests=c.requests,
+                max_num_seqs=c.instance.max_num_seqs,
+                max_prefill_tokens=c.instance.max_prefill_tokens,
+            )
+            for c in device.clients.values()
+            if c.instance is not None
+        ]
+        verdict = validate(instances, client.name, new, time.monotonic())
+        CHECKS.labels(client.device, verdict.reason or "admitted").inc()
+        # JSON has no infinity: a request that would never start is very late instead.
+        return dataclasses.replace(verdict, first_token_s=min(verdict.first_token_s, 1e18))
 
     def _grant(self, name: str, device: _Device) -> None:
         """The turn to the waiting TE with the earliest deadline, when nobody holds it."""
@@ -160,56 +236,131 @@ class DeviceArbiter:
 
 
 class TurnClient:
-    """A TE's side: ``async with client.turn(deadline, device):`` around each engine
-    iteration. Without an arbiter, or once talking to it failed, every turn is granted at
-    once."""
+    """A TE's side: ``async with client.turn(deadline, device, requests):`` around each
+    engine iteration; ``check`` before it takes a request (shadow validation on the
+    device); ``serving`` when what it serves changes. Without an arbiter, or once talking to
+    it failed, every turn is granted at once and every request admitted."""
 
     def __init__(self, path: str, name: str) -> None:
         self._path, self._name = path, name
-        self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
+        self._go: asyncio.Future[None] | None = None
+        self._verdicts: dict[int, asyncio.Future[Verdict]] = {}
+        self._asked = 0
+        self._instance = "none"
         self._off = not path
 
+    @property
+    def active(self) -> bool:
+        return not self._off
+
+    async def _connected(self, device: str) -> asyncio.StreamWriter:
+        if self._writer is None:
+            reader, self._writer = await asyncio.open_unix_connection(self._path)
+            self._writer.write(f"hello {self._name} {device}\n".encode())
+            self._writer.write(f"instance {self._instance}\n".encode())
+            self._reading = asyncio.create_task(self._read(reader))
+        return self._writer
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while line := await reader.readline():
+                word, _, arg = line.decode().strip().partition(" ")
+                if word == "go" and self._go is not None and not self._go.done():
+                    self._go.set_result(None)
+                elif word == "verdict":
+                    ask, _, body = arg.partition(" ")
+                    future = self._verdicts.pop(int(ask), None)
+                    if future is not None and not future.done():
+                        future.set_result(msgspec.json.decode(body, type=Verdict))
+        except (OSError, ValueError, msgspec.DecodeError):
+            pass
+        gone = ConnectionError("the device arbiter went away")
+        if self._go is not None and not self._go.done():
+            self._go.set_exception(gone)
+        for future in self._verdicts.values():
+            if not future.done():
+                future.set_exception(gone)
+
+    def serving(self, instance: Instance | None) -> None:
+        """What this TE serves now (None: nothing, or no performance model)."""
+        self._instance = "none" if instance is None else msgspec.json.encode(instance).decode()
+        if self._writer is not None:
+            self._send(f"instance {self._instance}\n")
+
+    def requests(self, requests: Iterable[RequestView]) -> None:
+        """The requests it holds, when they change outside an iteration (it went idle)."""
+        if self._writer is not None:
+            self._send(f"requests {encode_requests(requests)}\n")
+
+    async def check(self, new: RequestView, device: str) -> Verdict:
+        """Whether ``new`` may join this TE (admitted when there is no arbiter)."""
+        if self._off:
+            return Verdict(ok=True)
+        try:
+            writer = await self._connected(device)
+            self._asked += 1
+            future = self._verdicts[self._asked] = asyncio.get_running_loop().create_future()
+            writer.write(f"check {self._asked} {encode_requests([new])}\n".encode())
+            return await asyncio.wait_for(future, 5)
+        except (OSError, ConnectionError, TimeoutError, ValueError) as e:
+            self._give_up(e)
+            return Verdict(ok=True)
+
     @contextlib.asynccontextmanager
-    async def turn(self, deadline: float, device: str) -> AsyncIterator[None]:
-        """``device``: the engine's (the turns are that device's; the first names it)."""
-        held = await self._acquire(deadline, device)
+    async def turn(
+        self, deadline: float, device: str, requests: Iterable[RequestView] | None = None
+    ) -> AsyncIterator[None]:
+        """``device``: the engine's (the turns are that device's; the first names it);
+        ``requests``: what it holds, for the device's shadow validations."""
+        held = await self._acquire(deadline, device, requests)
         try:
             yield
         finally:
             if held and self._writer is not None:
-                try:
-                    self._writer.write(b"done\n")
-                except (OSError, RuntimeError):
-                    self._drop()
+                self._send("done\n")
 
-    async def _acquire(self, deadline: float, device: str) -> bool:
+    async def _acquire(
+        self, deadline: float, device: str, requests: Iterable[RequestView] | None
+    ) -> bool:
         if self._off:
             return False
         try:
-            if self._writer is None:
-                self._reader, self._writer = await asyncio.open_unix_connection(self._path)
-                self._writer.write(f"hello {self._name} {device}\n".encode())
-            assert self._reader is not None
+            writer = await self._connected(device)
             d = deadline if math.isfinite(deadline) else 1e18
-            self._writer.write(f"want {d!r}\n".encode())
-            if (await self._reader.readline()).strip() != b"go":
-                raise ConnectionError("the device arbiter went away")
+            body = f" {encode_requests(requests)}" if requests is not None else ""
+            self._go = asyncio.get_running_loop().create_future()
+            writer.write(f"want {d!r}{body}\n".encode())
+            await self._go
             return True
         except asyncio.CancelledError:  # a "go" may be on its way: start afresh next time
             self._drop()
             raise
         except (OSError, ConnectionError, ValueError) as e:
-            log.warning("device arbiter unreachable: iterations run unarbitrated", error=str(e))
-            self._drop()
-            self._off = True
+            self._give_up(e)
             return False
+
+    def _send(self, line: str) -> None:
+        assert self._writer is not None
+        try:
+            self._writer.write(line.encode())
+        except (OSError, RuntimeError):
+            self._drop()
+
+    def _give_up(self, e: BaseException) -> None:
+        log.warning("device arbiter unreachable: iterations run unarbitrated", error=str(e))
+        self._drop()
+        self._off = True
 
     def _drop(self) -> None:
         """The connection closed (the arbiter gives back whatever turn it held)."""
         if self._writer is not None:
             self._writer.close()
-            self._writer = self._reader = None
+            self._writer = None
+        if self._reading is not None:
+            self._reading.cancel()
+            self._reading = None
 
     def close(self) -> None:
         self._drop()

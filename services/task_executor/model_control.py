@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from services.task_executor.capacity import find_or_measure
+from services.task_executor.capacity import find_or_measure, find_perf_model
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, LoadReport
 from services.task_executor.engines.capabilities import (
@@ -41,6 +41,7 @@ from shared.messages.scaling import (
     UnloadModel,
 )
 from shared.messages.tasks import TaskMode
+from shared.perf_model import PerfModel
 from shared.runner import Lifecycle
 from shared.settings import Settings
 
@@ -100,6 +101,7 @@ class ModelControl:
         self.features = EngineFeatures()  # of the engine loaded: what it can do beyond generating
         self.role = TaskMode.COLOCATED  # what it serves the model loaded as (LoadModel.role)
         self.capacity: InstanceCapacity | None = None  # of the model loaded
+        self.perf: PerfModel | None = None  # its performance model, where one is stored
         self.choice = engine_choice(settings)  # for any model; for the model loaded once one is
         self.error: str | None = None
         self.failed_model: str | None = None
@@ -209,6 +211,11 @@ class ModelControl:
             self.failed_model = cmd.model
         else:
             self.engine, self.features, self.role = engine, features, cmd.role
+            try:
+                self.perf = find_perf_model(engine, Path(cmd.path), self._settings)[0]
+            except Exception:  # no shadow validation for it: it serves all the same
+                log.exception("reading the performance model failed", model=cmd.model)
+                self.perf = None
             self._kv.block_size = features.kv_events.block_size if features.kv_events else 0
             heap.settle()  # the model lives as long as it is loaded: out of the collector's way
             self.state = TEState.READY
@@ -313,7 +320,7 @@ class ModelControl:
         if self.model is not None:
             await self._kv.forget(self.model)
         self.features, self.role = EngineFeatures(), TaskMode.COLOCATED
-        self.capacity = None
+        self.capacity, self.perf = None, None
         self.choice = engine_choice(self._settings)
         heap.unsettle()  # the model's reference cycles, if any, go now
         heap.settle()

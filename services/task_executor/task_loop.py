@@ -21,7 +21,7 @@ import msgspec
 from opentelemetry import context as otel_context
 
 from services.task_executor import task_spans
-from services.task_executor.device_arbiter import TurnClient
+from services.task_executor.device_arbiter import Instance, TurnClient
 from services.task_executor.disaggregation import PrefillSide, prefill_request, pull_prompt
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
@@ -43,6 +43,7 @@ from shared.errors import (
     PeerUnreachable,
     Refused,
 )
+from shared.headroom import RequestView
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
@@ -55,6 +56,7 @@ from shared.messages.tasks import (
     TaskProgress,
     TokenChunk,
 )
+from shared.perf_model import PerfModel
 from shared.settings import Settings
 from shared.subjects import Subjects
 
@@ -92,6 +94,7 @@ class _Stream:
     first_token_at: float = 0.0
     kv_window: tuple[float, float] | None = None  # a decode task's pull: began, ended
     arrival: float = 0.0  # when the request reached its frontend, on this TE's clock
+    max_tokens: int = 0  # the tokens it may generate
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,6 +161,9 @@ class TaskLoop:
             te_id,
         )
         self._slo = settings.scaler.slo()
+        # Shadow validation of each colocated task on the device before it is taken.
+        self._shadow = settings.task_executor.shadow_admission and self._turns.active
+        self._told_perf: PerfModel | None = None
 
     # -- observation -------------------------------------------------------------------
 
@@ -246,6 +252,10 @@ class TaskLoop:
             # The same task again while it is still ours (a placement whose answer was lost
             # or late, retried): it is running or queued already.
             return self._accepted(task, known)
+        if self._shadow and task.mode == TaskMode.COLOCATED:
+            await self._admit(task, engine)
+            if (known := self._streams.get(task.key)) is not None:  # taken meanwhile
+                return self._accepted(task, known)
         # A task placed again after a cancel (the JE cancels and retries when the TE answered
         # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
         # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
@@ -265,6 +275,7 @@ class TaskLoop:
             placement=self.placements,
             accepted_at=time.monotonic(),
             arrival=time.monotonic() - task.age_s,
+            max_tokens=task.sampling.max_tokens,
             mode=task.mode,
             trace=tracing.current(),
             model=task.model,
@@ -396,7 +407,13 @@ class TaskLoop:
                         await self._apply_queued(engine)
                         if not engine.has_work():
                             break
-                        async with self._turns.turn(self._earliest_deadline(), engine.device):
+                        if self._shadow:
+                            self._sync_instance(engine)
+                        async with self._turns.turn(
+                            self._earliest_deadline(),
+                            engine.device,
+                            self._request_views() if self._shadow else None,
+                        ):
                             outputs = await self._thread.run(engine.step)
                         self._kv.collect(self._control.features.kv_events)
                     previous, emitting = emitting, None
@@ -419,9 +436,71 @@ class TaskLoop:
                         await self._control.lose(engine, e)
                     break
             await _settle(emitting)
+            if self._shadow:  # what it holds now that it waits for work
+                self._turns.requests(self._request_views())
             if not self._streams:
                 self._idle.set()
         self._turns.close()
+
+    async def _admit(self, task: ChatTask, engine: Engine) -> None:
+        """Shadow validation on the device (``device_arbiter``): Refused when the task would
+        be late, push another request on the device past its deadline, or stretch a decode
+        round past the TPOT; the job executor then tries another instance."""
+        self._sync_instance(engine)
+        n = len(task.prompt_token_ids)
+        new = RequestView(
+            arrival=time.monotonic() - task.age_s,
+            prompt_tokens=n,
+            expected_output=max(1, task.sampling.max_tokens),
+            ttft_slo=self._slo.ttft_limit_s(n),
+            tpot_slo=self._slo.tpot_s,
+            computed_tokens=min(max(task.matched_tokens, 0), n - 1),
+            id=task.key,
+        )
+        verdict = await self._turns.check(new, engine.device)
+        if not verdict.ok:
+            what = {
+                "late": f"miss its TTFT (first token in {verdict.first_token_s:.2f} s)",
+                "pushes": f"push request {verdict.request} past its deadline",
+                "tpot": "stretch a decode round of its device past the TPOT",
+            }.get(verdict.reason, verdict.reason)
+            raise Refused(f"TE {self._te_id} is too busy: the request would {what}")
+
+    def _sync_instance(self, engine: Engine) -> None:
+        """Tell the arbiter what this TE serves when it changed (a load, an unload)."""
+        perf = self._control.perf
+        if perf is self._told_perf:
+            return
+        self._told_perf = perf
+        budget = engine.prefill_budget
+        self._turns.serving(
+            None
+            if perf is None
+            else Instance(
+                perf=perf,
+                max_num_seqs=self._settings.task_executor.max_num_seqs,
+                max_prefill_tokens=budget.paced_tokens or budget.tokens,
+            )
+        )
+
+    def _request_views(self) -> list[RequestView]:
+        """This TE's requests as shadow validation plays them."""
+        slo = self._slo
+        return [
+            RequestView(
+                arrival=s.arrival,
+                prompt_tokens=s.prompt_tokens,
+                expected_output=max(1, s.max_tokens),
+                ttft_slo=slo.ttft_limit_s(s.prompt_tokens),
+                tpot_slo=slo.tpot_s,
+                computed_tokens=(
+                    s.prompt_tokens if s.first_token_at else s.prompt_tokens - s.prefill_tokens
+                ),
+                output_tokens=s.generated,
+                id=s.key,
+            )
+            for s in self._streams.values()
+        ]
 
     def _earliest_deadline(self) -> float:
         """When the most urgent of this TE's requests is due its next token

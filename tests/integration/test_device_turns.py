@@ -7,6 +7,7 @@ other), and greedy output is what each TE produces alone."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
@@ -16,8 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.cluster_manager.service import ClusterManager
 from services.task_executor.pool import NodePool
 from shared.embedded import free_port
+from shared.errors import Refused
+from shared.messages.api import SamplingParams
 from shared.messages.cluster import TEState
 from shared.messages.scaling import LoadModel
+from shared.messages.tasks import ChatTask
 from shared.store import Store
 from tests.integration.services import BusClient, Running, fast_settings
 
@@ -79,6 +83,70 @@ async def test_a_pools_tes_take_turns_on_its_device(
             "meshserve:device_turn_wait_seconds_sum", 0
         )
         assert waited > 0  # one TE waited while the other's iteration ran
+    finally:
+        await run.stop()
+        await store.close()
+
+
+async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Shadow validation on (``MESHSERVE_SHADOW_ADMISSION``): a task the device's next
+    iterations serve in time is taken; one whose request arrived almost a TTFT ago (its age)
+    would be late and is refused, so that its job executor tries another instance."""
+    (tmp_path / "demo").symlink_to(demo_model_dir)
+    port = free_port()
+    settings = fast_settings(
+        cluster,
+        nats_url,
+        redis_url,
+        tmp_path,
+        pool_size=2,
+        device="cpu",
+        torch_threads=0,
+        shadow_admission=True,
+        slo_ttft=1.0,
+        slo_ttft_per_token=0.0,
+    ).with_values(metrics={"port": port, "host": "127.0.0.1"})
+    run = Running(settings, nats_url)
+    store = await Store.connect(redis_url)
+    try:
+        quiet = settings.with_values(metrics={"port": 0})
+        await run.start(lambda bus: ClusterManager(settings=quiet, bus=bus, store=store))
+        await run.start(lambda bus: NodePool(settings=settings, pool_id="pool-shadow", bus=bus))
+        client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
+        await client.started.wait()
+        await client.until(lambda v: len(v.tes) == 2, 60)
+        te_id = client.view.view.tes[0].te_id
+        ack = await client.tes.control(te_id, LoadModel(model="demo", path=str(tmp_path / "demo")))
+        assert ack.ok, ack
+        await client.until(lambda v: any(t.state == TEState.READY for t in v.tes), 60)
+        prompt = [(5 * i) % 400 + 30 for i in range(64)]
+        tokens, _ = await client.run_on(te_id, prompt, 8)  # fresh: admitted
+        assert len(tokens) == 8
+        async with client.inbox() as (subject, _):
+            old = ChatTask(
+                request_id="almost-late",
+                model="demo",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                reply_to=subject,
+                deadline=time.time() + 20,
+                age_s=0.9999,  # its frontend got it a TTFT ago, less 0.1 ms
+            )
+            with pytest.raises(Refused, match=r"too busy.*TTFT"):
+                await client.tes.place(te_id, old)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+        checks = {
+            s.labels["outcome"]: s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "meshserve:device_admission_checks"
+            for s in f.samples
+            if s.name.endswith("_total")
+        }
+        assert checks["admitted"] >= 1 and checks["late"] == 1
     finally:
         await run.stop()
         await store.close()
