@@ -556,8 +556,8 @@ class TaskExecutorSettings(Section):
         "asks the device arbiter to play the device's next iterations forward with the new "
         "request (shadow validation, services/job_executor/shadow.py) before it takes it, and "
         "refuses it (the job executor tries another instance) when it would be late, push "
-        "another request past its deadline, or stretch a decode round past the TPOT. Off "
-        "until scripts/bench-sharing measures it.",
+        "another request past its deadline, or stretch a decode round past the TPOT. Off: "
+        "on scripts/bench-sharing (one instance per model) it costs more than it saves.",
     )
     device_arbiter: str = Field(
         default="",

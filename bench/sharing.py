@@ -1,0 +1,200 @@
+"""Many models on one device (LLM-Mesh), three ways, the same requests in one run:
+
+- ``exclusive``: one TE on the host's cores, so one model at a time holds the device; a
+  model with requests waiting is loaded when the one before has been idle for the
+  keep-alive (ServerlessLLM's one instance per model at a time, with its concurrency
+  threshold as the batch limit);
+- ``uncoordinated``: one TE per model, every model loaded, their processes competing for
+  the cores (meshserve without device turns: what it did before);
+- ``turns``: the same, with the pool's device turns (earliest deadline first);
+- ``full``: the same, with shadow validation too before a TE takes a request.
+
+Models are ``--models`` copies of the demo model, each its own model with tensors of its own
+(scaled copies: the host cache shares none). The trace is ``meshserve-loadgen synth``: each
+model a Gamma arrival process with ``--cv`` (bursty). Service capacity is the number of
+requests that met the SLO (``MESHSERVE_SLO_*``, LLM-Mesh's by default); the ratios
+``full_vs_exclusive`` and ``full_vs_uncoordinated`` are of those numbers.
+
+    scripts/bench-sharing [--models 8] [--rate 0.5] [--cv 4] [--duration 120] [--out DIR]
+
+Needs NATS and Redis (the wrapper uses local ones where they answer). Writes
+``DIR/sharing.json`` (default bench-results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import LocalCluster
+from bench.common import (
+    RESULTS,
+    ROOT,
+    Col,
+    Table,
+    ensure_model,
+    models_dir,
+    replay_row,
+    write_result,
+)
+from bench.scaling import Fleet, _distinct_copy
+from shared.settings import process_environment
+
+COMMON = {
+    "MAX_NUM_SEQS": "8",
+    "TORCH_THREADS": "0",  # each TE's iterations use every core: the device is shared
+    "HEARTBEAT_INTERVAL": "0.5",
+    "STABLE_WINDOW": "20",
+    "PANIC_WINDOW": "3",
+}
+CONFIGS: dict[str, dict[str, str]] = {
+    "exclusive": {"KEEP_ALIVE": "2", "DEVICE_TURNS": "0"},
+    "uncoordinated": {"DEVICE_TURNS": "0", "SHADOW_ADMISSION": "0"},
+    "turns": {"DEVICE_TURNS": "1", "SHADOW_ADMISSION": "0"},
+    "full": {"DEVICE_TURNS": "1", "SHADOW_ADMISSION": "1"},
+}
+PREWARM_S = 5.0
+
+
+def _run(
+    name: str, models: Path, names: list[str], trace: Path, tokenizer: Path, work: Path
+) -> dict[str, Any]:
+    shared = name != "exclusive"
+    settings = {**COMMON, **CONFIGS[name]}
+    if shared:  # every model loaded from the start, one instance each
+        pinned = {n: {"min_replicas": 1, "max_replicas": 1} for n in names}
+        settings["MODEL_SCALING"] = json.dumps(pinned)
+    with LocalCluster(
+        name,
+        models,
+        pool_size=len(names) if shared else 1,
+        settings=settings,
+        log=work / f"{name}.log",
+    ) as cluster:
+        fleet = Fleet(cluster).start()
+        deadline = time.monotonic() + 600
+        want = len(names) if shared else 0
+        while sum(fleet.now.values()) < want or fleet.tes < (len(names) if shared else 1):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the fleet did not come up: {fleet.now}")
+            time.sleep(0.5)
+        time.sleep(PREWARM_S)
+        fleet.instance_s = 0.0
+        run_dir = work / name
+        subprocess.run(
+            [sys.executable, "-m", "loadgen.cli", "replay", str(trace), "--url", cluster.url,
+             "--tokenizer", str(tokenizer), "--no-plots", "--out", str(run_dir)],
+            check=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        fleet.stop()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {"summary": summary, "instance_s": fleet.instance_s, "metrics": cluster.metrics()}
+
+
+def _met(summary: dict[str, Any]) -> int:
+    return round((summary.get("slo_attainment") or 0.0) * (summary.get("requests") or 0))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="scripts/bench-sharing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--models", type=int, default=8, help="copies of the demo model")
+    p.add_argument("--rate", type=float, default=0.5, help="mean requests/s per model")
+    p.add_argument("--cv", type=float, default=4.0, help="burstiness of each model's arrivals")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of trace")
+    p.add_argument("--input-tokens", type=int, default=200)
+    p.add_argument("--output-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="which of them, in this order")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory of sharing.json")
+    args = p.parse_args(argv)
+
+    demo = ensure_model("demo", models_dir())
+    work = Path(tempfile.mkdtemp(prefix="bench-sharing-"))
+    models = work / "models"
+    models.mkdir()
+    names = [f"m{i}" for i in range(args.models)]
+    for i, n in enumerate(names):
+        _distinct_copy(demo, models / n, 1.0 + (i + 1) / 1024)
+    # The performance model, measured once for all (the copies share the architecture) with
+    # the clusters' settings, so that no load measures it.
+    env = process_environment({f"MESHSERVE_{k}": v for k, v in COMMON.items()})
+    subprocess.run(
+        [sys.executable, "-m", "services.cli", "profile", str(models / names[0])],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    trace = work / "trace.jsonl"
+    spec = ",".join(f"{n}:{args.rate}:{args.cv}" for n in names)
+    subprocess.run(
+        [sys.executable, "-m", "loadgen.cli", "synth", "--models", spec, "--duration",
+         str(args.duration), "--input-tokens", str(args.input_tokens), "--output-tokens",
+         str(args.output_tokens), "--seed", str(args.seed), "--out", str(trace)],
+        check=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    n_req = sum(1 for _ in trace.open())
+    print(
+        f"trace: {n_req} requests over {args.duration:g} s, {args.models} models, "
+        f"CV {args.cv:g}; settings {COMMON}",
+        flush=True,
+    )
+    rows, runs = [], {}
+    for name in args.configs.split(","):
+        t0 = time.monotonic()
+        runs[name] = _run(name, models, names, trace, demo, work)
+        row = replay_row(name, runs[name]["summary"])
+        row["met"] = _met(runs[name]["summary"])
+        row["instance_s"] = runs[name]["instance_s"]
+        rows.append(row)
+        print(f"{name}: {time.monotonic() - t0:.0f} s, {row['met']} met the SLO", flush=True)
+    table = Table(
+        [
+            Col("config", "config", width=14, left=True),
+            Col("requests", "reqs"),
+            Col("prompt_tokens", "prompt tok"),
+            Col("output_tokens", "output tok"),
+            Col("met", "met SLO"),
+            Col("slo", "SLO %", ".1f"),
+            Col("ttft_p50", "TTFT p50 ms", ".0f"),
+            Col("ttft_p90", "TTFT p90 ms", ".0f"),
+            Col("tpot_p90", "TPOT p90 ms", ".0f"),
+            Col("failed", "failed"),
+        ]
+    )
+    table.print(rows, title=f"{args.models} models sharing one CPU, CV {args.cv:g}")
+    met = {r["config"]: r["met"] for r in rows}
+    ratios = {}
+    if "full" in met:
+        for other in ("exclusive", "uncoordinated", "turns"):
+            if other in met:
+                ratios[f"full_vs_{other}"] = met["full"] / max(1, met[other])
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    write_result(
+        args.out / "sharing.json",
+        {
+            "args": vars(args) | {"out": str(args.out)},
+            "settings": {"common": COMMON, "configs": CONFIGS},
+            "rows": rows,
+            **ratios,
+            "work_dir": str(work),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
