@@ -145,6 +145,11 @@ class Refused(Unavailable):
     code = "refused"
 
 
+# A TE's Refused when its device's shadow validation says the task would be late or make
+# another late (services/task_executor/device_arbiter.py).
+DEVICE_BUSY = "device_busy"
+
+
 class NoCapacity(Unavailable):
     """No instance could take the request within its deadline."""
 

@@ -46,6 +46,23 @@ class Shed:
     instances: int  # ready instances, all saturated
 
 
+def capacity_coming(model: str, tes: Collection[TEView]) -> bool:
+    """A TE the scaler can load the model on (idle, only filling its host's weight cache, or
+    draining: a scale-in just before a burst leaves TEs that turn idle as their last streams
+    end), or an instance of the model loading."""
+    return any(
+        te.state in (TEState.IDLE, TEState.PRELOADING, TEState.DRAINING) for te in tes
+    ) or any(te.model == model and te.state == TEState.LOADING for te in tes)
+
+
+def device_busy(model: str, tes: Collection[TEView], busy: Collection[str]) -> bool:
+    """Every ready instance of the model refused the job after its device's shadow
+    validation (``busy``: those TEs) and no capacity is coming: the job cannot be served in
+    time, and is refused now rather than held until it is late."""
+    ready = [te.te_id for te in tes if te.model == model and te.state == TEState.READY]
+    return bool(ready) and set(ready) <= set(busy) and not capacity_coming(model, tes)
+
+
 def shed(
     model: str,
     tes: Collection[TEView],
@@ -58,14 +75,7 @@ def shed(
     if max_queued_per_slot <= 0:
         return None
     ready = [te for te in tes if te.model == model and te.state == TEState.READY]
-    if not ready:
-        return None
-    # Capacity coming: a TE the scaler can load the model on (idle, only filling its host's
-    # weight cache, or draining: a scale-in just before a burst leaves TEs that turn idle as
-    # their last streams end), or an instance of the model loading.
-    if any(te.state in (TEState.IDLE, TEState.PRELOADING, TEState.DRAINING) for te in tes) or any(
-        te.model == model and te.state == TEState.LOADING for te in tes
-    ):
+    if not ready or capacity_coming(model, tes):
         return None
     waits = []
     for te in ready:

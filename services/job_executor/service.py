@@ -15,6 +15,7 @@ import msgspec
 from services.job_executor import metrics
 from services.job_executor.admission import (
     INITIAL_MEAN_OUTPUT_TOKENS,
+    device_busy,
     mean_output_tokens,
     shed,
 )
@@ -40,6 +41,7 @@ from shared import block_hash, tracing
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater, ScalerClient, TaskExecutorClient, ViewWatcher
 from shared.errors import (
+    DEVICE_BUSY,
     Deposed,
     Internal,
     MeshserveError,
@@ -54,7 +56,14 @@ from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, JEHeartbeat, TEState
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.scaling import TrafficReport
-from shared.messages.tasks import ChatTask, KvSource, TaskAccepted, TaskMode, TaskProgress
+from shared.messages.tasks import (
+    ChatTask,
+    KvSource,
+    TaskAccepted,
+    TaskMode,
+    TaskProgress,
+    attempt_key,
+)
 from shared.metrics_http import MetricsServer
 from shared.native import Toolchain
 from shared.runner import Lifecycle
@@ -122,6 +131,8 @@ class JobExecutor:
         self._inflight = 0
         # When each job in hand reached its frontend, on this JE's clock (its tasks' age).
         self._arrivals: dict[str, float] = {}
+        # The TEs whose device refused each job in hand as too busy (shadow validation).
+        self._busy: dict[str, set[str]] = {}
         self._started = time.time()
         self._mean_output_tokens = INITIAL_MEAN_OUTPUT_TOKENS  # admission's moving mean
         self._outputs = OutputPredictor()  # learns from the tasks it placed, as they end
@@ -239,6 +250,7 @@ class JobExecutor:
             return accepted
         finally:
             self._arrivals.pop(job.key, None)
+            self._busy.pop(job.key, None)
             self._inflight -= 1
             metrics.IN_FLIGHT.dec()
 
@@ -378,6 +390,16 @@ class JobExecutor:
                         f"No instance of model `{job.model}` could take the request in time; "
                         "retry later.",
                         retry_after_s=self._settings.job_executor.retry_after.total_seconds(),
+                    )
+                if device_busy(job.model, tes, self._busy.get(job.key, ())):
+                    self._traffic.missed(job.model)
+                    self._report_soon(urgent=True)
+                    log.info("job refused: every instance's device is too busy", model=job.model)
+                    raise NoCapacity(
+                        f"Every instance of model `{job.model}` is too busy to serve the request "
+                        "in time and no capacity is coming; retry later.",
+                        retry_after_s=self._settings.job_executor.retry_after.total_seconds(),
+                        code="overloaded",
                     )
                 if not held:
                     held = True
@@ -605,6 +627,9 @@ class JobExecutor:
                 await self._cancel(te_id, task, task.mode)
             else:
                 log.info("placement refused", te=te_id, mode=task.mode, error=e.message)
+                if e.code == DEVICE_BUSY:
+                    key = attempt_key(task.request_id, task.attempt)
+                    self._busy.setdefault(key, set()).add(te_id)
             return None
         self._ledger.accepted(task.key, taken.seq)
         return taken

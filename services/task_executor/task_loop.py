@@ -35,6 +35,7 @@ from services.task_executor.model_control import ModelControl
 from shared import tracing
 from shared.bus import Bus
 from shared.errors import (
+    DEVICE_BUSY,
     BadRequest,
     InstanceLost,
     Internal,
@@ -464,7 +465,9 @@ class TaskLoop:
                 "pushes": f"push request {verdict.request} past its deadline",
                 "tpot": "stretch a decode round of its device past the TPOT",
             }.get(verdict.reason, verdict.reason)
-            raise Refused(f"TE {self._te_id} is too busy: the request would {what}")
+            raise Refused(
+                f"TE {self._te_id} is too busy: the request would {what}", code=DEVICE_BUSY
+            )
 
     def _sync_instance(self, engine: Engine) -> None:
         """Tell the arbiter what this TE serves when it changed (a load, an unload)."""

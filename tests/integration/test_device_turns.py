@@ -15,11 +15,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cluster_manager.service import ClusterManager
+from services.job_executor.service import JobExecutor
 from services.task_executor.pool import NodePool
 from shared.embedded import free_port
-from shared.errors import Refused
+from shared.errors import NoCapacity, Refused
 from shared.messages.api import SamplingParams
 from shared.messages.cluster import TEState
+from shared.messages.jobs import ChatJob
 from shared.messages.scaling import LoadModel
 from shared.messages.tasks import ChatTask
 from shared.store import Store
@@ -95,6 +97,7 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
     iterations serve in time is taken; one whose request arrived almost a TTFT ago (its age)
     would be late and is refused, so that its job executor tries another instance."""
     (tmp_path / "demo").symlink_to(demo_model_dir)
+    (tmp_path / "other").symlink_to(demo_model_dir)
     port = free_port()
     settings = fast_settings(
         cluster,
@@ -136,6 +139,28 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
             )
             with pytest.raises(Refused, match=r"too busy.*TTFT"):
                 await client.tes.place(te_id, old)
+        # Through a job executor: the one instance refuses it and no capacity is coming (no
+        # idle TE once the second serves another model): refused at once as overloaded.
+        other = client.view.view.tes[1].te_id
+        ack = await client.tes.control(other, LoadModel(model="other", path=str(tmp_path / "demo")))
+        assert ack.ok, ack
+        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        await run.start(lambda bus: JobExecutor(settings=quiet, bus=bus))
+        await client.until(lambda v: len(v.jes) == 1, 30)
+        async with client.inbox() as (subject, _):
+            job = ChatJob(
+                request_id="almost-late-job",
+                model="demo",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                reply_to=subject,
+                deadline=time.time() + 20,
+                age_s=0.9999,
+            )
+            t0 = time.monotonic()
+            with pytest.raises(NoCapacity) as refused:
+                await client.jobs.submit(job, timeout=25)
+            assert refused.value.code == "overloaded" and time.monotonic() - t0 < 5
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
                 text = await r.text()
@@ -146,7 +171,7 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
             for s in f.samples
             if s.name.endswith("_total")
         }
-        assert checks["admitted"] >= 1 and checks["late"] == 1
+        assert checks["admitted"] >= 1 and checks["late"] == 2
     finally:
         await run.stop()
         await store.close()

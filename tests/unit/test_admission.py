@@ -78,3 +78,15 @@ def test_no_ready_instance_unknown_capacity_or_off_never_sheds():
 def test_retry_after_is_at_least_a_second():
     tiny = msgspec.structs.replace(CAP, decode_step_s=1e-6)
     assert verdict([te("a", waiting=20, capacity=tiny)]).retry_after_s == 1.0
+
+
+def test_a_job_every_instance_refused_as_too_busy_is_refused_when_nothing_comes():
+    from services.job_executor.admission import device_busy
+
+    tes = [te("a"), te("b"), te("c", model="other")]
+    assert device_busy("m", tes, {"a", "b"})
+    assert not device_busy("m", tes, {"a"})  # b may still take it
+    assert not device_busy("m", tes, set())
+    assert not device_busy("m", [*tes, te("d", state=TEState.IDLE)], {"a", "b"})  # a load comes
+    assert not device_busy("m", [*tes, te("e", state=TEState.LOADING)], {"a", "b"})
+    assert not device_busy("x", tes, {"a", "b"})  # no ready instance: holding's business
