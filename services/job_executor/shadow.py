@@ -46,6 +46,9 @@ class InstanceView:
     requests: tuple[RequestView, ...]
     max_num_seqs: int
     max_prefill_tokens: int
+    # Its real iterations over what its profile predicts for them (the arbiter measures it:
+    # other processes' overheads, a busier host), applied before the margin.
+    stretch: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,22 +86,8 @@ class _Instance:
     def iterate(self, now: float, margin: float) -> float:
         """One iteration from ``now``: its end time; tokens and deadlines recorded."""
         v = self.view
-        decoding = [r for r in self.reqs if r.computed >= r.view.prompt_tokens][: v.max_num_seqs]
-        slots = v.max_num_seqs - len(decoding)
-        budget = v.max_prefill_tokens
-        chunks: list[tuple[_Req, int]] = []
-        for r in self.reqs:
-            if budget <= 0 or slots <= 0:
-                break
-            if r.computed < r.view.prompt_tokens:
-                n = min(r.view.prompt_tokens - r.computed, budget)
-                chunks.append((r, n))
-                budget -= n
-                slots -= 1
-        context = sum(r.view.prompt_tokens + r.output for r in decoding)
-        mean = context / len(decoding) if decoding else 0.0
-        prefill = sum(n for _, n in chunks)
-        end = now + v.perf.iteration_s(len(decoding), mean, prefill) * (1 + margin)
+        decoding, chunks, seconds = _next_iteration(v, self.reqs)
+        end = now + seconds * v.stretch * (1 + margin)
         for r in decoding:
             _token(r, end)
         for r, n in chunks:
@@ -107,6 +96,36 @@ class _Instance:
                 _token(r, end)
         self.reqs = [r for r in self.reqs if not r.done()]
         return end
+
+
+def _next_iteration(
+    v: InstanceView, reqs: Sequence[_Req]
+) -> tuple[list[_Req], list[tuple[_Req, int]], float]:
+    """What the instance's next iteration runs (its decodes; its prompts' chunks) and how
+    long its profile says that takes."""
+    decoding = [r for r in reqs if r.computed >= r.view.prompt_tokens][: v.max_num_seqs]
+    slots = v.max_num_seqs - len(decoding)
+    budget = v.max_prefill_tokens
+    chunks: list[tuple[_Req, int]] = []
+    for r in reqs:
+        if budget <= 0 or slots <= 0:
+            break
+        if r.computed < r.view.prompt_tokens:
+            n = min(r.view.prompt_tokens - r.computed, budget)
+            chunks.append((r, n))
+            budget -= n
+            slots -= 1
+    context = sum(r.view.prompt_tokens + r.output for r in decoding)
+    mean = context / len(decoding) if decoding else 0.0
+    prefill = sum(n for _, n in chunks)
+    return decoding, chunks, v.perf.iteration_s(len(decoding), mean, prefill)
+
+
+def iteration_s(v: InstanceView) -> float:
+    """How long the instance's next iteration takes by its profile (no stretch, no margin):
+    what the arbiter compares each real iteration with."""
+    reqs = [_Req(r, r.computed_tokens, r.output_tokens) for r in v.requests]
+    return _next_iteration(v, reqs)[2]
 
 
 def _token(r: _Req, at: float) -> None:
@@ -170,7 +189,7 @@ def decode_round_s(
         batch = requests[: inst.max_num_seqs]
         if batch:
             context = sum(r.prompt_tokens + r.output_tokens for r in batch) / len(batch)
-            total += inst.perf.decode_step_s(len(batch), context)
+            total += inst.perf.decode_step_s(len(batch), context) * inst.stretch
     return total * (1 + margin)
 
 

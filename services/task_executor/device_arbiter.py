@@ -30,7 +30,11 @@ With ``MESHSERVE_SHADOW_ADMISSION`` the arbiter also validates: a TE tells it wh
 serves (``instance``: its performance model and limits) and, with each ``want``, the
 requests it holds; before taking a request it asks ``check`` and the arbiter plays the
 device's next iterations forward (``services/job_executor/shadow.py``) over every TE of
-the device, answering with a ``verdict``.
+the device, answering with a ``verdict``. Each TE's profile is stretched by how its real
+iterations compare with it (the arbiter times every turn against the profile's
+prediction for the requests the TE held: a moving mean, ``stretch``), so that the play
+counts what the profile, measured on an idle device, does not: other processes'
+overheads, the host's load.
 
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
 runs its iterations unarbitrated, and takes every request, as before."""
@@ -48,7 +52,7 @@ from pathlib import Path
 import msgspec
 from prometheus_client import Counter, Histogram
 
-from services.job_executor.shadow import InstanceView, Verdict, validate
+from services.job_executor.shadow import InstanceView, Verdict, iteration_s, validate
 from shared.headroom import RequestView, next_turn
 from shared.logging import get_logger
 from shared.perf_model import PerfModel
@@ -82,6 +86,11 @@ TURN_WAIT = Histogram(
 )
 
 
+# A TE's stretch: a moving mean over about its last 1 / STRETCH_WEIGHT turns, bounded.
+STRETCH_WEIGHT = 0.1
+STRETCH_MIN, STRETCH_MAX = 0.5, 20.0
+
+
 @dataclasses.dataclass(slots=True)
 class _Client:
     name: str
@@ -93,6 +102,32 @@ class _Client:
     # model) and its requests as it last said.
     instance: Instance | None = None
     requests: tuple[RequestView, ...] = ()
+    # Its real iterations over its profile's predictions (a moving mean; see STRETCH_*), and
+    # the turn it holds: when it was granted and what its profile predicted for it.
+    stretch: float = 1.0
+    granted_at: float = 0.0
+    predicted_s: float = 0.0
+
+    def view(self) -> InstanceView | None:
+        if self.instance is None:
+            return None
+        return InstanceView(
+            instance=self.name,
+            perf=self.instance.perf,
+            requests=self.requests,
+            max_num_seqs=self.instance.max_num_seqs,
+            max_prefill_tokens=self.instance.max_prefill_tokens,
+            stretch=self.stretch,
+        )
+
+    def turn_ended(self, now: float) -> None:
+        """Its turn's iteration took ``now - granted_at``: its stretch moves toward that over
+        what was predicted."""
+        if self.predicted_s > 0:
+            ratio = (now - self.granted_at) / self.predicted_s
+            ratio = min(max(ratio, STRETCH_MIN), STRETCH_MAX)
+            self.stretch += STRETCH_WEIGHT * (ratio - self.stretch)
+        self.predicted_s = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -160,6 +195,7 @@ class DeviceArbiter:
                 word, _, arg = line.decode().strip().partition(" ")
                 if word == "done" and device.holder is client:
                     device.holder = None
+                    client.turn_ended(time.monotonic())
                 elif word == "want":
                     deadline, _, requests = arg.partition(" ")
                     client.wants, client.asked_at = float(deadline), time.monotonic()
@@ -197,17 +233,7 @@ class DeviceArbiter:
         the device that has a performance model (``services/job_executor/shadow.py``)."""
         if client.instance is None:
             return Verdict(ok=True)
-        instances = [
-            InstanceView(
-                instance=c.name,
-                perf=c.instance.perf,
-                requests=c.requests,
-                max_num_seqs=c.instance.max_num_seqs,
-                max_prefill_tokens=c.instance.max_prefill_tokens,
-            )
-            for c in device.clients.values()
-            if c.instance is not None
-        ]
+        instances = [v for c in device.clients.values() if (v := c.view()) is not None]
         verdict = validate(instances, client.name, new, time.monotonic())
         CHECKS.labels(client.device, verdict.reason or "admitted").inc()
         # JSON has no infinity: a request that would never start is very late instead.
@@ -228,6 +254,9 @@ class DeviceArbiter:
             except (OSError, RuntimeError):
                 continue  # gone: the next one
             device.holder = client
+            client.granted_at = now
+            if (view := client.view()) is not None:
+                client.predicted_s = iteration_s(view)
             TURNS.labels(name).inc()
             TURN_WAIT.labels(name).observe(now - client.asked_at)
             if client.wants is not None and client.wants < now:

@@ -137,3 +137,38 @@ async def test_without_an_arbiter_turns_are_granted_at_once(tmp_path: Path) -> N
 def test_turns_are_served_where_one_iteration_fills_the_device(values: dict, pays: bool) -> None:
     te = Settings.load(**({"pool_size": 2} | values)).task_executor
     assert shares_device(te, cores=2) is pays
+
+
+async def test_a_te_slower_than_its_profile_is_stretched(arbiter: DeviceArbiter) -> None:
+    """The arbiter times each turn against what the TE's profile predicts for the requests
+    it held, and moves the TE's stretch toward the ratio."""
+    from services.task_executor.device_arbiter import Instance
+    from shared.headroom import RequestView
+    from shared.perf_model import PerfModel
+
+    perf = PerfModel(  # a decode step 10 ms
+        prefill_lengths=[16, 4096],
+        prefill_s=[0.016, 4.096],
+        decode_batches=[1, 32],
+        decode_contexts=[16, 4096],
+        decode_s=[[0.01, 0.01], [0.01, 0.01]],
+        max_num_seqs=32,
+    )
+    a = TurnClient(str(arbiter.path), "a")
+    a.serving(Instance(perf=perf, max_num_seqs=32, max_prefill_tokens=2048))
+    decoding = RequestView(
+        arrival=0.0,
+        prompt_tokens=10,
+        expected_output=50,
+        ttft_slo=2.0,
+        tpot_slo=0.25,
+        computed_tokens=10,
+        output_tokens=3,
+        id="r",
+    )
+    async with a.turn(time.monotonic() + 10, "cpu", [decoding]):
+        await asyncio.sleep(0.05)  # five times the profile's step
+    await asyncio.sleep(0.05)  # the "done" reaches the arbiter
+    stretch = arbiter._devices["cpu"].clients["a"].stretch
+    assert 1.3 < stretch < 3.0  # 1 + 0.1 x (5 - 1) = 1.4, a slower sleep a little more
+    a.close()

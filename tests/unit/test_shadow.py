@@ -107,3 +107,19 @@ def test_the_newcomer_on_a_busy_instance_shares_its_iterations():
     full = [*busy, _req("r31", ttft=5.0, tpot=0.5, computed_tokens=10, output_tokens=3)]
     v = validate([_inst("a", *full)], "a", _req("new", prompt=200, ttft=0.5), 0.0)
     assert (v.ok, v.reason) == (False, "late")
+
+
+def test_an_instance_slower_than_its_profile_is_played_as_it_runs():
+    import dataclasses
+
+    from services.job_executor.shadow import iteration_s
+
+    new = _req("new", prompt=1000, ttft=2.0)
+    assert validate([_inst("a")], "a", new, 0.0).ok  # 1.1 s by its profile
+    slow = dataclasses.replace(_inst("a"), stretch=2.0)  # its iterations take twice that
+    v = validate([slow], "a", new, 0.0)
+    assert (v.ok, v.reason) == (False, "late") and v.first_token_s == pytest.approx(2.2)
+    # What the arbiter times each turn against: the profile's next iteration.
+    decoding = _req("d", computed_tokens=10, output_tokens=3)
+    assert iteration_s(_inst("a", decoding)) == pytest.approx(0.01)
+    assert iteration_s(_inst("a", _req("p", prompt=500))) == pytest.approx(0.5)
