@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 
@@ -44,7 +43,7 @@ from shared.errors import (
     PeerUnreachable,
     Refused,
 )
-from shared.headroom import RequestView
+from shared.headroom import RequestView, earliest_deadline
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
@@ -486,37 +485,28 @@ class TaskLoop:
             )
         )
 
+    def _request_view(self, s: _Stream) -> RequestView:
+        """A request of this TE as its deadlines and shadow validation see it."""
+        return RequestView(
+            arrival=s.arrival,
+            prompt_tokens=s.prompt_tokens,
+            expected_output=max(1, s.max_tokens),
+            ttft_slo=self._slo.ttft_limit_s(s.prompt_tokens),
+            tpot_slo=self._slo.tpot_s,
+            computed_tokens=(
+                s.prompt_tokens if s.first_token_at else s.prompt_tokens - s.prefill_tokens
+            ),
+            output_tokens=s.generated,
+            id=s.key,
+        )
+
     def _request_views(self) -> list[RequestView]:
-        """This TE's requests as shadow validation plays them."""
-        slo = self._slo
-        return [
-            RequestView(
-                arrival=s.arrival,
-                prompt_tokens=s.prompt_tokens,
-                expected_output=max(1, s.max_tokens),
-                ttft_slo=slo.ttft_limit_s(s.prompt_tokens),
-                tpot_slo=slo.tpot_s,
-                computed_tokens=(
-                    s.prompt_tokens if s.first_token_at else s.prompt_tokens - s.prefill_tokens
-                ),
-                output_tokens=s.generated,
-                id=s.key,
-            )
-            for s in self._streams.values()
-        ]
+        return [self._request_view(s) for s in self._streams.values()]
 
     def _earliest_deadline(self) -> float:
         """When the most urgent of this TE's requests is due its next token
-        (``shared.headroom``: arrival + TTFT limit + TPOT × tokens so far), on the host's
-        monotonic clock."""
-        slo = self._slo
-        return min(
-            (
-                s.arrival + slo.ttft_limit_s(s.prompt_tokens) + slo.tpot_s * s.generated
-                for s in self._streams.values()
-            ),
-            default=math.inf,
-        )
+        (``shared.headroom``), on the host's monotonic clock."""
+        return earliest_deadline(self._request_view(s) for s in self._streams.values())
 
     async def _apply_queued(self, engine: Engine) -> None:
         for engine_id in self._aborts:
