@@ -121,6 +121,11 @@ def _requests(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
         except ValueError as e:
             raise UsageError(str(e)) from None
     reqs = transforms.limit(reqs, duration_s=args.duration, max_requests=args.max_requests)
+    if args.spread_models:
+        try:
+            reqs = transforms.spread_models(reqs, args.spread_models, args.model_skew, args.seed)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if not reqs:
         raise UsageError("no requests left after --duration/--max-requests/--rate-scale")
     return reqs, n_trace
@@ -296,7 +301,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from loadgen.costmodel import DEFAULT_PROFILE, load_profiles
+    from loadgen.costmodel import DEFAULT_PROFILE, GPU_PROFILE, load_profiles
     from loadgen.prefix_sim import reuse_bound
     from loadgen.report import summarize
     from loadgen.simulator import SimConfig, simulate
@@ -332,12 +337,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         max_context=max_context,
         max_output_tokens=args.max_output_tokens,
     )
+    gpu_profiles = None
+    if args.gpu_devices:
+        gpu_profiles = load_profiles(args.gpu_profile or GPU_PROFILE)
+        if args.profile_for:
+            gpu_base = next(iter(gpu_profiles.values()))
+            gpu_profiles = {
+                **{m: dataclasses.replace(gpu_base, model=m) for m in names},
+                **gpu_profiles,
+            }
     cfg = SimConfig(
         devices=args.devices,
+        slots_per_device=args.slots_per_device,
+        sharing=args.sharing,
+        shadow=args.shadow,
+        gpu_devices=args.gpu_devices,
         pool_size=args.pool_size,
         keep_alive_s=args.keep_alive,
         min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas or args.devices,
+        max_replicas=args.max_replicas or args.devices * max(1, args.slots_per_device),
         target_utilization=args.target_utilization,
         stable_window_s=args.stable_window,
         panic_window_s=args.panic_window,
@@ -367,13 +385,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    results, stats = simulate(planned, profiles, cfg)
+    results, stats = simulate(planned, profiles, cfg, gpu_profiles)
     wall = time.perf_counter() - t0
     summary = summarize(results, slo, exact_prompts=True)
     ideal = None
     if args.compare_ideal:
         ideal_results, ideal_stats = simulate(
-            planned, profiles, dataclasses.replace(cfg, instant_loads=True)
+            planned, profiles, dataclasses.replace(cfg, instant_loads=True), gpu_profiles
         )
         ideal = {
             "summary": {
@@ -651,6 +669,16 @@ def _trace_options(p: argparse.ArgumentParser) -> None:
         help="only requests arriving in the first S seconds (after scaling)",
     )
     p.add_argument("--max-requests", type=int, help="only the first N requests")
+    p.add_argument(
+        "--spread-models",
+        type=int,
+        metavar="N",
+        help="share the traffic among N models model-01..: each conversation to one, Zipf "
+        "popularity (map them with --models-map, or --profile-for in simulate)",
+    )
+    p.add_argument(
+        "--model-skew", type=float, default=1.0, help="--spread-models' Zipf exponent (0: even)"
+    )
     p.add_argument("--max-output-tokens", type=int, help="cap every output length")
     p.add_argument("--seed", type=int, default=0, help="prompt content and rate scaling")
     p.add_argument(
@@ -823,8 +851,33 @@ def parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="use this profile for every model without its own (many-model traces)",
     )
-    m.add_argument("--devices", type=int, default=4, help="TEs in the fleet")
+    m.add_argument("--devices", type=int, default=4, help="devices in the fleet")
     m.add_argument("--pool-size", type=int, default=4, help="TEs per node pool")
+    m.add_argument(
+        "--slots-per-device",
+        type=int,
+        default=1,
+        help="instances one device holds at once (a TE each; its KV cache split among them)",
+    )
+    m.add_argument(
+        "--sharing",
+        choices=("uncoordinated", "fifo", "headroom"),  # loadgen.simulator.SHARING
+        default="headroom",
+        help="how a device's instances share it: time-sliced processes, one iteration at a "
+        "time first come, or earliest deadline first (the device arbiter's turns)",
+    )
+    m.add_argument(
+        "--shadow",
+        action="store_true",
+        help="validate each placement against the device's next iterations first",
+    )
+    m.add_argument("--gpu-devices", type=int, default=0, help="of --devices, how many are GPUs")
+    m.add_argument(
+        "--gpu-profile",
+        type=Path,
+        help="the GPU devices' engine profile (default: the bench model's H100 profile; "
+        "--profile-for applies to it too)",
+    )
     m.add_argument(
         "--keep-alive", type=float, default=60.0, help="seconds idle before scale to zero"
     )

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.messages.scaling import InstanceCapacity
-from shared.perf_model import CAPACITY_MAX_BATCH
+from shared.perf_model import CAPACITY_MAX_BATCH, PerfModel, powers_of_two
 
 # A load that maps its weights from the host cache, over one that reads the checkpoint: 0.17 s
 # against 0.55 s from a warm disk for the Qwen2-0.5B-shaped model (README, Performance:
@@ -149,6 +149,27 @@ class EngineProfile:
             device=str(self.source.get("device", "")),
         )
 
+    def perf_model(self) -> PerfModel:
+        """This cost model on the power-of-two grids of a performance model
+        (``shared.perf_model``), as ``meshserve profile`` would have measured it: what the
+        simulator's shadow validation plays a device's iterations forward with."""
+        lengths = powers_of_two(16, max(16, self.max_model_len))
+        batches = powers_of_two(1, max(1, self.max_num_seqs))
+        contexts = powers_of_two(16, max(16, self.max_model_len))
+        return PerfModel(
+            prefill_lengths=lengths,
+            prefill_s=[
+                max(self.prefill_time_s(n), self.decode_step_s(1)) + self.emit_s for n in lengths
+            ],
+            decode_batches=batches,
+            decode_contexts=contexts,
+            decode_s=[[self.iteration_s(b, b * c, []) for c in contexts] for b in batches],
+            max_num_seqs=self.max_num_seqs,
+            grid="full",
+            engine=str(self.source.get("engine", "")),
+            device=str(self.source.get("device", "")),
+        )
+
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["decode_batches"] = list(self.decode_batches)
@@ -192,3 +213,5 @@ def save_profiles(path: Path | str, profiles: list[EngineProfile]) -> None:
 
 
 DEFAULT_PROFILE = Path(__file__).with_name("profiles") / "bench-qwen2-0.5b-torch-cpu.json"
+# The same model on an H100 (``simulate --gpu-devices``' default for GPU devices).
+GPU_PROFILE = Path(__file__).with_name("profiles") / "bench-qwen2-0.5b-torch-h100.json"

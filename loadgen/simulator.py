@@ -59,6 +59,16 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   first chunk the client gets carries the prefill's token and the first decoded one, as the
   TE sends them.
 
+- many instances per device (LLM-Mesh): ``SimConfig.slots_per_device`` instances share each
+  device, taking turns ordered by the device arbiter's ``shared.headroom.next_turn`` (or
+  first come, or time-sliced as uncoordinated processes are); with ``SimConfig.shadow`` a
+  placement is first validated by the TE's ``services.job_executor.shadow.validate`` on its
+  device (each profile as a performance model: ``EngineProfile.perf_model``), a refusal
+  tries another instance and, when every ready instance refused and nothing is coming, is a
+  503 (``admission.device_busy``). ``gpu_devices`` of the fleet run each model's GPU
+  profile; the scaler places new instances on CPUs first where the model's CPU instances
+  meet the SLO (``scaler.pools.placement_order``).
+
 Not modelled yet (they grow with the policy issues): TE failures (so no PD fallbacks);
 multicast loads (``plan_multicasts`` needs relay addresses, which the simulated TEs do not
 report, so scale-outs fork one by one); a host cache holding part of a model (a real store
@@ -79,7 +89,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from loadgen.costmodel import EngineProfile
 from loadgen.plan import Planned
@@ -90,6 +100,7 @@ from loadgen.weight_cache_sim import HostCacheModel
 from services.frontend.outcomes import Outcomes
 from services.job_executor.admission import (
     INITIAL_MEAN_OUTPUT_TOKENS,
+    device_busy,
     mean_output_tokens,
     shed,
 )
@@ -99,6 +110,7 @@ from services.job_executor.ledger import PlacementLedger
 from services.job_executor.output_length import OutputPredictor
 from services.job_executor.placement import Request
 from services.job_executor.routing import DEFAULT_ROUTING, RoutingConfig, spread_of
+from services.job_executor.shadow import InstanceView, Verdict, validate
 from services.job_executor.traffic import RateMeter, TrafficLedger
 from services.scaler.config import scaler_config
 from services.scaler.policy import Load, Unload
@@ -122,8 +134,10 @@ from services.task_executor.engines.torch_engine.scheduler import (
 )
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView, queued_prompt_tokens, remember_model
+from shared.headroom import RequestView, earliest_deadline, next_turn
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
+from shared.perf_model import PerfModel
 from shared.settings import ModelScaling, Settings
 from shared.slo import SLO
 
@@ -131,11 +145,14 @@ from shared.slo import SLO
 # simulated clock starts far from zero.
 EPOCH = 1_000_000.0
 JE_ID = "je-sim"  # the one simulated job executor
+# How the instances on one device share it (``SimConfig.sharing``).
+Sharing = Literal["uncoordinated", "fifo", "headroom"]
+SHARING: tuple[Sharing, ...] = ("uncoordinated", "fifo", "headroom")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SimConfig:
-    devices: int = 4  # TEs, each able to serve one model at a time
+    devices: int = 4  # each holds ``slots_per_device`` TEs, each serving one model at a time
     pool_size: int = 4  # TEs per node pool
     heartbeat_s: float = 1.0
     keep_alive_s: float = 60.0
@@ -173,6 +190,21 @@ class SimConfig:
     pd: PdConfig = dataclasses.field(default_factory=PdConfig)
     max_prefill_replicas: int = 0
     kv_bandwidth: float = 1.25e9
+    # Many instances per device (LLM-Mesh): a device holds up to ``slots_per_device``
+    # instances at once (a TE each, the device's KV cache split evenly among them), and they
+    # share it as ``sharing`` says: "uncoordinated" (processes the OS time-slices: an
+    # iteration takes as many times longer as the device has instances with work), "fifo"
+    # (one iteration at a time, in the order the instances asked for their turn) or
+    # "headroom" (one at a time, the earliest deadline first: ``shared.headroom.next_turn``,
+    # as the device arbiter grants turns). ``shadow``: the JE validates each placement
+    # against the device's next iterations (``services.job_executor.shadow.validate``) and
+    # tries another instance, holds the request, or refuses it (``admission.device_busy``).
+    slots_per_device: int = 1
+    sharing: Sharing = "headroom"
+    shadow: bool = False
+    # Of ``devices``, the last ``gpu_devices`` are GPUs: instances there run their model's
+    # GPU profile (``Simulation(gpu_profiles=...)``), in node pools of their own.
+    gpu_devices: int = 0
 
     def settings(self) -> Settings:
         """The simulated cluster's settings, as far as they decide anything: the scaler
@@ -249,6 +281,13 @@ class SimStats:
     pd_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     kv_bytes: int = 0
     prefill_loads: int = 0
+    # Shared devices: iterations granted as turns, those granted to an instance whose most
+    # urgent request was already late, placements shadow validation refused (by reason),
+    # and requests refused because every instance's device was too busy.
+    turns: int = 0
+    late_turns: int = 0
+    shadow_refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    device_busy: int = 0
 
     @property
     def weight_cache_hit_rate(self) -> float:
@@ -297,6 +336,7 @@ class _Seq:
     started_at: float = 0.0  # a prefill task: admitted (its KV starts streaming)
     # A request whose prompt KV came from a prefill TE, until its decode TE admits it.
     imported: bool = False
+    busy: frozenset[str] = frozenset()  # TEs whose shadow validation refused it (this view)
 
     @property
     def num_tokens(self) -> int:
@@ -329,6 +369,8 @@ class _TE:
     transfers: int = 0  # PD, a prefill TE: KV it holds until a decode TE has pulled it
     incoming: list[_Seq] = dataclasses.field(default_factory=list)  # PD, decode: KV due
     link_free_at: float = 0.0  # PD: when its KV link is done with the transfers it carries
+    device: str = ""  # the device it shares with the other TEs there
+    kind: str = "cpu"  # that device's kind: "cpu" or "gpu"
 
     def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
         """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
@@ -365,6 +407,7 @@ class _TE:
             role=self.role,
             kv_address=f"{self.te_id}:kv" if profile and self.role == TaskMode.PREFILL else "",
             kv_import=profile is not None and profile.kv_bytes_per_token > 0,
+            device="cuda" if self.kind == "gpu" else "cpu",
         )
 
     def share(self) -> JobShare:
@@ -378,21 +421,53 @@ class _TE:
         )
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Device:
+    """One device and the instances on it (``SimConfig.slots_per_device`` TEs)."""
+
+    device_id: str
+    tes: list[_TE] = dataclasses.field(default_factory=list)
+    active: _TE | None = None  # turns: the instance whose iteration runs
+    wanting: dict[_TE, float] = dataclasses.field(default_factory=dict)  # asked at
+
+
 class Simulation:
     def __init__(
-        self, planned: Sequence[Planned], profiles: Mapping[str, EngineProfile], cfg: SimConfig
+        self,
+        planned: Sequence[Planned],
+        profiles: Mapping[str, EngineProfile],
+        cfg: SimConfig,
+        gpu_profiles: Mapping[str, EngineProfile] | None = None,
     ) -> None:
-        missing = sorted({p.model for p in planned} - set(profiles))
+        models = {p.model for p in planned}
+        missing = sorted(models - set(profiles))
         if missing:
             raise ValueError(f"no engine profile for model(s) {missing}")
+        gpus = min(max(cfg.gpu_devices, 0), cfg.devices)
+        gpu_missing = sorted(models - set(gpu_profiles or {})) if gpus else []
+        if gpu_missing:
+            raise ValueError(f"no GPU engine profile for model(s) {gpu_missing}")
         self.cfg = cfg
         self.profiles = profiles
+        self.gpu_profiles = gpu_profiles or {}
         self.planned = sorted(planned, key=lambda p: p.arrival_s)
         self.stats = SimStats()
-        self.tes = [
-            _TE(te_id=f"te-{i:05d}", pool_id=f"pool-{i // max(cfg.pool_size, 1):04d}")
-            for i in range(cfg.devices)
-        ]
+        self._slots = max(1, cfg.slots_per_device)
+        self._turn_taking = self._slots > 1 and cfg.sharing != "uncoordinated"
+        self.tes: list[_TE] = []
+        self._devices: dict[str, _Device] = {}
+        per_kind = {"cpu": 0, "gpu": 0}
+        for d in range(cfg.devices):
+            kind = "gpu" if d >= cfg.devices - gpus else "cpu"
+            device = self._devices[f"dev-{d:05d}"] = _Device(f"dev-{d:05d}")
+            for _ in range(self._slots):
+                n, per_kind[kind] = per_kind[kind], per_kind[kind] + 1
+                pool = f"{'gpu-' if kind == 'gpu' else ''}pool-{n // max(cfg.pool_size, 1):04d}"
+                te = _TE(te_id=f"te-{len(self.tes):05d}", pool_id=pool)
+                te.device, te.kind = device.device_id, kind
+                device.tes.append(te)
+                self.tes.append(te)
+        self._perf: dict[int, tuple[EngineProfile, PerfModel]] = {}  # id(profile): its model
         self._by_id = {te.te_id: te for te in self.tes}
         self._pools: dict[str, list[_TE]] = {}
         for te in self.tes:
@@ -431,14 +506,15 @@ class Simulation:
         self._outcomes = Outcomes(cfg.slo)
         # As a TE paces its engine: with the capacity it measured and the SLO's TPOT.
         self._pacing = {
-            m: pacing(
+            (kind, m): pacing(
                 p.capacity(),
                 tpot_s=cfg.slo.tpot_s,
                 ceiling=p.max_prefill_tokens,
                 ttft_s=cfg.slo.ttft_s,
                 ttft_per_token_s=cfg.slo.ttft_per_input_token_s,
             )
-            for m, p in profiles.items()
+            for kind, by_model in (("cpu", profiles), ("gpu", self.gpu_profiles))
+            for m, p in by_model.items()
             if p.paced
         }
         self._reports_due = False
@@ -550,7 +626,8 @@ class Simulation:
             self._at(seq.job.deadline, "expire", seq)
 
     def _try_place(self, seq: _Seq) -> bool:
-        """The JE's step (``holding.next_step``) on the view it has."""
+        """The JE's step (``holding.next_step``) on the view it has: True when the job left
+        its hands (placed, or refused at once), False when it is held."""
         model = seq.plan.model
         assert seq.job is not None
         every = [self._view[t] for t in self._by_model.get(model, ())]
@@ -576,6 +653,15 @@ class Simulation:
             routing=self.cfg.routing,
         )
         if isinstance(step, Hold):
+            if seq.busy and device_busy(model, list(self._view.values()), seq.busy):
+                # Every instance's device refused it and no capacity is coming: a 503 now.
+                self.stats.device_busy += 1
+                if seq.held_at is not None:
+                    self._traffic.released(model, seq.plan.input_tokens)
+                    seq.held_at = None
+                self._refuse(seq, "overloaded: every instance's device is too busy")
+                self._schedule_scaler(self.cfg.network_s, urgent=True)
+                return True
             if step.urgent:
                 self._schedule_scaler(self.cfg.network_s, urgent=True)
             return False
@@ -589,6 +675,14 @@ class Simulation:
             # counted and taken back, leaves the ledger as it was); the JE tries again.
             seq.job = dataclasses.replace(seq.job, refused=seq.job.refused | {te.te_id})
             return self._try_place(seq)
+        if self.cfg.shadow:
+            verdict = self._shadow(te, seq)
+            if not verdict.ok:  # the TE refuses (DEVICE_BUSY): the JE tries another
+                why = self.stats.shadow_refused
+                why[verdict.reason] = why.get(verdict.reason, 0) + 1
+                seq.job = dataclasses.replace(seq.job, refused=seq.job.refused | {te.te_id})
+                seq.busy = seq.busy | {te.te_id}
+                return self._try_place(seq)
         prefill_te = self._disaggregate(seq, self._view[step.te_id], matched, every)
         self._ledger.placed(step.te_id, key, 0 if prefill_te else seq.prompt - matched)
         te.placements += 1
@@ -608,7 +702,7 @@ class Simulation:
             self.stats.matched_tokens += matched
             self.stats.oracle_tokens += max(cached.values(), default=0)
         # In deadline order, as the engine queues.
-        paced = self._pacing.get(model)
+        paced = self._pacing.get((te.kind, model))
         seq.due = self.now + paced.ttft_limit_s(seq.prompt) if paced else math.inf
         te.last_active = self.now
         if prefill_te is not None:  # the decode TE waits for the KV
@@ -741,6 +835,7 @@ class Simulation:
                 continue
             assert s.job is not None
             s.job = dataclasses.replace(s.job, refused=frozenset())  # a new view
+            s.busy = frozenset()
             if not self._try_place(s):
                 still.append(s)
         if still:
@@ -847,7 +942,7 @@ class Simulation:
         for action in decision.actions:
             te = self._by_id[action.te_id]
             if isinstance(action, Load) and te.state == TEState.IDLE:
-                profile = self.profiles[action.model]
+                profile = self._profile(te, action.model)
                 te.state, te.model, te.profile = TEState.LOADING, action.model, profile
                 te.role = action.role
                 self.stats.prefill_loads += action.role == TaskMode.PREFILL
@@ -899,7 +994,7 @@ class Simulation:
         te.state, te.preloading, te.since = TEState.PRELOADING, model, self.now
         te.epoch += 1
         te.weights = self._weights_source(te, model, weights_from)
-        done = fill_s(self.profiles[model], te.weights, self.cfg.fork_bandwidth)
+        done = fill_s(self._profile(te, model), te.weights, self.cfg.fork_bandwidth)
         self._state_changed(te)
         self._at(self.now + self.cfg.network_s + done, "preloaded", (te, te.epoch))
 
@@ -928,7 +1023,8 @@ class Simulation:
                 if t.model is not None
                 and t.state in (TEState.LOADING, TEState.READY, TEState.DRAINING)
             }
-            stored = host.store(model, self.profiles[model].weight_size(), self.now, in_use)
+            size = self._profile(te, model).weight_size()
+            stored = host.store(model, size, self.now, in_use)
             self.stats.evictions += len(stored.evicted)
             self.stats.evicted_bytes += stored.evicted_bytes
             self.stats.uncached_loads += not stored.cached
@@ -954,9 +1050,9 @@ class Simulation:
             return
         assert te.profile is not None and te.model is not None
         te.state = TEState.READY
-        te.free_blocks = te.profile.kv_blocks
+        te.free_blocks = te.profile.kv_blocks // self._slots  # its share of the device's
         if self.cfg.prefix_caching:
-            te.cache = PrefixLRU(te.profile.kv_blocks * te.profile.block_size)
+            te.cache = PrefixLRU(te.free_blocks * te.profile.block_size)
         te.last_active = self.now
         te.recent_models = remember_model(te.recent_models, te.model)
         self._ready[te.model] = self._ready.get(te.model, 0) + 1
@@ -975,8 +1071,89 @@ class Simulation:
         if batch is not None:
             self._finish_iteration(te, *batch)
         te.busy = False
-        self._start_iteration(te)
+        if not self._turn_taking:
+            self._start_iteration(te)
+        else:
+            device = self._devices[te.device]
+            if device.active is te:
+                device.active = None
+            if te.running or te.waiting:
+                device.wanting.setdefault(te, self.now)
+                te.busy = True  # until its turn: no second kick
+            self._grant_turn(device)
         self._maybe_unloaded(te)
+
+    # -- shared devices ------------------------------------------------------------------------
+
+    def _profile(self, te: _TE, model: str) -> EngineProfile:
+        """The model's profile on ``te``'s kind of device."""
+        return (self.gpu_profiles if te.kind == "gpu" else self.profiles)[model]
+
+    def _perf_model(self, profile: EngineProfile) -> PerfModel:
+        """Its performance model (``EngineProfile.perf_model``), built once."""
+        got = self._perf.get(id(profile))
+        if got is None:
+            got = self._perf[id(profile)] = (profile, profile.perf_model())
+        return got[1]
+
+    def _request_view(self, s: _Seq) -> RequestView:
+        """A request as its deadlines and shadow validation see it (as the TE's)."""
+        n, slo = s.plan.input_tokens, self.cfg.slo
+        return RequestView(
+            arrival=EPOCH + s.result.sent_s,
+            prompt_tokens=n,
+            expected_output=1 if s.kv_for is not None else max(1, s.plan.output_tokens),
+            ttft_slo=slo.ttft_limit_s(n),
+            tpot_slo=slo.tpot_s,
+            computed_tokens=n if s.generated else min(max(s.computed, s.matched), n - 1),
+            output_tokens=s.generated,
+            id=f"{s.plan.key}/prefill" if s.kv_for is not None else s.plan.key,
+        )
+
+    def _held_views(self, te: _TE) -> list[RequestView]:
+        """The requests ``te`` holds, running first then the head of its queue."""
+        head = itertools.islice(te.waiting, 4 * (te.profile.max_num_seqs if te.profile else 1))
+        return [self._request_view(s) for s in itertools.chain(te.running, head)]
+
+    def _grant_turn(self, device: _Device) -> None:
+        """The device is free: the next turn to the instance whose most urgent request is
+        due first (``next_turn``; "fifo": the one that asked first)."""
+        while device.active is None and device.wanting:
+            if self.cfg.sharing == "headroom":
+                deadlines = {
+                    t.te_id: earliest_deadline(self._held_views(t)) for t in device.wanting
+                }
+                chosen = next_turn(deadlines)
+                te = next(t for t in device.wanting if t.te_id == chosen) if chosen else None
+                if te is None:  # nothing held anywhere: the first that asked
+                    te = min(device.wanting, key=lambda t: (device.wanting[t], t.te_id))
+                elif deadlines[te.te_id] < self.now:
+                    self.stats.late_turns += 1
+            else:
+                te = min(device.wanting, key=lambda t: (device.wanting[t], t.te_id))
+            del device.wanting[te]
+            te.busy = False
+            self._start_iteration(te)  # the device is its until the iteration ends
+            self._maybe_unloaded(te)
+
+    def _shadow(self, te: _TE, seq: _Seq) -> Verdict:
+        """Shadow validation on ``te``'s device (``shadow.validate``), as the TE asks it."""
+        views = []
+        for t in self._devices[te.device].tes:
+            if t.profile is None or t.state not in (TEState.READY, TEState.DRAINING):
+                continue
+            views.append(
+                InstanceView(
+                    instance=t.te_id,
+                    perf=self._perf_model(t.profile),
+                    requests=tuple(
+                        self._request_view(s) for s in itertools.chain(t.running, t.waiting)
+                    ),
+                    max_num_seqs=t.profile.max_num_seqs,
+                    max_prefill_tokens=t.profile.max_prefill_tokens,
+                )
+            )
+        return validate(views, te.te_id, self._request_view(seq), self.now)
 
     def _ttft_left(self, s: _Seq) -> float:
         """As the engine's ``_ttft_left``: -inf once it produced tokens, inf without a target."""
@@ -988,8 +1165,13 @@ class Simulation:
         prof = te.profile
         if prof is None or not (te.running or te.waiting):
             return
+        device = self._devices[te.device]
+        if self._turn_taking and device.active not in (None, te):
+            device.wanting.setdefault(te, self.now)  # its turn comes when the device is free
+            te.busy = True
+            return
         bs = prof.block_size
-        paced = self._pacing.get(prof.model)
+        paced = self._pacing.get((te.kind, prof.model))
         running = [
             SeqView(
                 str(id(s)),
@@ -1072,6 +1254,11 @@ class Simulation:
                 self._kick(te)
             return  # nothing fits (a prompt larger than the cache): stays queued
         step = prof.iteration_s(len(ends) - len(chunks), ctx, chunks, cached)
+        if self._slots > 1 and not self._turn_taking:  # time-sliced with the others
+            step *= 1 + sum(1 for t in device.tes if t is not te and (t.busy or t.running))
+        if self._turn_taking:
+            device.active = te
+            self.stats.turns += 1
         self.stats.iterations += 1
         te.busy = True
         self._at(self.now + step, "iteration", (te, (ends, prefill)))
@@ -1139,9 +1326,12 @@ def fill_s(profile: EngineProfile, source: str, fork_bandwidth: float) -> float:
 
 
 def simulate(
-    planned: Sequence[Planned], profiles: Mapping[str, EngineProfile], cfg: SimConfig
+    planned: Sequence[Planned],
+    profiles: Mapping[str, EngineProfile],
+    cfg: SimConfig,
+    gpu_profiles: Mapping[str, EngineProfile] | None = None,
 ) -> tuple[list[Result], SimStats]:
-    sim = Simulation(planned, profiles, cfg)
+    sim = Simulation(planned, profiles, cfg, gpu_profiles)
     results = sim.run()
     return results, sim.stats
 

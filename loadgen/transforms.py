@@ -98,3 +98,28 @@ def limit(
     if max_requests is not None:
         out = out[:max_requests]
     return out
+
+
+def spread_models(
+    reqs: list[TraceRequest], models: int, skew: float = 1.0, seed: int = 0
+) -> list[TraceRequest]:
+    """The trace's traffic shared among ``models`` models named ``model-01``, ...: each
+    conversation (each request where the trace records none) goes to one, drawn with Zipf
+    popularity (model k's weight ``1 / k**skew``; 0: uniform), so a few models are busy and
+    most are seldom called, as the functions of a serverless platform are (LLM-Mesh serves
+    the Azure conversation lengths under Azure Functions' per-function arrivals). Prefix
+    blocks stay as they are: a conversation keeps its own prefix on its model."""
+    if models < 1:
+        raise ValueError("spread over at least one model")
+    width = len(str(models))
+    names = [f"model-{k:0{max(2, width)}d}" for k in range(1, models + 1)]
+    weights = [1 / (k**skew) for k in range(1, models + 1)]
+    rng = random.Random(seed)
+    chosen: dict[str, str] = {}
+    out = []
+    for i, r in enumerate(reqs):
+        key = r.session_id if r.session_id is not None else f"#{i}"
+        if key not in chosen:
+            chosen[key] = rng.choices(names, weights)[0]
+        out.append(dataclasses.replace(r, model=chosen[key]))
+    return out

@@ -57,6 +57,7 @@ class TEView:
     kv_import: bool = False  # its engine continues requests from imported KV (a decode side)
     lora: bool = False  # its engine serves requests under LoRA adapters
     adapters: frozenset[str] = frozenset()  # the adapters it holds loaded
+    device: str = ""  # what its engine runs on ("cpu", "cuda:0"; "": not said)
 
     @property
     def load(self) -> int:
@@ -95,4 +96,5 @@ def te_view(hb: TEHeartbeat) -> TEView:
         kv_import=hb.engine_capabilities is not None and hb.engine_capabilities.kv_import,
         lora=hb.engine_capabilities is not None and hb.engine_capabilities.lora,
         adapters=frozenset(hb.adapters),
+        device=hb.device or "",
     )

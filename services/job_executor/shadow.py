@@ -4,16 +4,19 @@ iteration times (``shared.perf_model``, plus a margin), turns in headroom order
 (``shared.headroom.next_turn``), once with the request and once without, and refuse the
 placement when it would
 
-- make the new request late: its first token after its TTFT deadline (``late``);
+- make the new request late: its first token after its TTFT deadline (``late``), where it
+  would not be late on the instance alone (a request that waited out a cold start is late
+  on any device: refusing it would only turn a slow answer into none);
 - push a request the device already holds past a deadline it would have met (``pushes``);
 - make one decode round of the device exceed the TPOT SLO: a turn for every instance that
-  holds requests, each decoding its batch (the new request in its target's), longer than
-  the tightest TPOT limit among them, where it was not without it (``tpot``).
+  holds requests with tokens to come after their first, each decoding its batch of them (the
+  new request in its target's), longer than the tightest TPOT limit among them, where it
+  was not without it (``tpot``).
 
 The play runs until the new request has its first token and ``horizon_tokens`` more (or
-its deadline for them has passed); the run without it covers the same span. A refused
-placement tries another instance, another device, or asks the scaler for one; the client
-hears of it only when nothing can take it. Pure: the job executor, the node pool and the
+its deadline for them has passed, where that was still ahead); the run without it covers
+the same span. A refused placement tries another instance, another device, or asks the
+scaler for one; the client hears of it only when nothing can take it. Pure: the job executor, the node pool and the
 simulator call it as is.
 
 An iteration of an instance, as its engine runs one: every running request decodes a token
@@ -186,11 +189,30 @@ def decode_round_s(
         requests = list(inst.requests)
         if new is not None and new[0] == inst.instance:
             requests.append(new[1])
-        batch = requests[: inst.max_num_seqs]
+        batch = [r for r in requests if _decodes(r)][: inst.max_num_seqs]
         if batch:
             context = sum(r.prompt_tokens + r.output_tokens for r in batch) / len(batch)
             total += inst.perf.decode_step_s(len(batch), context) * inst.stretch
     return total * (1 + margin)
+
+
+def _on_time_alone(
+    device: Sequence[InstanceView], target: str, new: RequestView, now: float, margin: float
+) -> bool:
+    """Whether ``new`` would have its first token in time on its instance with nothing
+    else on the device."""
+    due = new.arrival + new.ttft_slo
+    if due <= now:
+        return False
+    alone = [dataclasses.replace(i, requests=()) for i in device if i.instance == target]
+    records, _ = _play(alone, now, margin, until=due, new=(target, new), new_tokens=1)
+    first = records[new.id].first_token
+    return first is not None and first <= due
+
+
+def _decodes(r: RequestView) -> bool:
+    """It has tokens to come after its first: it will take part in decode rounds."""
+    return r.expected_output > max(r.output_tokens, 1)
 
 
 def validate(
@@ -206,18 +228,24 @@ def validate(
     of the device and ``new`` need distinct ids."""
     tokens = min(max(1, new.expected_output), 1 + horizon_tokens)
     last_due = new.arrival + new.ttft_slo + new.tpot_slo * (tokens - 1)
-    with_new, end = _play(device, now, margin, until=last_due, new=(target, new), new_tokens=tokens)
+    # Already past it (it waited out a cold start): until it has its tokens.
+    until = last_due if last_due > now else math.inf
+    with_new, end = _play(device, now, margin, until=until, new=(target, new), new_tokens=tokens)
     without, _ = _play(device, now, margin, until=end, new=None, new_tokens=0)
     mine = with_new[new.id]
     first = math.inf if mine.first_token is None else mine.first_token - new.arrival
-    if mine.first_token is None or mine.first_token > new.arrival + new.ttft_slo:
+    if (mine.first_token is None or mine.first_token > new.arrival + new.ttft_slo) and (
+        _on_time_alone(device, target, new, now, margin)
+    ):
         return Verdict(ok=False, reason="late", request=new.id, first_token_s=first)
     for rid, before in without.items():
         if with_new[rid].missed and not before.missed:
             return Verdict(ok=False, reason="pushes", request=rid, first_token_s=first)
-    held = [r for i in device for r in i.requests]
-    tightest = min([*held, new], key=lambda r: r.tpot_slo)
+    held = [r for i in device for r in i.requests if _decodes(r)]
+    tightest = min([*held, new] if _decodes(new) else held, key=lambda r: r.tpot_slo, default=None)
     held_limit = min((r.tpot_slo for r in held), default=math.inf)
+    if tightest is None:
+        return Verdict(ok=True, first_token_s=first)
     if decode_round_s(device, margin, (target, new)) > tightest.tpot_slo and (
         decode_round_s(device, margin, None) <= held_limit
     ):

@@ -56,9 +56,22 @@ def test_a_request_an_idle_device_can_serve_is_admitted():
 
 
 def test_a_request_that_would_be_late_is_refused():
-    v = validate([_inst("a")], "a", _req("new", prompt=4000, ttft=2.0), 0.0)
+    # Another instance's prompt (1.5 s, due first) runs before the newcomer's (1 s): its
+    # first token would come at 2.75 s, past its 2 s limit.
+    other = _req("other", prompt=1500, ttft=1.9)
+    v = validate([_inst("a"), _inst("b", other)], "a", _req("new", prompt=1000, ttft=2.0), 0.0)
     assert (v.ok, v.reason, v.request) == (False, "late", "new")
-    assert v.first_token_s == pytest.approx(4.0 * 1.1)
+    assert v.first_token_s == pytest.approx(2.5 * 1.1)
+
+
+def test_a_request_late_on_the_instance_alone_is_not_refused_as_late():
+    # Late with nothing else on the device: refusing it would only turn a slow answer into
+    # none. A prompt too long for the device's speed:
+    v = validate([_inst("a")], "a", _req("new", prompt=4000, ttft=2.0), 0.0)
+    assert v.ok and v.first_token_s == pytest.approx(4.0 * 1.1)
+    # A request that waited out a cold start (arrived at 0, its model ready at 2.6 s):
+    v = validate([_inst("a"), _inst("b")], "a", _req("new", prompt=100, ttft=2.0), 2.6)
+    assert v.ok and v.first_token_s == pytest.approx(2.6 + 0.11)
 
 
 def test_a_request_that_pushes_an_admitted_one_past_its_deadline_is_refused():
@@ -85,6 +98,9 @@ def test_a_request_that_stretches_a_decode_round_past_the_tpot_is_refused():
     loose = _req("decoding", ttft=10.0, tpot=0.05, computed_tokens=10, output_tokens=5)
     v = validate([_inst("a", loose), _inst("b")], "b", _req("new", prompt=20), 0.0)
     assert v.ok, v
+    # A request with one token to produce never decodes: it adds no turn to the rounds.
+    one = _req("new", prompt=20, expected_output=1)
+    assert validate([_inst("a", tight), _inst("b")], "b", one, 0.0).ok
     # The newcomer's own TPOT counts too.
     v = validate([_inst("a", loose), _inst("b")], "b", _req("new", prompt=20, tpot=0.015), 0.0)
     assert (v.ok, v.reason, v.request) == (False, "tpot", "new")
@@ -114,11 +130,14 @@ def test_an_instance_slower_than_its_profile_is_played_as_it_runs():
 
     from services.job_executor.shadow import iteration_s
 
-    new = _req("new", prompt=1000, ttft=2.0)
-    assert validate([_inst("a")], "a", new, 0.0).ok  # 1.1 s by its profile
-    slow = dataclasses.replace(_inst("a"), stretch=2.0)  # its iterations take twice that
-    v = validate([slow], "a", new, 0.0)
-    assert (v.ok, v.reason) == (False, "late") and v.first_token_s == pytest.approx(2.2)
+    # Another instance's prompt, due first, runs before the newcomer's.
+    device = [_inst("a"), _inst("b", _req("other", prompt=300, ttft=0.5, expected_output=1))]
+    new = _req("new", prompt=1000, ttft=2.5)
+    v = validate(device, "a", new, 0.0)  # 0.33 + 1.1 s by its profile
+    assert v.ok and v.first_token_s == pytest.approx(1.43)
+    slow = [dataclasses.replace(device[0], stretch=2.0), device[1]]  # a runs twice as long
+    v = validate(slow, "a", new, 0.0)
+    assert (v.ok, v.reason) == (False, "late") and v.first_token_s == pytest.approx(2.53)
     # What the arbiter times each turn against: the profile's next iteration.
     decoding = _req("d", computed_tokens=10, output_tokens=3)
     assert iteration_s(_inst("a", decoding)) == pytest.approx(0.01)
