@@ -38,4 +38,5 @@ def scaler_config(settings: Settings) -> ScalerConfig:
         slo_target=s.slo_target,
         load_bandwidth=settings.host_cache.load_bandwidth,
         preload_window_s=s.preload_window.total_seconds(),
+        slo=s.slo(),
     )

@@ -1,8 +1,10 @@
-"""Where a new instance of a model goes: node pools ranked for it (spread, then the time to
-load it from the pool's host cache, then warmth, then idleness; ``placement_order``,
-``best_pool``), that load time (``load_time``) and, where the pool's cache lacks the model,
-the weight server to fork it from (``fork_source``). Pure; ``PoolIndex`` is what a placement
-reads off the view, built once per decision.
+"""Where a new instance of a model goes: CPU devices before GPUs where the model's
+instances on a CPU meet the SLO (LLM-Mesh: small models on CPUs leave the GPUs to what needs
+them), then node pools ranked for it (spread, then the time to load it from the pool's host
+cache, then warmth, then idleness; ``placement_order``, ``best_pool``), that load time
+(``load_time``) and, where the pool's cache lacks the model, the weight server to fork it
+from (``fork_source``). Pure; ``PoolIndex`` is what a placement reads off the view, built
+once per decision.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from collections.abc import Mapping, Sequence
 from services.scaler.state import ScalerConfig
 from services.views import TEView
 from shared.messages.cluster import TEState
+from shared.messages.scaling import InstanceCapacity
+from shared.slo import SLO
+
+# Profiled times are stretched by this much before they are held against the SLO (as
+# shadow validation does).
+SLO_MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,6 +36,24 @@ class PoolIndex:
     resident: Mapping[tuple[str, str], int]
     size: Mapping[str, int]
     idle: Mapping[str, int]
+    # per model, the costs one of its instances on a CPU reported (where one did)
+    cpu_capacity: Mapping[str, InstanceCapacity] = dataclasses.field(default_factory=dict)
+
+
+def device_kind(te: TEView) -> str:
+    """What a TE's engine runs on, without an index: "cpu", "cuda" ("": not said)."""
+    return te.device.split(":", 1)[0]
+
+
+def meets_slo(capacity: InstanceCapacity, slo: SLO, margin: float = SLO_MARGIN) -> bool:
+    """Whether an instance with these costs serves within ``slo`` (its times stretched by
+    ``margin``): a full batch's decode step within the TPOT limit, and a prompt as long as
+    the TTFT floor covers (``ttft_s / ttft_per_input_token_s`` tokens, 1,024 by default)
+    prefilled within that floor."""
+    n = slo.ttft_s / slo.ttft_per_input_token_s if slo.ttft_per_input_token_s > 0 else 1024
+    prefill = capacity.prefill_s * n + capacity.prefill_attention_s * n * n
+    step = capacity.decode_step_s or capacity.decode_s * capacity.max_num_seqs  # older stores
+    return (1 + margin) * step <= slo.tpot_s and ((1 + margin) * prefill <= slo.ttft_s)
 
 
 def pool_index(tes: Sequence[TEView]) -> PoolIndex:
@@ -36,10 +62,13 @@ def pool_index(tes: Sequence[TEView]) -> PoolIndex:
     resident: dict[tuple[str, str], int] = {}
     size: dict[str, int] = {}
     idle: dict[str, int] = {}
+    cpu: dict[str, InstanceCapacity] = {}
     for te in tes:
         pool = te.pool_id
         if te.model is not None:
             warm.add((te.model, pool))
+            if te.capacity is not None and device_kind(te) == "cpu":
+                cpu.setdefault(te.model, te.capacity)
             if te.serving:
                 serving[te.model, pool] = serving.get((te.model, pool), 0) + 1
         warm.update((m, pool) for m in te.recent_models)
@@ -48,7 +77,7 @@ def pool_index(tes: Sequence[TEView]) -> PoolIndex:
         for m, cached in te.cached_weights.items():
             size[m] = max(size.get(m, 0), cached.total_bytes)
             resident[m, pool] = max(resident.get((m, pool), 0), cached.resident_bytes)
-    return PoolIndex(serving, frozenset(warm), resident, size, idle)
+    return PoolIndex(serving, frozenset(warm), resident, size, idle, cpu)
 
 
 def load_time(
@@ -111,7 +140,10 @@ def placement_order(
     cfg: ScalerConfig | None = None,
     index: PoolIndex | None = None,
 ) -> list[TEView]:
-    """Idle TEs in the order a new instance of ``model`` should take them: instances of one
+    """Idle TEs in the order a new instance of ``model`` should take them: CPU devices first
+    where an instance of the model on a CPU reported costs that meet the SLO
+    (``meets_slo``), other devices first otherwise (a model never run on a CPU goes to a GPU
+    while one is free: its CPU costs are unknown); then instances of one
     model spread across node pools (fewest there first); then the pool that loads it
     fastest, by ``load_time`` from its host cache's metadata; then a pool where the model
     was loaded before (its files are in the page cache); then the pool with the most idle
@@ -120,7 +152,17 @@ def placement_order(
     cfg = cfg or ScalerConfig()
     idx = index or pool_index(tes)
     rank = {pool: _pool_rank(model, pool, cfg, idx) for pool in {te.pool_id for te in idle}}
-    return sorted(idle, key=lambda te: (rank[te.pool_id], model not in te.recent_models, te.te_id))
+    cpu = idx.cpu_capacity.get(model)
+    cpu_first = cpu is not None and meets_slo(cpu, cfg.slo)
+    return sorted(
+        idle,
+        key=lambda te: (
+            (device_kind(te) == "cpu") != cpu_first,
+            rank[te.pool_id],
+            model not in te.recent_models,
+            te.te_id,
+        ),
+    )
 
 
 def best_pool(

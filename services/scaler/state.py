@@ -22,6 +22,7 @@ from services.views import TEView
 from shared.messages.cluster import TEState
 from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
 from shared.messages.tasks import TaskMode
+from shared.slo import SLO
 
 BUCKET_S = 1.0  # arrivals and outcomes are kept in buckets of this width
 
@@ -59,6 +60,7 @@ class ScalerConfig:
     held_ttl_s: float = 5.0  # a JE's held count is forgotten when it stops reporting
     load_bandwidth: float = 1.0e9  # bytes/s a load reads and packs what its host cache lacks
     preload_window_s: float = 600.0  # demand this recent predicts a load (preload.py; 0: off)
+    slo: SLO = dataclasses.field(default_factory=SLO)  # placement: CPU before GPU
 
     def policy(self, model: str) -> ModelPolicy:
         return self.models.get(model, self.default)

@@ -7,8 +7,17 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgspec
+
 from services.scaler.policy import Load, Unload, decide, load_backoff
-from services.scaler.pools import best_pool, fork_source, load_time, placement_order, pool_index
+from services.scaler.pools import (
+    best_pool,
+    fork_source,
+    load_time,
+    meets_slo,
+    placement_order,
+    pool_index,
+)
 from services.scaler.state import (
     ModelPolicy,
     ScalerConfig,
@@ -21,6 +30,7 @@ from services.scaler.state import (
 from services.views import TEView
 from shared.messages.cluster import CachedWeights, TEState
 from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
+from shared.slo import SLO
 
 T0 = 1_000_000.0
 # One instance: 1,000 prompt tokens/s and 100 output tokens/s, 8 sequences at once.
@@ -232,6 +242,43 @@ def test_placement_spreads_across_pools_then_prefers_warm_and_roomy_pools() -> N
     ]
     # Pools without an instance first; of those, C (files warm), then D (two idle), B; A last.
     assert order == ["c1", "d1", "d2", "b1", "a1"]
+
+
+def on(t: TEView, device: str, capacity: InstanceCapacity | None = None) -> TEView:
+    return dataclasses.replace(t, device=device, capacity=capacity)
+
+
+def test_placement_tries_cpus_first_where_the_models_cpu_instances_meet_the_slo() -> None:
+    # The bench model's CPU profile: 0.52 ms a prompt token, a full batch's step 70 ms.
+    fits = InstanceCapacity(
+        prefill_s=5.2e-4,
+        prefill_attention_s=0.0,
+        decode_s=0.07 / 32,
+        decode_context_s=0.0,
+        max_num_seqs=32,
+        decode_step_s=0.07,
+    )
+    slow = msgspec.structs.replace(fits, decode_step_s=0.3)  # a step past the 250 ms TPOT
+    assert meets_slo(fits, SLO()) and not meets_slo(slow, SLO())
+    assert not meets_slo(msgspec.structs.replace(fits, prefill_s=2e-3), SLO())  # 1,024 in 2 s
+    older = msgspec.structs.replace(slow, decode_step_s=0.0, decode_s=0.3 / 32)  # no step
+    assert not meets_slo(older, SLO())
+    free = [on(idle("gpu1", pool="G"), "cuda:0"), on(idle("cpu1", pool="C"), "cpu")]
+
+    def first(*serving: TEView) -> str:
+        tes = [*serving, *free]
+        return placement_order("m", free, tes, CFG)[0].te_id
+
+    # Never run on a CPU: its costs there are unknown, a GPU while one is free.
+    assert first() == "gpu1"
+    assert first(on(te("g0", pool="G"), "cuda:1", fits)) == "gpu1"  # a GPU's costs say nothing
+    # An instance on a CPU meets the SLO: CPUs first, even against spreading across pools.
+    assert first(on(te("c0", pool="C"), "cpu", fits)) == "cpu1"
+    assert first(on(te("c0", pool="C"), "cpu", slow)) == "gpu1"
+    # A stricter SLO (50 ms TPOT) leaves the model on GPUs.
+    strict = dataclasses.replace(CFG, slo=SLO(tpot_s=0.05))
+    tes = [on(te("c0", pool="C"), "cpu", fits), *free]
+    assert placement_order("m", free, tes, strict)[0].te_id == "gpu1"
 
 
 def cached(t: TEView, server: str = "", **weights: tuple[int, int]) -> TEView:
