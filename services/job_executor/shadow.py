@@ -4,20 +4,23 @@ iteration times (``shared.perf_model``, plus a margin), turns in headroom order
 (``shared.headroom.next_turn``), once with the request and once without, and refuse the
 placement when it would
 
-- make the new request late: its first token after its TTFT deadline (``late``), where it
-  would not be late on the instance alone (a request that waited out a cold start is late
-  on any device: refusing it would only turn a slow answer into none);
+- make the new request late: its first token after its TTFT deadline (``late``). A request
+  late even alone on its instance (it waited out a cold start, or was refused elsewhere
+  until its deadline passed, or its prompt is too long for the device) is late on any
+  device, and refusing it for that would only turn a slow answer into none: its deadline
+  becomes one TTFT SLO after the soonest its instance could give it the first token, so
+  that it may wait its turn but not behind a queue it cannot see the end of;
 - push a request the device already holds past a deadline it would have met (``pushes``);
 - make one decode round of the device exceed the TPOT SLO: a turn for every instance that
   holds requests with tokens to come after their first, each decoding its batch of them (the
   new request in its target's), longer than the tightest TPOT limit among them, where it
   was not without it (``tpot``).
 
-The play runs until the new request has its first token and ``horizon_tokens`` more (or
-its deadline for them has passed, where that was still ahead); the run without it covers
-the same span. A refused placement tries another instance, another device, or asks the
-scaler for one; the client hears of it only when nothing can take it. Pure: the job executor, the node pool and the
-simulator call it as is.
+The play runs until the new request has its first token and ``horizon_tokens`` more, or
+its deadline for them has passed; the run without it covers the same span. A refused
+placement tries another instance, another device, or asks the scaler for one; the client
+hears of it only when nothing can take it. Pure: the node pool's arbiter and the simulator
+call it as is.
 
 An iteration of an instance, as its engine runs one: every running request decodes a token
 (up to ``max_num_seqs``), and waiting prompts fill the rest of the iteration's prefill
@@ -196,18 +199,15 @@ def decode_round_s(
     return total * (1 + margin)
 
 
-def _on_time_alone(
+def _first_alone(
     device: Sequence[InstanceView], target: str, new: RequestView, now: float, margin: float
-) -> bool:
-    """Whether ``new`` would have its first token in time on its instance with nothing
-    else on the device."""
-    due = new.arrival + new.ttft_slo
-    if due <= now:
-        return False
+) -> float:
+    """When ``new`` would have its first token on its instance with nothing else on the
+    device (inf: not within the play's bound)."""
     alone = [dataclasses.replace(i, requests=()) for i in device if i.instance == target]
-    records, _ = _play(alone, now, margin, until=due, new=(target, new), new_tokens=1)
+    records, _ = _play(alone, now, margin, until=math.inf, new=(target, new), new_tokens=1)
     first = records[new.id].first_token
-    return first is not None and first <= due
+    return math.inf if first is None else first
 
 
 def _decodes(r: RequestView) -> bool:
@@ -227,16 +227,15 @@ def validate(
     """Whether ``new`` may join instance ``target`` of ``device`` at ``now``. The requests
     of the device and ``new`` need distinct ids."""
     tokens = min(max(1, new.expected_output), 1 + horizon_tokens)
-    last_due = new.arrival + new.ttft_slo + new.tpot_slo * (tokens - 1)
-    # Already past it (it waited out a cold start): until it has its tokens.
-    until = last_due if last_due > now else math.inf
+    due = new.arrival + new.ttft_slo
+    if (alone := _first_alone(device, target, new, now, margin)) > due:
+        due = alone + new.ttft_slo  # late whatever the device does: its turn, not a queue
+    until = due + new.tpot_slo * (tokens - 1)
     with_new, end = _play(device, now, margin, until=until, new=(target, new), new_tokens=tokens)
     without, _ = _play(device, now, margin, until=end, new=None, new_tokens=0)
     mine = with_new[new.id]
     first = math.inf if mine.first_token is None else mine.first_token - new.arrival
-    if (mine.first_token is None or mine.first_token > new.arrival + new.ttft_slo) and (
-        _on_time_alone(device, target, new, now, margin)
-    ):
+    if mine.first_token is None or mine.first_token > due:
         return Verdict(ok=False, reason="late", request=new.id, first_token_s=first)
     for rid, before in without.items():
         if with_new[rid].missed and not before.missed:

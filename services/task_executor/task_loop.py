@@ -460,7 +460,11 @@ class TaskLoop:
         verdict = await self._turns.check(new, engine.device)
         if not verdict.ok:
             what = {
-                "late": f"miss its TTFT (first token in {verdict.first_token_s:.2f} s)",
+                "late": (
+                    f"miss its TTFT (first token in {verdict.first_token_s:.2f} s)"
+                    if verdict.first_token_s < 1e9  # the play stopped at its deadline
+                    else "miss its TTFT"
+                ),
                 "pushes": f"push request {verdict.request} past its deadline",
                 "tpot": "stretch a decode round of its device past the TPOT",
             }.get(verdict.reason, verdict.reason)

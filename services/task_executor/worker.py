@@ -148,6 +148,8 @@ class TaskExecutor:
             generated_tokens=tasks.generated_tokens,
             engine=control.choice.engine,
             engine_reason=control.choice.reason,
+            # what its engine would run on: placement weighs CPUs before GPUs while idle
+            device=control.choice.device or None,
             recent_models=list(control.recent_models),
             load_steps=control.load_steps,
             ready_at=control.ready_at,

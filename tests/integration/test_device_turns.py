@@ -60,6 +60,8 @@ async def test_a_pools_tes_take_turns_on_its_device(
         client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await client.started.wait()
         await client.until(lambda v: len(v.tes) == 2, 60)
+        # Idle, they say what they run on (the scaler places on CPUs before GPUs by it).
+        assert [t.device for t in client.view.view.tes] == ["cpu", "cpu"]
         tes = [t.te_id for t in client.view.view.tes]
         for te_id in tes:
             ack = await client.tes.control(
@@ -97,7 +99,7 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
     refused, so that its job executor tries another instance (the job executor's answer
     when every instance refused: ``tests/unit/test_loadgen_simulator_sharing.py`` and the
     admission tests). A request late even alone on its instance (one that waited out a cold
-    start) is served, not refused."""
+    start) is served on an idle instance, and refused behind the long one."""
     (tmp_path / "demo").symlink_to(demo_model_dir)
     (tmp_path / "other").symlink_to(demo_model_dir)
     port = free_port()
@@ -116,7 +118,6 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
     ).with_values(metrics={"port": port, "host": "127.0.0.1"})
     run = Running(settings, nats_url)
     store = await Store.connect(redis_url)
-    busy: asyncio.Task[tuple[list[int], int]] | None = None
     try:
         quiet = settings.with_values(metrics={"port": 0})
         await run.start(lambda bus: ClusterManager(settings=quiet, bus=bus, store=store))
@@ -134,12 +135,12 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
         tokens, _ = await client.run_on(te_id, prompt, 8)  # fresh, on an idle device: admitted
         assert len(tokens) == 8
 
-        def task(request_id: str, age_s: float, reply_to: str) -> ChatTask:
+        def task(request_id: str, age_s: float, reply_to: str, tokens: int = 8) -> ChatTask:
             return ChatTask(
                 request_id=request_id,
                 model="demo",
                 prompt_token_ids=prompt,
-                sampling=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                sampling=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
                 reply_to=reply_to,
                 deadline=time.time() + 20,
                 age_s=age_s,
@@ -149,14 +150,19 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
         async with client.inbox() as (subject, queue):
             await client.tes.place(te_id, task("late-anyway", 1.0, subject))
             assert len((await client._collect(queue))[0]) == 8
-        # The instance's one slot taken by a long generation: a request with 0.4 s of its
-        # TTFT left would wait for it, and is refused.
-        busy = asyncio.create_task(client.run_on(te_id, prompt, 6000))
-        await asyncio.sleep(0.3)
-        async with client.inbox() as (subject, _):
-            with pytest.raises(Refused, match=r"too busy.*TTFT"):
-                await client.tes.place(te_id, task("almost-late", 0.6, subject))
-        assert not busy.done()  # the refusals came while it ran
+        # The instance's one slot taken by a long generation (its first token seen: it is
+        # in the engine, and the arbiter has its request): a request with 0.4 s of its TTFT
+        # left would wait for it, and is refused; so is one already past its deadline, which
+        # may wait its turn but not behind a queue (a TTFT from the soonest it could start).
+        async with client.inbox() as (busy_to, busy_chunks):
+            await client.tes.place(te_id, task("busy", 0.0, busy_to, 6000))
+            first = await asyncio.wait_for(busy_chunks.get(), 30)
+            for name, age in (("almost-late", 0.6), ("already-late", 1.5)):
+                async with client.inbox() as (subject, _):
+                    with pytest.raises(Refused, match=r"too busy.*TTFT"):
+                        await client.tes.place(te_id, task(name, age, subject))
+            rest, _ = await client._collect(busy_chunks)
+        assert len(first.token_ids) + len(rest) == 6000  # the refusals came while it ran
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
                 text = await r.text()
@@ -167,10 +173,7 @@ async def test_a_te_refuses_a_task_its_device_cannot_serve_in_time(
             for s in f.samples
             if s.name.endswith("_total")
         }
-        assert checks["admitted"] >= 2 and checks["late"] == 1
-        assert len((await busy)[0]) == 6000
+        assert checks["admitted"] >= 2 and checks["late"] == 2
     finally:
-        if busy is not None and not busy.done():
-            busy.cancel()
         await run.stop()
         await store.close()

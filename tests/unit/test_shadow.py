@@ -4,6 +4,7 @@ instances' iteration times are known exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -74,6 +75,25 @@ def test_a_request_late_on_the_instance_alone_is_not_refused_as_late():
     assert v.ok and v.first_token_s == pytest.approx(2.6 + 0.11)
 
 
+def test_a_request_late_alone_may_wait_its_turn_but_not_a_queue():
+    # Its deadline becomes a TTFT SLO after the soonest it could start alone (0.11 s later:
+    # 4.71 s). The instance's one slot is taken by a generation (10 ms a token): 50 more
+    # tokens, and it waits 0.5 s for it...
+    late = _req("new", prompt=100, ttft=2.0)
+    held = _req("held", prompt=10, ttft=100.0, tpot=1.0, computed_tokens=10, output_tokens=1)
+
+    def one_slot(tokens_left: int) -> InstanceView:
+        running = dataclasses.replace(held, expected_output=1 + tokens_left)
+        return dataclasses.replace(_inst("a", running), max_num_seqs=1)
+
+    v = validate([one_slot(50)], "a", late, 2.6)
+    assert v.ok and v.first_token_s == pytest.approx(2.6 + 0.55 + 0.11)
+    # ...400 more (4.4 s), and it is refused: the job executor tries elsewhere.
+    v = validate([one_slot(400)], "a", late, 2.6)
+    assert (v.ok, v.reason, v.request) == (False, "late", "new")
+    assert v.first_token_s == math.inf  # the play stops at its deadline
+
+
 def test_a_request_that_pushes_an_admitted_one_past_its_deadline_is_refused():
     # a's waiting prompt (0.55 s) is due at 0.6 s: it makes it alone. The newcomer is due
     # first (0.3 s), so it runs first, and a's first token comes at 0.66 s.
@@ -126,8 +146,6 @@ def test_the_newcomer_on_a_busy_instance_shares_its_iterations():
 
 
 def test_an_instance_slower_than_its_profile_is_played_as_it_runs():
-    import dataclasses
-
     from services.job_executor.shadow import iteration_s
 
     # Another instance's prompt, due first, runs before the newcomer's.

@@ -66,6 +66,7 @@ class Wanted:
 class EngineChoice:
     engine: str
     reason: str
+    device: str = ""  # what it runs on ("cpu", "cuda"), said before any model is loaded
 
 
 def choose(host: HostView, wanted: Wanted) -> EngineChoice:

@@ -3,6 +3,7 @@ so a TE pays for the imports of the one it runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -51,9 +52,8 @@ def engine_choice(
         installed.add("openvino")
     device = te.device
     cuda = device.startswith("cuda") or (device == "auto" and cuda_available())
-    return choose(
-        HostView(device="cuda" if cuda else "cpu", installed=frozenset(installed)), wanted
-    )
+    host = HostView(device="cuda" if cuda else "cpu", installed=frozenset(installed))
+    return dataclasses.replace(choose(host, wanted), device=host.device)
 
 
 def choose_engine(
