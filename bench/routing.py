@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--prompt-scale", type=float, default=0.125, help="of the trace's prompts")
     p.add_argument("--max-output-tokens", type=int, default=128)
-    p.add_argument("--policies", type=names, default=list(POLICIES))
+    # The prefix cache's policies and their two baselines (packed is bench-sharing's).
+    p.add_argument("--policies", type=names, default=[p for p in POLICIES if p != "packed"])
     p.add_argument("--sim-devices", type=int, default=16)
     p.add_argument(
         "--sim-time-scales",

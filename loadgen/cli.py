@@ -29,7 +29,7 @@ from loadgen.prompts import PromptError, TokenPool, approximate_pool, tokenizer_
 from loadgen.replay import EndpointError, SendOptions, list_models, replay
 from loadgen.traces import FORMATS, TraceError, TraceRequest, read_trace, write_trace
 from services.job_executor.disaggregation import PdConfig
-from services.job_executor.routing import RoutingConfig
+from services.job_executor.routing import POLICIES, RoutingConfig
 from shared.slo import SLO, parse_slo
 
 __all__ = ["main", "report"]
@@ -526,7 +526,6 @@ def _compare_routing(planned: list, profiles: dict, cfg, slo, out: Path, done: t
     summary and stats of ``cfg``'s own policy, already run."""
     from loadgen.report import summarize
     from loadgen.simulator import simulate
-    from services.job_executor.routing import POLICIES
 
     rows = {}
     for policy in POLICIES:
@@ -967,7 +966,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--network-ms", type=float, default=0.5, help="one hop")
     m.add_argument(
         "--routing",
-        choices=("combined", "least-loaded", "round-robin", "all"),
+        choices=(*POLICIES, "all"),
         help="the JE's routing policy (default: MESHSERVE_ROUTING's); 'all' runs each on the "
         "same requests and prints them side by side (routing.json in --out)",
     )

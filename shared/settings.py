@@ -305,11 +305,14 @@ class JobExecutorSettings(Section):
         "and no capacity is coming (no instance loading, no TE idle, pre-loading or "
         "draining). 0: never refuse; requests queue until their deadline.",
     )
-    routing: Literal["combined", "least-loaded", "round-robin"] = Field(
+    routing: Literal["combined", "least-loaded", "round-robin", "packed"] = Field(
         default="combined",
         description="How a JE picks among a model's ready TEs: `combined` (the longest cached "
         "prefix among the TEs whose prefill-plus-load cost is near the least), "
-        "`least-loaded` or `round-robin` (both ignore the prefix cache).",
+        "`least-loaded` or `round-robin` (both ignore the prefix cache), or `packed` "
+        "(bin-packing: the TE holding the most requests with a batch slot free, so small "
+        "instances drain and are recycled; meant with MESHSERVE_SHADOW_ADMISSION on, whose "
+        "refusals send a request on to the next fullest).",
     )
     routing_balance_tokens: int = Field(
         default=2048,

@@ -80,6 +80,8 @@ def pick_te(
             te_load(te, unreported)
             + (ADAPTER_LOAD_TOKENS if request.adapter not in te.adapters | {""} else 0),
             request.cached_tokens.get(te.te_id, 0),
+            sequences=ledger.sequences(te, unreported),
+            slots=te.capacity.max_num_seqs if te.capacity is not None else 0,
         )
         for te in ready
     ]

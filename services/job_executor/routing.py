@@ -29,6 +29,14 @@ other candidate (the cache decided or agreed), ``load`` when it holds no more th
 ``least-loaded``: the least load, ties spread. ``round-robin``: ``spread`` modulo the
 candidates in name order (the caller passes a counter). Both ignore the cache, for
 comparison on the same cluster.
+
+``packed`` (LLM-Mesh's defragmentation): bin-packing, the candidate holding the most
+sequences that still has a free batch slot (then the longest cached prefix, then the least
+load), or the least loaded when every batch is full. Busy instances fill up and small ones
+drain, so that the scaler recycles them and their device's memory goes to the instances
+that need it. It relies on the TEs' shadow validation (``MESHSERVE_SHADOW_ADMISSION``)
+to refuse a request the fullest instance cannot serve in time: the job executor then
+tries the next fullest.
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Literal
 
-Policy = Literal["combined", "least-loaded", "round-robin"]
-POLICIES: tuple[Policy, ...] = ("combined", "least-loaded", "round-robin")
+Policy = Literal["combined", "least-loaded", "round-robin", "packed"]
+POLICIES: tuple[Policy, ...] = ("combined", "least-loaded", "round-robin", "packed")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +64,8 @@ class Candidate:
     te_id: str
     load: int  # outstanding work, tokens
     cached_tokens: int = 0  # leading prompt tokens it holds
+    sequences: int = 0  # requests it holds (queued or running)
+    slots: int = 0  # its batch limit (0: not known)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,6 +98,9 @@ def route(
         tied = [c for c in candidates if c.load == least]
         return Route(_spread(tied, spread).te_id, "least-loaded")
 
+    if config.policy == "packed":
+        return Route(_packed(candidates, spread).te_id, "packed")
+
     def cost(c: Candidate) -> int:
         return max(prompt_tokens - c.cached_tokens, 0) + c.load
 
@@ -103,3 +116,12 @@ def route(
     chosen = _spread(tied, spread)
     least_held = min(c.cached_tokens for c in candidates)
     return Route(chosen.te_id, "locality" if chosen.cached_tokens > least_held else "load")
+
+
+def _packed(candidates: Sequence[Candidate], spread: int) -> Candidate:
+    open_ = [c for c in candidates if c.slots <= 0 or c.sequences < c.slots]
+    if not open_:
+        least = min(c.load for c in candidates)
+        return _spread([c for c in candidates if c.load == least], spread)
+    best = max((c.sequences, c.cached_tokens, -c.load) for c in open_)
+    return _spread([c for c in open_ if (c.sequences, c.cached_tokens, -c.load) == best], spread)

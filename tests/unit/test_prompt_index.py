@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from services.job_executor.prompt_index import ModelIndex, PromptIndex
-from services.job_executor.routing import Candidate, RoutingConfig, route
+from services.job_executor.routing import Candidate, Route, RoutingConfig, route
 from shared import block_hash
 from shared.block_hash import chain_hashes, hash_block_tokens
 from shared.messages.kv import HOST, KvAllCleared, KvBlocksRemoved, KvBlocksStored, KvEventBatch
@@ -231,6 +231,26 @@ class TestRouting:
         cands = [self.c("b", cached=900), self.c("a"), self.c("c")]
         cfg = RoutingConfig(policy="round-robin")
         assert [route(cands, 10, cfg, n).te_id for n in range(4)] == ["a", "b", "c", "a"]
+
+    def test_packed_fills_the_fullest_batch_with_a_free_slot(self):
+        packed = RoutingConfig(policy="packed")
+
+        def c(te: str, sequences: int, slots: int = 4, load: int = 0, cached: int = 0):
+            return Candidate(te, load, cached, sequences=sequences, slots=slots)
+
+        # b holds the most and has a slot: it takes the request, whatever the loads say.
+        cands = [c("a", 1), c("b", 3, load=900), c("c", 0)]
+        assert route(cands, 100, packed, 0) == Route("b", "packed")
+        # b full: the next fullest; among equals the longer prefix, then the lesser load.
+        cands = [c("a", 2, load=50), c("b", 4), c("c", 2, cached=64, load=80), c("d", 2)]
+        assert route(cands, 100, packed, 0).te_id == "c"
+        cands = [c("a", 2, load=50), c("b", 4), c("d", 2, load=10)]
+        assert route(cands, 100, packed, 0).te_id == "d"
+        # Every batch full: the least loaded.
+        cands = [c("a", 4, load=50), c("b", 4, load=10)]
+        assert route(cands, 100, packed, 0).te_id == "b"
+        # A limit not known yet: never full.
+        assert route([c("a", 9, slots=0), c("b", 3)], 100, packed, 0).te_id == "a"
 
     def test_no_candidate_is_an_error(self):
         with pytest.raises(ValueError):
