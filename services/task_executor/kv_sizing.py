@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
+from services.job_executor.shadow import InstanceView, validate
 from shared.headroom import RequestView
 
 
@@ -116,3 +117,92 @@ def order_ops(ops: Iterable[DeviceOp], free_bytes: int) -> tuple[list[DeviceOp],
         else:
             wait.append(op)
     return now, wait
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Neighbour:
+    """An instance on the blocked instance's device that could give way: its device view
+    (``shadow.InstanceView``: its requests), its model and what unloading it frees."""
+
+    view: InstanceView
+    model: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Elsewhere:
+    """An instance of ``model`` on another device (``target`` in ``device``), where a
+    preempted neighbour's requests could go."""
+
+    device: tuple[InstanceView, ...]
+    target: str
+    model: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Preemption:
+    neighbour: str  # the instance to unload
+    moves: Mapping[str, str]  # its requests' ids -> the instance each is placed on
+
+
+def preemption(
+    blocked: InstanceView,
+    need_bytes: int,
+    free_bytes: int,
+    neighbours: Sequence[Neighbour],
+    elsewhere: Sequence[Elsewhere],
+    now: float,
+) -> Preemption | None:
+    """Whether an instance blocked from growing (``need_bytes`` more than the device's
+    ``free_bytes``) may preempt a neighbour, and which (LLM-Mesh): one holding fewer
+    requests than the blocked instance, whose unload frees enough, and each of whose
+    requests passes shadow validation (``shadow.validate``) on an instance of its model on
+    another device, each placed there before the next is tried. The smallest such neighbour
+    (fewest requests, then the most bytes freed); None when there is none, and the grow
+    waits."""
+    short = need_bytes - free_bytes
+    if short <= 0:
+        return None  # nothing to make room for
+    fits = [
+        n
+        for n in neighbours
+        if n.view.instance != blocked.instance
+        and len(n.view.requests) < len(blocked.requests)
+        and n.bytes >= short
+    ]
+    for n in sorted(fits, key=lambda n: (len(n.view.requests), -n.bytes, n.view.instance)):
+        moves = _rehome(n, [e for e in elsewhere if e.model == n.model], now)
+        if moves is not None:
+            return Preemption(neighbour=n.view.instance, moves=moves)
+    return None
+
+
+def _rehome(n: Neighbour, targets: Sequence[Elsewhere], now: float) -> dict[str, str] | None:
+    """Each of ``n``'s requests placed on a target that validates it (earliest deadline
+    first, each joining its target before the next is tried), or None."""
+    devices = [list(e.device) for e in targets]
+    moves: dict[str, str] = {}
+    for r in sorted(n.view.requests, key=lambda r: r.deadline()):
+        # It starts over where it goes, its prompt and what it produced so far recomputed,
+        # and its next token is due when it was due here.
+        moved = dataclasses.replace(
+            r,
+            arrival=r.arrival + r.tpot_slo * r.output_tokens,
+            prompt_tokens=r.prompt_tokens + r.output_tokens,
+            computed_tokens=0,
+            output_tokens=0,
+            expected_output=max(1, r.expected_output - r.output_tokens),
+        )
+        for k, e in enumerate(targets):
+            if validate(devices[k], e.target, moved, now).ok:
+                moves[r.id] = e.target
+                devices[k] = [
+                    dataclasses.replace(i, requests=(*i.requests, moved))
+                    if i.instance == e.target
+                    else i
+                    for i in devices[k]
+                ]
+                break
+        else:
+            return None
+    return moves

@@ -1,22 +1,29 @@
 """KV sized by demand (``services/task_executor/kv_sizing.py``): the demand formula, the
-watermarks' hysteresis, the eviction choice and the order of a device's resizes, loads and
-unloads."""
+watermarks' hysteresis, the eviction choice, the order of a device's resizes, loads and
+unloads, and the conditions under which a blocked instance preempts a neighbour."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from services.job_executor.shadow import InstanceView
 from services.task_executor.kv_sizing import (
     DeviceOp,
+    Elsewhere,
     KvSizing,
+    Neighbour,
+    Preemption,
     demand_tokens,
     evict,
     next_size,
     order_ops,
+    preemption,
 )
 from shared.headroom import RequestView
+from shared.perf_model import PerfModel
 
 SIZING = KvSizing(scale=1.0, min_tokens=0, grow_slack=0.25, shrink_slack=0.5, granularity=16)
 
@@ -106,3 +113,79 @@ def test_nothing_overtakes_an_op_that_waits():
 def test_releases_always_run(free: int):
     now, wait = order_ops([DeviceOp("unload", "x", 10)], free_bytes=free)
     assert [op.kind for op in now] == ["unload"] and wait == []
+
+
+# --- preemption: an instance blocked from growing and a smaller neighbour -------------------
+
+# 1 ms a prompt token; a decode step 10 ms whatever the batch and context.
+PERF = PerfModel(
+    prefill_lengths=[16, 4096],
+    prefill_s=[0.016, 4.096],
+    decode_batches=[1, 32],
+    decode_contexts=[16, 4096],
+    decode_s=[[0.01, 0.01], [0.01, 0.01]],
+    max_num_seqs=32,
+)
+
+
+def _r(rid: str, **kw: float) -> RequestView:
+    values: dict = {"arrival": 0.0, "prompt_tokens": 100, "expected_output": 50}
+    values |= {"ttft_slo": 2.0, "tpot_slo": 0.1} | kw
+    return RequestView(id=rid, **values)
+
+
+def _i(name: str, *requests: RequestView) -> InstanceView:
+    return InstanceView(name, PERF, requests, max_num_seqs=32, max_prefill_tokens=2048)
+
+
+def _decoding(rid: str) -> RequestView:
+    return _r(rid, computed_tokens=100, output_tokens=10)
+
+
+BIG = _i("big", _decoding("b1"), _decoding("b2"), _decoding("b3"))
+
+
+def test_a_blocked_instance_preempts_a_smaller_neighbour_whose_requests_fit_elsewhere():
+    small = Neighbour(_i("small", _decoding("s1")), model="m2", bytes=600)
+    away = Elsewhere((_i("m2-away"),), target="m2-away", model="m2")
+    p = preemption(
+        BIG, need_bytes=1000, free_bytes=500, neighbours=[small], elsewhere=[away], now=1.0
+    )
+    assert p == Preemption(neighbour="small", moves={"s1": "m2-away"})
+
+
+def test_no_preemption_where_a_condition_fails():
+    small = Neighbour(_i("small", _decoding("s1")), model="m2", bytes=600)
+    away = Elsewhere((_i("m2-away"),), target="m2-away", model="m2")
+
+    def p(**kw):  # type: ignore[no-untyped-def]
+        args = {"need_bytes": 1000, "free_bytes": 500, "neighbours": [small], "elsewhere": [away]}
+        return preemption(BIG, now=1.0, **(args | kw))
+
+    assert p(free_bytes=1000) is None  # the grow fits: nothing to preempt
+    assert p(need_bytes=1200) is None  # its unload would not free enough (600 < 700)
+    assert p(elsewhere=[]) is None  # its requests have nowhere to go
+    assert p(elsewhere=[dataclasses.replace(away, model="m3")]) is None  # not its model
+    # Not smaller: as many requests as the blocked instance.
+    same = Neighbour(_i("same", *(_decoding(f"s{k}") for k in range(3))), model="m2", bytes=600)
+    assert p(neighbours=[same]) is None
+    # Elsewhere is busy: a 3 s prompt due first there makes the moved request's next token
+    # (due at 3 s) late, so it stays.
+    busy = _i("m2-away", _r("long", prompt_tokens=3000, ttft_slo=1.0, arrival=1.0))
+    assert p(elsewhere=[Elsewhere((busy,), target="m2-away", model="m2")]) is None
+
+
+def test_the_smallest_neighbour_goes_and_moved_requests_see_each_other():
+    one = Neighbour(_i("one", _decoding("o1")), model="m2", bytes=800)
+    two = Neighbour(_i("two", _decoding("t1"), _decoding("t2")), model="m2", bytes=800)
+    away = Elsewhere((_i("m2-away"),), target="m2-away", model="m2")
+    p = preemption(BIG, 1000, 500, [two, one], [away], now=1.0)
+    assert p is not None and p.neighbour == "one"
+    # Two requests of 1,500 tokens to recompute, due at 3 s: the first fits, the second
+    # would come after it (3.3 s): the second target takes it.
+    long = [_r(f"l{k}", prompt_tokens=1490, computed_tokens=1490, output_tokens=10) for k in (1, 2)]
+    pair = Neighbour(_i("pair", *long), model="m2", bytes=800)
+    other = Elsewhere((_i("m2-other"),), target="m2-other", model="m2")
+    p = preemption(BIG, 1000, 500, [pair], [away, other], now=1.0)
+    assert p == Preemption("pair", {"l1": "m2-away", "l2": "m2-other"})
+    assert preemption(BIG, 1000, 500, [pair], [away], now=1.0) is None
