@@ -223,3 +223,22 @@ def test_bench_pd_compares_like_with_like_on_trace_windows(tmp_path: Path) -> No
         assert always["disaggregated"] > 0 and always["kv_gb"] > 0
         assert next(r for r in mine if r["run"] == "colocated")["disaggregated"] == 0
     assert "prompt tok" in printed
+
+
+def test_slo_scaling_compares_both_fleets_on_the_same_requests(tmp_path: Path) -> None:
+    printed = _bench(
+        "bench.slo_scaling", "--cases", "az10", "--devices", "4", "--duration", "20",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert "az10:" in printed and "points behind always-on" in printed
+    result = json.loads((tmp_path / "slo-scaling.json").read_text())
+    auto, on = (
+        next(r for r in result["rows"] if r["fleet"] == f) for f in ("autoscaled", "always-on")
+    )
+    # Like with like: the same requests and tokens through both fleets.
+    assert [auto[k] for k in ("requests", "prompt_tokens", "output_tokens")] == [
+        on[k] for k in ("requests", "prompt_tokens", "output_tokens")
+    ]
+    assert auto["requests"] > 0 and on["instance_s"] >= 4 * 20 * 0.9  # every device, throughout
+    c = result["compare"]["az10"]
+    assert c["instance_s_ratio"] == auto["instance_s"] / on["instance_s"]

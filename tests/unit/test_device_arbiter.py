@@ -144,16 +144,9 @@ async def test_a_te_slower_than_its_profile_is_stretched(arbiter: DeviceArbiter)
     it held, and moves the TE's stretch toward the ratio."""
     from services.task_executor.device_arbiter import Instance
     from shared.headroom import RequestView
-    from shared.perf_model import PerfModel
+    from tests.unit.exact_perf import EXACT_PERF
 
-    perf = PerfModel(  # a decode step 10 ms
-        prefill_lengths=[16, 4096],
-        prefill_s=[0.016, 4.096],
-        decode_batches=[1, 32],
-        decode_contexts=[16, 4096],
-        decode_s=[[0.01, 0.01], [0.01, 0.01]],
-        max_num_seqs=32,
-    )
+    perf = EXACT_PERF  # a decode step 10 ms
     a = TurnClient(str(arbiter.path), "a")
     a.serving(Instance(perf=perf, max_num_seqs=32, max_prefill_tokens=2048))
     decoding = RequestView(

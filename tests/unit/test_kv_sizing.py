@@ -23,7 +23,7 @@ from services.task_executor.kv_sizing import (
     preemption,
 )
 from shared.headroom import RequestView
-from shared.perf_model import PerfModel
+from tests.unit.exact_perf import EXACT_PERF
 
 SIZING = KvSizing(scale=1.0, min_tokens=0, grow_slack=0.25, shrink_slack=0.5, granularity=16)
 
@@ -117,16 +117,6 @@ def test_releases_always_run(free: int):
 
 # --- preemption: an instance blocked from growing and a smaller neighbour -------------------
 
-# 1 ms a prompt token; a decode step 10 ms whatever the batch and context.
-PERF = PerfModel(
-    prefill_lengths=[16, 4096],
-    prefill_s=[0.016, 4.096],
-    decode_batches=[1, 32],
-    decode_contexts=[16, 4096],
-    decode_s=[[0.01, 0.01], [0.01, 0.01]],
-    max_num_seqs=32,
-)
-
 
 def _r(rid: str, **kw: float) -> RequestView:
     values: dict = {"arrival": 0.0, "prompt_tokens": 100, "expected_output": 50}
@@ -135,7 +125,7 @@ def _r(rid: str, **kw: float) -> RequestView:
 
 
 def _i(name: str, *requests: RequestView) -> InstanceView:
-    return InstanceView(name, PERF, requests, max_num_seqs=32, max_prefill_tokens=2048)
+    return InstanceView(name, EXACT_PERF, requests, max_num_seqs=32, max_prefill_tokens=2048)
 
 
 def _decoding(rid: str) -> RequestView:

@@ -11,17 +11,7 @@ import pytest
 
 from services.job_executor.shadow import InstanceView, validate
 from shared.headroom import RequestView, earliest_deadline, next_turn
-from shared.perf_model import PerfModel
-
-# 1 ms a prompt token; a decode step 10 ms whatever the batch and context.
-PERF = PerfModel(
-    prefill_lengths=[16, 4096],
-    prefill_s=[0.016, 4.096],
-    decode_batches=[1, 32],
-    decode_contexts=[16, 4096],
-    decode_s=[[0.01, 0.01], [0.01, 0.01]],
-    max_num_seqs=32,
-)
+from tests.unit.exact_perf import EXACT_PERF
 
 
 def _req(rid: str, *, prompt: int = 10, ttft: float = 2.0, tpot: float = 0.25, **kw) -> RequestView:  # type: ignore[no-untyped-def]
@@ -31,7 +21,7 @@ def _req(rid: str, *, prompt: int = 10, ttft: float = 2.0, tpot: float = 0.25, *
 
 def _inst(name: str, *requests: RequestView) -> InstanceView:
     return InstanceView(
-        instance=name, perf=PERF, requests=requests, max_num_seqs=32, max_prefill_tokens=2048
+        instance=name, perf=EXACT_PERF, requests=requests, max_num_seqs=32, max_prefill_tokens=2048
     )
 
 
