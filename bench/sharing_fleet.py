@@ -7,7 +7,9 @@ same requests at each rate.
 - ``uncoordinated``: ``--slots`` instances per device, their processes time-sliced;
 - ``fifo``: the same, one iteration at a time in the order asked (first come);
 - ``headroom``: one at a time, the earliest deadline first (the device arbiter's order);
-- ``full``: headroom turns and shadow validation before each placement.
+- ``full``: headroom turns and shadow validation before each placement;
+- ``full-packed``: the same with bin-packing routing (``packed``: the fullest instance with
+  a free batch slot, LLM-Mesh's defragmentation) instead of the default ``combined``.
 
 Everything else is the project's policies as the simulator runs them (routing, admission,
 holding, the scaler with scale-to-zero, the torch engine's scheduler), the CPU devices with
@@ -40,18 +42,21 @@ from loadgen.plan import plan
 from loadgen.report import summarize
 from loadgen.simulator import SimConfig, simulate
 from loadgen.traces import read_trace
+from services.job_executor.routing import Policy, RoutingConfig
 from shared.slo import SLO
 
 TRACE = ROOT / "traces" / "azure_llm_2023_conv.csv"
 
-# name: (CPU devices, GPU devices, instances per device, sharing, shadow validation)
-CONFIGS: dict[str, tuple[int, int, int, str, bool]] = {
-    "gpu-exclusive": (0, 4, 1, "headroom", False),
-    "exclusive": (4, 4, 1, "headroom", False),
-    "uncoordinated": (4, 4, 0, "uncoordinated", False),
-    "fifo": (4, 4, 0, "fifo", False),
-    "headroom": (4, 4, 0, "headroom", False),
-    "full": (4, 4, 0, "headroom", True),
+# name: (CPU devices, GPU devices, instances per device, sharing, shadow validation,
+# routing policy)
+CONFIGS: dict[str, tuple[int, int, int, str, bool, Policy]] = {
+    "gpu-exclusive": (0, 4, 1, "headroom", False, "combined"),
+    "exclusive": (4, 4, 1, "headroom", False, "combined"),
+    "uncoordinated": (4, 4, 0, "uncoordinated", False, "combined"),
+    "fifo": (4, 4, 0, "fifo", False, "combined"),
+    "headroom": (4, 4, 0, "headroom", False, "combined"),
+    "full": (4, 4, 0, "headroom", True, "combined"),
+    "full-packed": (4, 4, 0, "headroom", True, "packed"),
 }
 
 
@@ -76,7 +81,7 @@ def _run(job: Job) -> dict[str, Any]:
     reqs = transforms.spread_models(reqs, a["models"], a["skew"], a["seed"])
     planned = plan(reqs)
     models = sorted({p.model for p in planned})
-    cpus, gpus, slots, sharing, shadow = CONFIGS[job.config]
+    cpus, gpus, slots, sharing, shadow, routing = CONFIGS[job.config]
     slots = slots or a["slots"]
     slo = SLO()
     cfg = SimConfig(
@@ -88,6 +93,7 @@ def _run(job: Job) -> dict[str, Any]:
         max_replicas=(cpus + gpus) * slots,
         slo=slo,
         record_gaps=False,
+        routing=RoutingConfig(policy=routing),
     )
     t0 = time.monotonic()
     results, stats = simulate(

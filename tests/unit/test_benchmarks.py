@@ -41,6 +41,7 @@ def _bench(*args: str, timeout: float = 120) -> str:
         "routing",
         "coldstart",
         "concurrency",
+        "sharing_fleet",
     ],
 )
 def test_every_bench_starts(name: str) -> None:
