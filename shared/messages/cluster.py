@@ -36,6 +36,7 @@ class EngineCapabilities(msgspec.Struct, frozen=True, kw_only=True, omit_default
     weight_source: bool = False  # builds from weights handed to it (a TensorSource)
     prefill_pacing: bool = False  # sizes each iteration's prompt tokens from its costs
     lora: bool = False  # serves requests under LoRA adapters it loads (LoraServing)
+    kv_resize: bool = False  # its KV pool grows and shrinks, memory with it (KvResizer)
 
 
 class CachedWeights(msgspec.Struct, frozen=True):

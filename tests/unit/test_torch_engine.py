@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 from services.task_executor.engines.base import EngineOutput, EngineRequest
 from services.task_executor.engines.torch_engine import TorchEngine
 from services.task_executor.engines.torch_engine.config import load_model_config
-from services.task_executor.engines.torch_engine.kv_cache import BlockAllocator
+from services.task_executor.engines.torch_engine.kv_cache import BlockAllocator, NoFreeBlocksError
 from services.task_executor.engines.torch_engine.scheduler import (
     Pacing,
     SchedulerConfig,
@@ -603,6 +604,87 @@ def test_block_allocator_counts_owners() -> None:
         alloc.free(a[:1])
     with pytest.raises(RuntimeError):
         alloc.allocate(5)
+
+
+def test_block_allocator_hands_out_the_lowest_block_and_keeps_to_its_limit() -> None:
+    alloc = BlockAllocator(8)
+    a = alloc.allocate(3)
+    assert a == [0, 1, 2] and alloc.highest_in_use() == 2
+    alloc.free([0])
+    assert alloc.allocate(1) == [0]  # the lowest free, not the longest free
+    alloc.set_limit(4)
+    assert alloc.num_free == 1 and alloc.allocate(1) == [3]
+    with pytest.raises(NoFreeBlocksError):
+        alloc.allocate(1)
+    with pytest.raises(ValueError):
+        alloc.set_limit(3)  # block 3 is in use
+    alloc.free([3, 2])
+    alloc.set_limit(2)
+    assert alloc.num_free == 0 and alloc.highest_in_use() == 1
+    alloc.set_limit(8)
+    assert alloc.num_free == 6 and alloc.allocate(6) == [2, 3, 4, 5, 6, 7]
+
+
+def _written_blocks(t: torch.Tensor) -> int:
+    """Blocks of a layer's K that hold anything but zeros."""
+    return int((t.reshape(t.shape[0], -1) != 0).any(dim=1).sum())
+
+
+def test_the_kv_pool_resizes_between_iterations_and_outputs_stay_the_same(
+    model_dir: Path,
+) -> None:
+    """KV sized by demand (LLM-Mesh): grown and shrunk while requests run, greedy tokens
+    are what the engine produces at a fixed size; a shrink never goes under the blocks in
+    use, evicts cached prefixes above the new size, and gives the pages above it back (they
+    read as zeros again)."""
+    from services.task_executor.engines.capabilities import bind_features
+
+    alone = {rid: tokens(_run_alone(model_dir, rid, greedy(14))) for rid in PROMPTS}
+    engine = _engine(model_dir, device="cpu", num_kv_blocks=64)
+    assert engine.capabilities.kv_resize and engine.kv_blocks == (64, 64)
+    assert bind_features(engine).kv_resize is engine
+    assert engine.resize_kv(12) == 12 and engine.stats().total_kv_blocks == 12
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(EngineRequest(rid, prompt, greedy(14)))
+    outs: dict[str, list[EngineOutput]] = {}
+    sizes = []
+    for i in range(200):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        # Every few iterations a new size, down to 1 block (held at what is in use) and up.
+        sizes.append(engine.resize_kv([40, 1, 20, 9][i % 4]))
+        in_use = engine.cache.allocator.highest_in_use() + 1
+        assert engine.kv_blocks[0] == sizes[-1] >= in_use
+    assert min(sizes) < 20 and max(sizes) == 40
+    for rid in PROMPTS:
+        assert tokens(outs[rid]) == alone[rid], rid
+    # Idle, nothing is in use: a shrink to 2 blocks evicts the prefixes cached above them
+    # (the full blocks of the three runs again at full size), a grow brings blocks back empty.
+    engine.resize_kv(64)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(EngineRequest(f"{rid}-again", prompt, greedy(14)))
+    assert {rid: tokens(o) for rid, o in drain(engine).items()} == {
+        f"{rid}-again": t for rid, t in alone.items()
+    }
+    held = [engine.held_prefix_tokens(p) for p in PROMPTS.values()]
+    assert engine.resize_kv(2) == 2 and engine.stats().total_kv_blocks == 2
+    assert engine.stats().free_kv_blocks == 2
+    assert engine.resize_kv(64) == 64 and engine.stats().free_kv_blocks == 64
+    assert sum(engine.held_prefix_tokens(p) for p in PROMPTS.values()) < sum(held)
+    # Its memory goes back: with a block a page (64 tokens of this model), the three
+    # requests' blocks are written, and after a shrink to one block all but the first read
+    # as zeros again (fresh pages).
+    engine = _engine(model_dir, device="cpu", num_kv_blocks=8, block_size=64)
+    per_block = engine.cache.k[0][0].numel() * engine.cache.k[0].element_size()
+    assert per_block == mmap.PAGESIZE
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(EngineRequest(rid, prompt, greedy(14)))
+    drain(engine)
+    assert _written_blocks(engine.cache.k[0]) == 3
+    assert engine.resize_kv(1) == 1
+    assert _written_blocks(engine.cache.k[0]) == 1 and _written_blocks(engine.cache.v[1]) == 1
 
 
 # --- checkpoint config ---------------------------------------------------------------------

@@ -167,6 +167,25 @@ class TensorSource(Protocol):
     def get(self, name: str) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class KvResizer(Protocol):
+    """``kv_resize``: the KV pool follows demand (LLM-Mesh; the sizes from
+    ``task_executor/kv_sizing.py``): a shrink gives its memory back to the device."""
+
+    kv_block_tokens: int  # tokens a block holds
+
+    def resize_kv(self, blocks: int) -> int:
+        """Use ``blocks`` blocks from now, at most what was allocated at load and no fewer
+        than the blocks in use need (cached prefixes above the new size are evicted).
+        Returns the size it has now."""
+        ...
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """(blocks it may use now, blocks it could grow to)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineFeatures:
     """The capabilities of one loaded engine, as typed handles (None: not declared)."""
@@ -178,6 +197,7 @@ class EngineFeatures:
     host_kv_tier: HostKvTier | None = None
     prefill_pacing: PrefillPacing | None = None
     lora: LoraServing | None = None
+    kv_resize: KvResizer | None = None
 
 
 def bind_features(engine: Engine) -> EngineFeatures:
@@ -200,6 +220,7 @@ def bind_features(engine: Engine) -> EngineFeatures:
         host_kv_tier=engine if isinstance(engine, HostKvTier) else None,
         prefill_pacing=engine if isinstance(engine, PrefillPacing) else None,
         lora=engine if isinstance(engine, LoraServing) else None,
+        kv_resize=engine if isinstance(engine, KvResizer) else None,
     )
     checks: tuple[tuple[str, bool, object, type], ...] = (
         ("kv_events", caps.kv_events, implemented.kv_events, KvEventSource),
@@ -209,6 +230,7 @@ def bind_features(engine: Engine) -> EngineFeatures:
         ("host_kv_tier", caps.host_kv_tier, implemented.host_kv_tier, HostKvTier),
         ("prefill_pacing", caps.prefill_pacing, implemented.prefill_pacing, PrefillPacing),
         ("lora", caps.lora, implemented.lora, LoraServing),
+        ("kv_resize", caps.kv_resize, implemented.kv_resize, KvResizer),
     )
     for flag, declared, handle, protocol in checks:
         if declared and handle is None:

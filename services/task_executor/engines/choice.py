@@ -41,6 +41,7 @@ OFFERS: Mapping[str, frozenset[str]] = {
             "host_kv_tier",
             "weight_source",
             "prefill_pacing",
+            "kv_resize",  # on CPU
         }
     ),
     "openvino": frozenset({"prefix_cache"}),

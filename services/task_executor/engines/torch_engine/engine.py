@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import torch
 
 from services.task_executor.engines.base import (
@@ -207,6 +208,10 @@ class TorchEngine:
         self.prefix_cache = PrefixCache(
             self.cache, enabled=enable_prefix_caching, num_host_blocks=num_host_kv_blocks
         )
+        self.capabilities = msgspec.structs.replace(
+            self.capabilities, kv_resize=self.cache.resizable
+        )
+        self.kv_block_tokens = block_size
         self.runner = make_runner(
             cfg,
             self.weights,
@@ -368,7 +373,7 @@ class TorchEngine:
             running=len(self._running),
             waiting=len(self._waiting),
             free_kv_blocks=self.prefix_cache.num_free if not self._closed else 0,
-            total_kv_blocks=self.cache.num_blocks if not self._closed else 0,
+            total_kv_blocks=self.cache.limit if not self._closed else 0,
             prefix_cache_queries=self._cache_queries,
             prefix_cache_hit_tokens=self._cache_hits,
         )
@@ -442,6 +447,15 @@ class TorchEngine:
         if req is not None and req.adapter:
             raise ValueError("KV export (PD) is not served for requests under a LoRA adapter")
         return self._kv_moves.export(request_id, release=release, first_token=first_token)
+
+    def resize_kv(self, blocks: int) -> int:
+        """Between iterations (the TE's engine thread): ``PrefixCache.resize``."""
+        self._check_open()
+        return self.prefix_cache.resize(blocks)
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        return self.cache.limit, self.cache.num_blocks
 
     @property
     def kv_layout(self) -> KvLayout:

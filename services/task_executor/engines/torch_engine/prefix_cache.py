@@ -141,6 +141,24 @@ class PrefixCache:
         """Blocks ``allocate`` can hand out: unused ones and evictable cached ones."""
         return self._alloc.num_free + len(self._evictable)
 
+    @property
+    def limit(self) -> int:
+        """Blocks the cache may use now (``resize``)."""
+        return self.kv.limit
+
+    def resize(self, blocks: int) -> int:
+        """Use ``blocks`` blocks from now (``PagedKVCache.resize``): cached blocks only the
+        cache holds above the new limit are evicted first (written to the host tier where it
+        keeps evicted blocks); blocks requests or pins hold stay, and the limit stays above
+        them. Returns the new limit."""
+        if blocks < self.kv.limit:
+            above = [b for b in self._evictable if b >= blocks]
+            for b in above:
+                del self._evictable[b]
+            if above:
+                self._evict(above)
+        return self.kv.resize(blocks)
+
     def ref_count(self, block: int) -> int:
         """Owners of ``block`` other than the cache itself (requests and pins)."""
         return self._alloc.ref_count(block) - (block in self._hash_of)
