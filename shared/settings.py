@@ -553,6 +553,21 @@ class TaskExecutorSettings(Section):
         "TEs whose threads together outnumber the cores. Off: each TE's iterations run "
         "whenever it has work, competing for the device.",
     )
+    kv_sizing: bool = Field(
+        default=False,
+        description="An engine that can (the torch engine on CPU: the kv_resize capability) "
+        "sizes its KV pool by what its requests need (LLM-Mesh, "
+        "services/task_executor/kv_sizing.py): grown at once to 1.25 times the demand "
+        "(each request's prompt plus the longer of its max_tokens and the recent mean output, "
+        "at least one request of the model's full context), shrunk after "
+        "MESHSERVE_KV_SHRINK_AFTER above 1.5 times it, the pages it frees given back to the "
+        "host; MESHSERVE_KV_CACHE_BYTES is the most it grows to.",
+    )
+    kv_shrink_after: Duration = Field(
+        default=timedelta(seconds=30),
+        description="With MESHSERVE_KV_SIZING: how long a KV pool stays well above its demand "
+        "before it shrinks (a pool grows at once).",
+    )
     shadow_admission: bool = Field(
         default=False,
         description="Where a pool's TEs take turns and a model has a performance model, a TE "

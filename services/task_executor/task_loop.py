@@ -27,6 +27,7 @@ from services.task_executor.engines.base import Engine, EngineOutput, EngineRequ
 from services.task_executor.engines.capabilities import LoraServing
 from services.task_executor.engines.process import EngineProcessDied
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
+from services.task_executor.kv_pool import KvPool
 from services.task_executor.kv_publisher import KvEventPublisher
 from services.task_executor.kv_transport.client import TransferFailed
 from services.task_executor.kv_transport.outbox import Outbox
@@ -138,6 +139,7 @@ class TaskLoop:
         self._kv = kv
         self._step_lock = step_lock  # held while an iteration runs; an unload waits for it
         self._streams: dict[str, _Stream] = {}  # by attempt key
+        self._kv_pool: KvPool | None = None  # its KV pool sized by demand (MESHSERVE_KV_SIZING)
         self._engine_streams: dict[str, _Stream] = {}  # the same, by engine id
         self.placements = 0
         self.generated_tokens = 0
@@ -363,6 +365,8 @@ class TaskLoop:
             progress.ended.append(stream.key)
             if finished:
                 progress.outputs[stream.key] = stream.generated
+                if self._kv_pool is not None:
+                    self._kv_pool.finished(stream.generated)
         return stream
 
     def _progress_of(self, stream: _Stream) -> TaskProgress:
@@ -392,7 +396,16 @@ class TaskLoop:
 
     async def run(self) -> None:
         while not self._closing:
-            await self._work.wait()
+            try:  # an idle TE still looks at its KV pool now and then (it shrinks lazily)
+                tick = self._kv_pool.idle_tick_s if self._kv_pool is not None else None
+                await asyncio.wait_for(self._work.wait(), tick)
+            except TimeoutError:
+                async with self._step_lock:
+                    if (engine := self._control.engine) is not None:
+                        await self._size_kv(engine)
+                    else:
+                        self._kv_pool = None
+                continue
             self._work.clear()
             # An iteration's tokens are published while the next iteration runs on the
             # engine thread (in order: each publish waits for the previous one).
@@ -416,6 +429,7 @@ class TaskLoop:
                         ):
                             outputs = await self._thread.run(engine.step)
                         self._kv.collect(self._control.features.kv_events)
+                        await self._size_kv(engine)
                     previous, emitting = emitting, None
                     if previous is not None:
                         await previous
@@ -441,6 +455,24 @@ class TaskLoop:
             if not self._streams:
                 self._idle.set()
         self._turns.close()
+
+    async def _size_kv(self, engine: Engine) -> None:
+        """The KV pool sized by what the TE holds (``kv_pool``), where the setting is on and
+        the engine can; with the step lock held."""
+        resizer = self._control.features.kv_resize
+        if not self._settings.task_executor.kv_sizing or resizer is None:
+            self._kv_pool = None
+            return
+        if self._kv_pool is None or self._kv_pool.engine is not resizer:
+            self._kv_pool = KvPool(
+                resizer,
+                max_model_len=engine.max_model_len,
+                shrink_after_s=self._settings.task_executor.kv_shrink_after.total_seconds(),
+            )
+        pool = self._kv_pool
+        held = ((s.prompt_tokens, s.max_tokens) for s in self._streams.values())
+        if (blocks := pool.target_blocks(held, time.monotonic())) is not None:
+            await self._thread.run(pool.resize, blocks)
 
     async def _admit(self, task: ChatTask, engine: Engine) -> None:
         """Shadow validation on the device (``device_arbiter``): Refused when the task would
