@@ -134,7 +134,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
 )
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView, queued_prompt_tokens, remember_model
-from shared.headroom import RequestView, earliest_deadline, next_turn
+from shared.headroom import RequestView, earliest_deadline, next_turn, request_view
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
 from shared.perf_model import PerfModel
@@ -1098,13 +1098,12 @@ class Simulation:
 
     def _request_view(self, s: _Seq) -> RequestView:
         """A request as its deadlines and shadow validation see it (as the TE's)."""
-        n, slo = s.plan.input_tokens, self.cfg.slo
-        return RequestView(
+        n = s.plan.input_tokens
+        return request_view(
+            self.cfg.slo,
             arrival=EPOCH + s.result.sent_s,
             prompt_tokens=n,
-            expected_output=1 if s.kv_for is not None else max(1, s.plan.output_tokens),
-            ttft_slo=slo.ttft_limit_s(n),
-            tpot_slo=slo.tpot_s,
+            expected_output=1 if s.kv_for is not None else s.plan.output_tokens,
             computed_tokens=n if s.generated else min(max(s.computed, s.matched), n - 1),
             output_tokens=s.generated,
             id=f"{s.plan.key}/prefill" if s.kv_for is not None else s.plan.key,

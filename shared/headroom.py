@@ -20,6 +20,8 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
+from shared.slo import SLO
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestView:
@@ -41,6 +43,31 @@ class RequestView:
 
     def headroom(self, now: float) -> float:
         return self.deadline() - now
+
+
+def request_view(
+    slo: SLO,
+    *,
+    arrival: float,
+    prompt_tokens: int,
+    expected_output: int,
+    computed_tokens: int = 0,
+    output_tokens: int = 0,
+    id: str = "",
+) -> RequestView:
+    """A request as ``slo`` sets its deadlines: the TTFT limit of its prompt's length, the
+    TPOT, at least one token expected (the TE, its arbiter and the simulator all build
+    their views here)."""
+    return RequestView(
+        arrival=arrival,
+        prompt_tokens=prompt_tokens,
+        expected_output=max(1, expected_output),
+        ttft_slo=slo.ttft_limit_s(prompt_tokens),
+        tpot_slo=slo.tpot_s,
+        computed_tokens=computed_tokens,
+        output_tokens=output_tokens,
+        id=id,
+    )
 
 
 def earliest_deadline(requests: Iterable[RequestView]) -> float:

@@ -44,7 +44,7 @@ from shared.errors import (
     PeerUnreachable,
     Refused,
 )
-from shared.headroom import RequestView, earliest_deadline
+from shared.headroom import RequestView, earliest_deadline, request_view
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
@@ -480,12 +480,11 @@ class TaskLoop:
         round past the TPOT; the job executor then tries another instance."""
         self._sync_instance(engine)
         n = len(task.prompt_token_ids)
-        new = RequestView(
+        new = request_view(
+            self._slo,
             arrival=time.monotonic() - task.age_s,
             prompt_tokens=n,
-            expected_output=max(1, task.sampling.max_tokens),
-            ttft_slo=self._slo.ttft_limit_s(n),
-            tpot_slo=self._slo.tpot_s,
+            expected_output=task.sampling.max_tokens,
             computed_tokens=min(max(task.matched_tokens, 0), n - 1),
             id=task.key,
         )
@@ -523,12 +522,11 @@ class TaskLoop:
 
     def _request_view(self, s: _Stream) -> RequestView:
         """A request of this TE as its deadlines and shadow validation see it."""
-        return RequestView(
+        return request_view(
+            self._slo,
             arrival=s.arrival,
             prompt_tokens=s.prompt_tokens,
-            expected_output=max(1, s.max_tokens),
-            ttft_slo=self._slo.ttft_limit_s(s.prompt_tokens),
-            tpot_slo=self._slo.tpot_s,
+            expected_output=s.max_tokens,
             computed_tokens=(
                 s.prompt_tokens if s.first_token_at else s.prompt_tokens - s.prefill_tokens
             ),
