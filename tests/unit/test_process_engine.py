@@ -56,6 +56,7 @@ def test_a_torch_engine_in_a_child_process_gives_the_same_outputs(model_dir: Pat
             prefix_pinning=False,
             weight_source=False,
             prefill_pacing=False,
+            kv_resize=False,  # nor does a resize: only what crosses is claimed
         )
         assert remote.block_size == 4 and remote.prefill_budget == local.prefill_budget
         assert not remote.has_work()

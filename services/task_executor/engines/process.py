@@ -19,9 +19,9 @@ must not wait.
 What crosses the pipe bounds what the engine can do from here: generating, KV events and
 LoRA adapters (``LoraServing``: loaded, unloaded and pinned by name and path; a request names
 its adapter in ``EngineRequest.adapter``). The other capabilities (KV export and import,
-pinning, the host tier, weights handed over as tensors, prefill pacing) need tensors or calls
-the pipe does not carry, so the parent does not claim them even where the child's engine has
-them.
+pinning, the host tier, weights handed over as tensors, prefill pacing, KV resizing) need
+tensors or calls the pipe does not carry, so the parent does not claim them even where the
+child's engine has them.
 
 The child exits when the parent closes the engine, or when the pipe breaks (the TE died);
 a child that dies makes the next call raise ``EngineProcessDied``, which the TE treats as
@@ -40,8 +40,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
-
-import msgspec
 
 from services.task_executor.engines.base import (
     IDLE_STATS,
@@ -146,15 +144,14 @@ class ProcessEngine:
         self.name, self.device = built.name, built.device
         self.max_model_len, self.block_size = built.max_model_len, built.block_size
         self.prefill_budget = built.prefill_budget
-        self.capabilities = msgspec.structs.replace(
-            built.capabilities,
+        # Only what crosses the pipe, whatever the child's engine has (a capability added
+        # later stays off here until the pipe carries it).
+        child = built.capabilities
+        self.capabilities = EngineCapabilities(
             modes=frozenset({TaskMode.COLOCATED}),  # no KV leaves or enters the child
-            kv_export=False,
-            kv_import=False,
-            prefix_pinning=False,
-            host_kv_tier=False,
-            weight_source=False,
-            prefill_pacing=False,
+            prefix_cache=child.prefix_cache,
+            kv_events=child.kv_events,
+            lora=child.lora,
         )
 
     @property
