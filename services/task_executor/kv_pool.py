@@ -31,7 +31,7 @@ class KvPool:
         default_output: int = DEFAULT_OUTPUT,
     ) -> None:
         self.engine = engine
-        block = engine.kv_block_tokens
+        block = engine.block_size
         self.sizing = KvSizing(
             min_tokens=max_model_len, granularity=block, shrink_after_s=shrink_after_s
         )
@@ -47,7 +47,7 @@ class KvPool:
     def target_blocks(self, requests: Iterable[tuple[int, int]], now: float) -> int | None:
         """The pool's size in blocks after this iteration, when it should change; None when
         it stays. ``requests``: (prompt tokens, tokens it may generate) of each it holds."""
-        block = self.engine.kv_block_tokens
+        block = self.engine.block_size
         current, most = self.engine.kv_blocks
         demand = demand_tokens(requests, self.mean_output, self.sizing)
         resize = next_size(

@@ -172,7 +172,7 @@ class KvResizer(Protocol):
     """``kv_resize``: the KV pool follows demand (LLM-Mesh; the sizes from
     ``task_executor/kv_sizing.py``): a shrink gives its memory back to the device."""
 
-    kv_block_tokens: int  # tokens a block holds
+    block_size: int  # tokens a block holds
 
     def resize_kv(self, blocks: int) -> int:
         """Use ``blocks`` blocks from now, at most what was allocated at load and no fewer

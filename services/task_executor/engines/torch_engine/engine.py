@@ -211,7 +211,6 @@ class TorchEngine:
         self.capabilities = msgspec.structs.replace(
             self.capabilities, kv_resize=self.cache.resizable
         )
-        self.kv_block_tokens = block_size
         self.runner = make_runner(
             cfg,
             self.weights,

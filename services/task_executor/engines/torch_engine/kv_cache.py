@@ -89,8 +89,8 @@ class BlockAllocator:
         or above it must be free)."""
         if not 1 <= limit <= self.num_blocks:
             raise ValueError(f"a limit of {limit} blocks, of {self.num_blocks}")
-        if self.highest_in_use() >= limit:
-            raise ValueError(f"block {self.highest_in_use()} is in use, above {limit}")
+        if (top := self.highest_in_use()) >= limit:
+            raise ValueError(f"block {top} is in use, above {limit}")
         free = [*self._free, *self._parked]
         self._free = [b for b in free if b < limit]
         heapq.heapify(self._free)
