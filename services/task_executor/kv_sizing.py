@@ -13,9 +13,10 @@ band between the two, so a demand that wobbles never makes the pool grow and shr
 turn. Sizes are whole multiples of ``granularity`` tokens (the engine's block size, or
 more).
 
-When the demand was under-estimated and the pool is full, the instance evicts the request
-with the most headroom (``evict``: the one that can best afford to start over); it is
-admitted again and its prefix recomputed, its output unchanged."""
+When the demand was under-estimated and the pool is full, the engine's scheduler preempts
+the request with the most headroom (``scheduler.victim_index`` in the torch engine: the one
+that can best afford to start over); it is admitted again and its prefix recomputed, its
+output unchanged."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from services.job_executor.shadow import InstanceView, validate
-from shared.headroom import RequestView
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,12 +72,6 @@ def next_size(
             return Resize(target, None)
         return Resize(current, since)
     return Resize(current, None)
-
-
-def evict(requests: Sequence[RequestView], now: float) -> RequestView | None:
-    """The request to evict from a full pool: the most headroom (ties: the latest to
-    arrive, which loses the least work)."""
-    return max(requests, key=lambda r: (r.headroom(now), r.arrival), default=None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """KV sized by demand (``services/task_executor/kv_sizing.py``): the demand formula, the
-watermarks' hysteresis, the eviction choice, the order of a device's resizes, loads and
-unloads, and the conditions under which a blocked instance preempts a neighbour."""
+watermarks' hysteresis, the order of a device's resizes, loads and
+unloads, and the conditions under which a blocked instance preempts a neighbour (the
+request a short pool evicts: ``test_torch_engine.py``, ``victim_index``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from services.task_executor.kv_sizing import (
     Neighbour,
     Preemption,
     demand_tokens,
-    evict,
     next_size,
     order_ops,
     preemption,
@@ -64,25 +64,6 @@ def test_a_wobbling_demand_never_ping_pongs():
         changes += r.tokens != size
         size, over = r.tokens, r.over_since
     assert changes <= 1  # one grow to the wobble's peak, then it holds
-
-
-def _req(rid: str, deadline: float, arrival: float = 0.0) -> RequestView:
-    return RequestView(
-        id=rid,
-        arrival=arrival,
-        prompt_tokens=10,
-        expected_output=10,
-        ttft_slo=deadline - arrival,
-        tpot_slo=0.1,
-    )
-
-
-def test_an_under_estimate_evicts_the_request_with_the_most_headroom():
-    reqs = [_req("a", 2.0), _req("b", 5.0), _req("c", 3.0)]
-    assert evict(reqs, 1.0).id == "b"  # type: ignore[union-attr]
-    # Ties: the latest arrival (the least work lost).
-    assert evict([_req("old", 5.0, 0.0), _req("new", 5.0, 1.0)], 1.0).id == "new"  # type: ignore[union-attr]
-    assert evict([], 0.0) is None
 
 
 def test_a_grow_never_runs_before_the_shrink_that_makes_its_room():

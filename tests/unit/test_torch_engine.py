@@ -402,6 +402,27 @@ def test_scheduler_preempts_the_newest_running_request_when_blocks_run_out() -> 
     assert d.running == ("old",)
 
 
+def test_a_short_cache_preempts_the_request_with_the_most_headroom() -> None:
+    """With deadlines known (LLM-Mesh), the victim is the running request that can best
+    afford to start over, not the newest; the newest among equals, and the newest whenever
+    one has no deadline."""
+    running = [
+        SeqView("old", 9, 2, headroom_s=5.0),
+        SeqView("mid", 5, 1, headroom_s=0.5),
+        SeqView("new", 13, 3, headroom_s=1.0),
+    ]
+    d = schedule(running, [], free_blocks=2, config=CFG)
+    assert d.preempt == ("old",) and d.running == ("mid", "new")
+    # Still short: the next most headroom goes too.
+    small_old = [dataclasses.replace(running[0], num_tokens=5, num_blocks=1), *running[1:]]
+    d = schedule(small_old, [], free_blocks=0, config=CFG)
+    assert d.preempt == ("old", "new") and d.running == ("mid",)
+    tied = [dataclasses.replace(v, headroom_s=1.0) for v in running]
+    assert schedule(tied, [], free_blocks=2, config=CFG).preempt == ("new",)
+    unknown = [*running[:2], dataclasses.replace(running[2], headroom_s=None)]
+    assert schedule(unknown, [], free_blocks=2, config=CFG).preempt == ("new",)
+
+
 CHUNKED = SchedulerConfig(
     block_size=4, max_num_seqs=4, max_prefill_tokens=10, watermark_blocks=0, chunked_prefill=True
 )
@@ -582,6 +603,51 @@ def test_an_engine_paces_its_prefill_once_told_its_costs(model_dir: Path, monkey
     assert not fixed.capabilities.prefill_pacing and fixed.prefill_budget.paced_tokens == 0
     with pytest.raises(CapabilityError):
         fixed.pace_prefill(cap, 0.15)
+
+
+def test_an_evicted_request_is_the_one_with_the_most_headroom_and_its_output_is_unchanged(
+    model_dir: Path, monkeypatch
+) -> None:
+    """A cache too small for its three requests (an under-estimated pool): the first to go
+    back to waiting is the one whose deadline is furthest (the oldest here, which the
+    newest-first rule would have kept), and every request's greedy tokens are those it
+    produces alone."""
+    from shared.messages.scaling import InstanceCapacity
+
+    alone = {rid: tokens(_run_alone(model_dir, rid, greedy(14))) for rid in PROMPTS}
+    monkeypatch.setattr(
+        "services.task_executor.engines.torch_engine.engine.time.monotonic", lambda: 100.0
+    )
+    engine = _engine(model_dir, num_kv_blocks=10)
+    cap = InstanceCapacity(
+        prefill_s=0.001,
+        prefill_attention_s=0,
+        decode_s=0.01,
+        decode_step_s=0.01,
+        decode_context_s=0,
+        max_num_seqs=4,
+    )
+    # First token due 1 s a prompt token after arrival: c (11 tokens) at 111, a (7) at 107,
+    # b (2) at 102. c runs first, then the other two join: c is the oldest and has the most
+    # headroom.
+    engine.pace_prefill(cap, 0.5, ttft_s=0.5, ttft_per_token_s=1.0)
+    engine.add_request(EngineRequest("c", PROMPTS["c"], greedy(14)))
+    outs: dict[str, list[EngineOutput]] = {"c": list(engine.step())}
+    for rid in ("a", "b"):
+        engine.add_request(EngineRequest(rid, PROMPTS[rid], greedy(14)))
+    evicted: list[str] = []
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        before = {r.request_id for r in engine._running}
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        evicted += sorted(before & {r.request_id for r in engine._waiting})
+    assert not engine.has_work()
+    assert evicted and evicted[0] == "c", evicted
+    for rid in PROMPTS:
+        assert tokens(outs[rid]) == alone[rid], rid
+    assert engine.stats().free_kv_blocks == 10
 
 
 def test_scheduler_does_nothing_without_work() -> None:

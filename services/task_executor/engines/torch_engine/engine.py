@@ -251,7 +251,7 @@ class TorchEngine:
             # a preemption on their first decode steps.
             watermark_blocks=max(1, num_kv_blocks // 100),
         )
-        self._running: list[Seq] = []  # admission order: the last one is preempted first
+        self._running: list[Seq] = []  # admission order (scheduler.victim_index reads it)
         self._waiting: collections.deque[Seq] = collections.deque()
         self._requests: dict[str, Seq] = {}
         self._retained: dict[str, Seq] = {}  # finished with retain_kv, awaiting export
@@ -540,7 +540,7 @@ class TorchEngine:
             candidates = self._with_adapter_slots(candidates)
         waiting = [waiting_view(r, pc, bs) for r in candidates]
         decision = schedule(running, waiting, pc.num_free, self._sched)
-        for rid in decision.preempt:  # newest first, so the oldest ends at the queue's front
+        for rid in decision.preempt:  # the least headroom (or the oldest) ends at the front
             req = self._requests[rid]
             self._running.remove(req)
             self._release(req)

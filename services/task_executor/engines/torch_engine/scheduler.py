@@ -79,6 +79,10 @@ class SeqView:
     # target from its arrival; negative: late); inf: no deadline known; -inf: it has produced
     # tokens already (preempted, recomputed: before any new prompt).
     ttft_left_s: float = math.inf
+    # Running: its headroom (``shared.headroom``: seconds until its next token is due, its
+    # TTFT target plus the TPOT target for each token it produced, from its arrival); None
+    # when it has no deadline. What decides which request a short cache preempts (``victim``).
+    headroom_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -220,6 +224,17 @@ def blocks_needed(seq: SeqView, block_size: int, num_tokens: int | None = None) 
     return max(0, blocks_for(n, block_size) - seq.num_blocks)
 
 
+def victim_index(running: Sequence[SeqView]) -> int:
+    """Which running request (oldest first) goes back to waiting when blocks run short: the
+    one with the most headroom (LLM-Mesh: the one that can best afford to start over; its
+    output is the same when it is recomputed), the newest among equals; the newest when any
+    has no deadline (vLLM's rule: it loses the least work)."""
+    newest = len(running) - 1
+    if any(s.headroom_s is None for s in running):
+        return newest
+    return max(range(len(running)), key=lambda i: (running[i].headroom_s, i))
+
+
 def schedule(
     running: Sequence[SeqView],
     waiting: Sequence[SeqView],
@@ -245,7 +260,7 @@ def schedule(
             budget = prefill_budget(config.pacing, contexts, length, slack, urgent=True)
     # What each running prompt computes now: what the budget leaves after the prompts due
     # before it (waiting ones reserve theirs; the queue below spends it). Then, while the
-    # blocks do not suffice, the newest running request goes back to waiting, and the budget
+    # blocks do not suffice, a running request (``victim_index``) goes back to waiting, and the budget
     # is shared again among those left: a budget given to a request preempted for want of
     # blocks goes to the others, so a prompt mid-way holding the blocks still progresses
     # (else a recomputed request due first could be admitted and preempted forever while
@@ -275,7 +290,7 @@ def schedule(
         need = sum(blocks_needed(s, bs, cache_len[s.request_id]) for s in keep)
         if not keep or need <= free:
             break
-        victim = keep.pop()
+        victim = keep.pop(victim_index(keep))
         preempt.append(victim.request_id)
         free += victim.num_blocks - victim.num_shared_blocks
     budget -= spent

@@ -78,10 +78,12 @@ class Seq:
 def running_view(seq: Seq, pacing: Pacing | None, ahead: int = 0) -> SeqView:
     """The scheduler's view of a running request (``ahead``: as it will be after that many
     more tokens, for a look-ahead)."""
-    slack = None
+    slack = headroom = None
+    now = time.monotonic()
     if pacing is not None and seq.first_token_at is not None:
-        since = time.monotonic() - seq.first_token_at
-        slack = tpot_slack(pacing.tpot_s, seq.num_output + ahead, since)
+        slack = tpot_slack(pacing.tpot_s, seq.num_output + ahead, now - seq.first_token_at)
+    if pacing is not None and seq.due != math.inf:
+        headroom = seq.due + pacing.tpot_s * (seq.num_output + ahead) - now
     n = len(seq.token_ids) + ahead
     return SeqView(
         seq.request_id,
@@ -90,6 +92,7 @@ def running_view(seq: Seq, pacing: Pacing | None, ahead: int = 0) -> SeqView:
         n - 1 if ahead else seq.num_computed,
         tpot_slack_s=slack,
         ttft_left_s=seq.ttft_left(),
+        headroom_s=headroom,
     )
 
 
