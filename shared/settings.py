@@ -563,6 +563,17 @@ class TaskExecutorSettings(Section):
         "MESHSERVE_KV_SHRINK_AFTER above 1.5 times it, the pages it frees given back to the "
         "host; MESHSERVE_KV_CACHE_BYTES is the most it grows to.",
     )
+    device_kv_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="With MESHSERVE_KV_SIZING, where the pool's TEs take turns on one device: "
+        "the KV memory they may hold together, kept by the device arbiter (services/"
+        "task_executor/device_arbiter.py). A TE grows its pool only into room the arbiter "
+        "grants, after the shrinks that make it (kv_sizing.order_ops: the most urgent first, "
+        "none overtaking one that waits); a TE waiting for room makes the others shrink to "
+        "their demand at once; a pool that cannot grow preempts its request with the most "
+        "headroom, recomputed later. 0: no bound (each pool up to MESHSERVE_KV_CACHE_BYTES).",
+    )
     kv_shrink_after: Duration = Field(
         default=timedelta(seconds=30),
         description="With MESHSERVE_KV_SIZING: how long a KV pool stays well above its demand "

@@ -36,6 +36,15 @@ prediction for the requests the TE held: a moving mean, ``stretch``), so that th
 counts what the profile, measured on an idle device, does not: other processes'
 overheads, the host's load.
 
+With ``MESHSERVE_KV_SIZING`` and a device KV budget (``MESHSERVE_DEVICE_KV_BYTES``) the
+arbiter also keeps the device's memory: each TE says what its KV pool holds (``hold
+<bytes>``, after every resize) and asks before it grows (``need <bytes> <deadline>``: the
+size it wants); the arbiter grants room (``room <bytes>``: the most it may hold now) as
+``kv_sizing.order_ops`` orders the waiting grows over what is free: a grow only into memory
+a finished shrink gave back, the most urgent first, none overtaking one that waits. While
+one waits, the device's other TEs are told to shrink to their demand at once
+(``squeeze``); what they give back comes as their next ``hold``.
+
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
 runs its iterations unarbitrated, and takes every request, as before."""
 
@@ -46,13 +55,14 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 import msgspec
 from prometheus_client import Counter, Histogram
 
 from services.job_executor.shadow import InstanceView, Verdict, iteration_s, validate
+from services.task_executor.kv_sizing import DeviceOp, order_ops
 from shared.headroom import RequestView, next_turn
 from shared.logging import get_logger
 from shared.perf_model import PerfModel
@@ -85,6 +95,19 @@ TURN_WAIT = Histogram(
     buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
 )
 
+KV_ROOM_WAIT = Histogram(
+    "meshserve:device_kv_room_wait_seconds",
+    "Time a TE's KV pool waited for room to grow on its device (MESHSERVE_DEVICE_KV_BYTES)",
+    ["device"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+KV_SQUEEZES = Counter(
+    "meshserve:device_kv_squeezes",
+    "TEs told to shrink their KV pool to its demand at once, another TE of the device "
+    "waiting for room to grow, by device",
+    ["device"],
+)
+
 
 # A TE's stretch: a moving mean over about its last 1 / STRETCH_WEIGHT turns, bounded.
 STRETCH_WEIGHT = 0.1
@@ -107,6 +130,13 @@ class _Client:
     stretch: float = 1.0
     granted_at: float = 0.0
     predicted_s: float = 0.0
+    # Its KV pool under the device's budget: the bytes it holds (as it last said), the room
+    # granted beyond them, the grow it waits for (and since when), whether it was squeezed.
+    holds: int = 0
+    reserved: int = 0
+    need: DeviceOp | None = None
+    need_at: float = 0.0
+    squeezed: bool = False
 
     def view(self) -> InstanceView | None:
         if self.instance is None:
@@ -155,8 +185,9 @@ def decode_requests(text: str) -> tuple[RequestView, ...]:
 
 
 class DeviceArbiter:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, kv_budget_bytes: int = 0) -> None:
         self.path = path
+        self.kv_budget_bytes = kv_budget_bytes  # each device's, for the TEs' KV (0: no bound)
         self._devices: dict[str, _Device] = {}
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
@@ -208,6 +239,14 @@ class DeviceArbiter:
                     client.instance = (
                         msgspec.json.decode(arg, type=Instance) if arg != "none" else None
                     )
+                elif word == "hold":
+                    client.holds, client.reserved = int(arg), 0
+                    client.need, client.squeezed = None, False
+                    self._make_room(client.device, device)
+                elif word == "need":
+                    total, _, urgency = arg.partition(" ")
+                    self._ask_room(client, int(total), float(urgency))
+                    self._make_room(client.device, device)
                 elif word == "check":
                     ask, _, new = arg.partition(" ")
                     verdict = self._check(device, client, decode_requests(new)[0])
@@ -225,6 +264,7 @@ class DeviceArbiter:
                 if device.holder is client:
                     device.holder = None
                 self._grant(client.device, device)
+                self._make_room(client.device, device)
             writer.close()
             self._connections.pop(me, None)
 
@@ -238,6 +278,51 @@ class DeviceArbiter:
         CHECKS.labels(client.device, verdict.reason or "admitted").inc()
         # JSON has no infinity: a request that would never start is very late instead.
         return dataclasses.replace(verdict, first_token_s=min(verdict.first_token_s, 1e18))
+
+    def _ask_room(self, client: _Client, total: int, urgency: float) -> None:
+        """``client`` wants its KV pool to hold ``total`` bytes (never more than the whole
+        budget): a grow that waits in ``_make_room``'s order, or room at once where it has it."""
+        if self.kv_budget_bytes:
+            total = min(total, self.kv_budget_bytes)
+        extra = total - client.holds - client.reserved
+        if extra <= 0:
+            client.need = None
+            self._send(client, f"room {client.holds + client.reserved}\n")
+            return
+        if client.need is None:
+            client.need_at = time.monotonic()
+        client.need = DeviceOp("grow", client.name, extra, urgency=urgency)
+
+    def _make_room(self, name: str, device: _Device) -> None:
+        """Grant the waiting grows that fit, in ``kv_sizing.order_ops``'s order, over what the
+        device's TEs hold and were granted; when one still waits, every other TE holding KV
+        is told to shrink to its demand (once, until it says what it holds again)."""
+        clients = device.clients.values()
+        pending = [c.need for c in clients if c.need is not None]
+        if not pending:
+            return
+        grant, wait = pending, list[DeviceOp]()
+        if self.kv_budget_bytes:
+            used = sum(c.holds + c.reserved for c in clients)
+            grant, wait = order_ops(pending, self.kv_budget_bytes - used)
+        now = time.monotonic()
+        for op in grant:
+            client = device.clients[op.instance]
+            client.reserved += op.bytes
+            client.need = None
+            KV_ROOM_WAIT.labels(name).observe(now - client.need_at)
+            self._send(client, f"room {client.holds + client.reserved}\n")
+        waiting = {op.instance for op in wait}
+        for client in clients:
+            if wait and client.name not in waiting and client.holds and not client.squeezed:
+                client.squeezed = True
+                KV_SQUEEZES.labels(name).inc()
+                self._send(client, "squeeze\n")
+
+    @staticmethod
+    def _send(client: _Client, line: str) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            client.writer.write(line.encode())
 
     def _grant(self, name: str, device: _Device) -> None:
         """The turn to the waiting TE with the earliest deadline, when nobody holds it."""
@@ -279,6 +364,13 @@ class TurnClient:
         self._asked = 0
         self._instance = "none"
         self._off = not path
+        # Its KV pool under the device's budget: what it holds (as it last said), the most the
+        # arbiter lets it hold now, the size it asked for, and whether it was told to shrink.
+        self._held: int | None = None
+        self._room = math.inf
+        self._needs: int | None = None
+        self._squeezed = False
+        self.on_squeeze: Callable[[], None] | None = None  # told to shrink (on the loop)
 
     @property
     def active(self) -> bool:
@@ -289,6 +381,9 @@ class TurnClient:
             reader, self._writer = await asyncio.open_unix_connection(self._path)
             self._writer.write(f"hello {self._name} {device}\n".encode())
             self._writer.write(f"instance {self._instance}\n".encode())
+            if self._held is not None:  # a new connection: the arbiter knows nothing of it
+                self._writer.write(f"hold {self._held}\n".encode())
+                self._room, self._needs = self._held, None
             self._reading = asyncio.create_task(self._read(reader))
         return self._writer
 
@@ -298,6 +393,12 @@ class TurnClient:
                 word, _, arg = line.decode().strip().partition(" ")
                 if word == "go" and self._go is not None and not self._go.done():
                     self._go.set_result(None)
+                elif word == "room" and self._needs is not None:  # else: from before a hold
+                    self._room = float(arg)
+                elif word == "squeeze":
+                    self._squeezed = True
+                    if self.on_squeeze is not None:
+                        self.on_squeeze()
                 elif word == "verdict":
                     ask, _, body = arg.partition(" ")
                     future = self._verdicts.pop(int(ask), None)
@@ -322,6 +423,30 @@ class TurnClient:
         """The requests it holds, when they change outside an iteration (it went idle)."""
         if self._writer is not None:
             self._send(f"requests {encode_requests(requests)}\n")
+
+    @property
+    def kv_room(self) -> float:
+        """The bytes of KV this TE may hold now (inf: no arbiter, or it never said)."""
+        return math.inf if self._off or self._held is None else self._room
+
+    def kv_hold(self, nbytes: int) -> None:
+        """Its KV pool holds ``nbytes`` now (after a resize, or at first)."""
+        self._held, self._room, self._needs = nbytes, nbytes, None
+        if self._writer is not None:
+            self._send(f"hold {nbytes}\n")
+
+    def kv_need(self, nbytes: int, deadline: float) -> None:
+        """It wants its KV pool to hold ``nbytes``, for a request due at ``deadline``."""
+        if self._writer is None or nbytes == self._needs or self._held is None:
+            return
+        self._needs = nbytes
+        urgency = deadline if math.isfinite(deadline) else 1e18
+        self._send(f"need {nbytes} {urgency!r}\n")
+
+    def take_squeeze(self) -> bool:
+        """Whether it was told to shrink since it last asked."""
+        squeezed, self._squeezed = self._squeezed, False
+        return squeezed
 
     async def check(self, new: RequestView, device: str) -> Verdict:
         """Whether ``new`` may join this TE (admitted when there is no arbiter)."""

@@ -56,7 +56,10 @@ class NodePool:
         te = settings.task_executor
         # Its TEs share the pool's device (its cores, or its GPU): one iteration at a time.
         self.arbiter = (
-            DeviceArbiter(Path(tempfile.gettempdir()) / f"meshserve-turns-{uuid.uuid4().hex[:12]}")
+            DeviceArbiter(
+                Path(tempfile.gettempdir()) / f"meshserve-turns-{uuid.uuid4().hex[:12]}",
+                kv_budget_bytes=te.device_kv_bytes if te.kv_sizing else 0,
+            )
             if shares_device(te, len(os.sched_getaffinity(0)))
             else None
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -162,6 +163,8 @@ class TaskLoop:
             settings.task_executor.device_arbiter if settings.task_executor.device_turns else "",
             te_id,
         )
+        self._turns.on_squeeze = self._squeezed
+        self._squeezing: asyncio.Task[None] | None = None
         self._slo = settings.scaler.slo()
         # Shadow validation of each colocated task on the device before it is taken.
         self._shadow = settings.task_executor.shadow_admission and self._turns.active
@@ -458,21 +461,45 @@ class TaskLoop:
 
     async def _size_kv(self, engine: Engine) -> None:
         """The KV pool sized by what the TE holds (``kv_pool``), where the setting is on and
-        the engine can; with the step lock held."""
+        the engine can; with the step lock held. Under a device KV budget, a grow goes only
+        into the room the device arbiter grants, and asks for the rest."""
+        te = self._settings.task_executor
         resizer = self._control.features.kv_resize
-        if not self._settings.task_executor.kv_sizing or resizer is None:
+        if not te.kv_sizing or resizer is None:
             self._kv_pool = None
             return
+        budgeted = te.device_kv_bytes > 0 and self._turns.active
+        squeeze = self._turns.take_squeeze()
         if self._kv_pool is None or self._kv_pool.engine is not resizer:
             self._kv_pool = KvPool(
                 resizer,
                 max_model_len=engine.max_model_len,
-                shrink_after_s=self._settings.task_executor.kv_shrink_after.total_seconds(),
+                shrink_after_s=te.kv_shrink_after.total_seconds(),
             )
+            if budgeted:  # what it holds at load, shrunk at once to what it needs
+                self._turns.kv_hold(resizer.kv_blocks[0] * resizer.kv_block_bytes)
+                squeeze = True
         pool = self._kv_pool
         held = ((s.prompt_tokens, s.max_tokens) for s in self._streams.values())
-        if (blocks := pool.target_blocks(held, time.monotonic())) is not None:
-            await self._thread.run(pool.resize, blocks)
+        room = self._turns.kv_room if budgeted else math.inf
+        plan = pool.plan(held, time.monotonic(), room_bytes=room, squeeze=squeeze)
+        if plan.blocks is not None:
+            blocks = await self._thread.run(pool.resize, plan.blocks)
+            if budgeted:
+                self._turns.kv_hold(blocks * resizer.kv_block_bytes)
+        if budgeted and plan.need_bytes is not None:
+            self._turns.kv_need(plan.need_bytes, self._earliest_deadline())
+
+    def _squeezed(self) -> None:
+        """The device arbiter asks this TE's KV pool to shrink to its demand (another waits
+        for room): at once, even while idle."""
+        if self._squeezing is None or self._squeezing.done():
+            self._squeezing = asyncio.get_running_loop().create_task(self._resize_now())
+
+    async def _resize_now(self) -> None:
+        async with self._step_lock:
+            if (engine := self._control.engine) is not None and self._kv_pool is not None:
+                await self._size_kv(engine)
 
     async def _admit(self, task: ChatTask, engine: Engine) -> None:
         """Shadow validation on the device (``device_arbiter``): Refused when the task would

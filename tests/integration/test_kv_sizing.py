@@ -1,17 +1,24 @@
 """A TE's KV pool sized by demand (``MESHSERVE_KV_SIZING``, LLM-Mesh): a real TE process with
 the torch engine on CPU, its pool shrinking once idle a while (to 1.25 times one request of
 the model's whole context) and growing at once for a burst of long requests, as its
-heartbeats report it; greedy output the same at every size."""
+heartbeats report it; greedy output the same at every size. Two TEs of one pool under a
+device KV budget (``MESHSERVE_DEVICE_KV_BYTES``): one grows only after the other shrank to
+make room, and together they never hold more than the budget."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.cluster_manager.service import ClusterManager
+from services.task_executor.device_arbiter import KV_SQUEEZES
+from services.task_executor.engines.torch_engine.config import load_model_config
+from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.pool import NodePool
 from shared.messages.cluster import TEHeartbeat, TEState
 from shared.messages.scaling import LoadModel
@@ -76,6 +83,107 @@ async def test_a_tes_kv_pool_follows_its_demand(
         assert max(grown) > small, (small, grown)
         assert all(len(tokens) == 1000 and tokens[:16] == first for tokens, _ in outs)
         await sub.close()
+    finally:
+        await run.stop()
+        await store.close()
+
+
+async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Two TEs of one pool (they take turns on the CPU, so the pool serves an arbiter) under a
+    KV budget of both floors plus one burst. A burst on the first grows its pool; a burst on
+    the second then waits for room until the first, told to, shrank back to its floor (its
+    own lazy shrink is a minute away). The arbiter's books never exceed the budget, and
+    every request's tokens are what they were alone."""
+    (tmp_path / "demo").symlink_to(demo_model_dir)
+    cfg = load_model_config(demo_model_dir)
+    block_bytes = PagedKVCache.bytes_per_block(
+        num_layers=cfg.num_layers,
+        block_size=16,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=torch.float32,
+    )
+    floor = -(-int(cfg.max_position_embeddings * 1.25) // 16)  # blocks: 1.25 contexts
+    # 24 requests of 48 + 400 tokens: 10,752 tokens x 1.25 = 840 blocks of 16.
+    burst_blocks = 840
+    budget = (floor + burst_blocks + 20) * block_bytes
+    settings = fast_settings(
+        cluster,
+        nats_url,
+        redis_url,
+        tmp_path,
+        pool_size=2,
+        device="cpu",
+        dtype="float32",
+        torch_threads=0,
+        kv_sizing=True,
+        kv_shrink_after=timedelta(seconds=60),
+        kv_cache_bytes=64 * 1024**2,
+        device_kv_bytes=budget,
+    )
+    run = Running(settings, nats_url)
+    store = await Store.connect(redis_url)
+    try:
+        await run.start(lambda bus: ClusterManager(settings=settings, bus=bus, store=store))
+        pool: NodePool = await run.start(
+            lambda bus: NodePool(settings=settings, pool_id="pool-kv-room", bus=bus)
+        )
+        assert pool.arbiter is not None and pool.arbiter.kv_budget_bytes == budget
+        client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
+        await client.started.wait()
+        await client.until(lambda v: len(v.tes) == 2, 60)
+        tes = [t.te_id for t in client.view.view.tes]
+        for te_id in tes:
+            ack = await client.tes.control(
+                te_id, LoadModel(model="demo", path=str(tmp_path / "demo"))
+            )
+            assert ack.ok, ack
+        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        prompt = [(7 * i) % 400 + 30 for i in range(48)]
+        alone = [(await client.run_on(te_id, prompt, 400))[0] for te_id in tes]
+        assert alone[0] == alone[1]
+
+        def books() -> dict[str, int]:
+            device = pool.arbiter._devices.get("cpu") if pool.arbiter else None
+            clients = device.clients.values() if device else ()
+            return {c.name: (c.holds + c.reserved) // block_bytes for c in clients}
+
+        # Each pool, as it first sizes itself, says what it holds and shrinks to its floor.
+        for _ in range(200):
+            if len(held := books()) == 2 and all(b <= floor + 1 for b in held.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert len(held) == 2 and all(b <= floor + 1 for b in held.values()), held
+        squeezes = KV_SQUEEZES.labels("cpu")._value.get()
+        peak: dict[str, int] = {}
+        most = 0
+        watching = True
+
+        async def watch() -> None:
+            nonlocal most
+            while watching:
+                held = books()
+                most = max(most, sum(held.values()))
+                for name, b in held.items():
+                    peak[name] = max(peak.get(name, 0), b)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        first = await asyncio.gather(*(client.run_on(tes[0], prompt, 400) for _ in range(24)))
+        grown_first = dict(peak)
+        started = time.monotonic()
+        second = await asyncio.gather(*(client.run_on(tes[1], prompt, 400) for _ in range(24)))
+        watching = False
+        await watcher
+        assert max(grown_first.values()) > floor + 1, (floor, grown_first)  # the first grew
+        assert max(peak.values()) > floor + 1 and len(peak) == 2
+        assert min(peak.values()) > floor + 1, peak  # and the second grew too, later
+        assert most * block_bytes <= budget, (most, budget // block_bytes)
+        assert KV_SQUEEZES.labels("cpu")._value.get() > squeezes  # the first was told
+        assert time.monotonic() - started < 60  # not for the lazy shrink
+        assert all(tokens == alone[0] for tokens, _ in [*first, *second])
     finally:
         await run.stop()
         await store.close()

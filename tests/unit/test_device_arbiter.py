@@ -2,13 +2,15 @@
 socket: one turn at a time per device, the next to the earliest deadline among the TEs
 waiting, a TE between iterations holds nothing, a TE that leaves gives its turn back,
 devices are independent, late turns are counted; turns are served only where one
-iteration fills the device."""
+iteration fills the device; under a KV budget, a grow waits for the shrink that makes its
+room."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,86 @@ async def test_a_te_slower_than_its_profile_is_stretched(arbiter: DeviceArbiter)
     stretch = arbiter._devices["cpu"].clients["a"].stretch
     assert 1.3 < stretch < 3.0  # 1 + 0.1 x (5 - 1) = 1.4, a slower sleep a little more
     a.close()
+
+
+# --- the device's KV memory (MESHSERVE_DEVICE_KV_BYTES) ---------------------------------
+
+
+@pytest.fixture
+async def budgeted(tmp_path: Path) -> AsyncIterator[DeviceArbiter]:
+    a = DeviceArbiter(tmp_path / "turns", kv_budget_bytes=1000)
+    await a.start()
+    yield a
+    await a.stop()
+
+
+async def _te(arbiter: DeviceArbiter, name: str, holds: int) -> TurnClient:
+    """A TE connected to the arbiter (after one turn) whose KV pool holds ``holds`` bytes."""
+    client = TurnClient(str(arbiter.path), name)
+    async with client.turn(1e18, "cpu"):
+        pass
+    client.kv_hold(holds)
+    return client
+
+
+async def _until(cond: Callable[[], bool]) -> bool:
+    for _ in range(100):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+async def test_a_grow_waits_for_the_shrink_that_makes_its_room(budgeted: DeviceArbiter) -> None:
+    """600 + 300 of 1,000 bytes held: b's grow to 600 waits (100 free), a is told to shrink,
+    and b gets its room only once a says it holds less."""
+    squeezed: list[str] = []
+    a = await _te(budgeted, "a", 600)
+    a.on_squeeze = lambda: squeezed.append("a")
+    b = await _te(budgeted, "b", 300)
+    assert b.kv_room == 300
+    b.kv_need(600, deadline=5.0)
+    assert await _until(lambda: squeezed == ["a"])
+    assert b.kv_room == 300  # nothing granted before the shrink
+    assert a.take_squeeze() and not a.take_squeeze()
+    a.kv_hold(200)
+    assert await _until(lambda: b.kv_room == 600)
+    b.kv_hold(600)
+    # Room freed by a TE that goes away serves the next grow.
+    a.kv_need(500, deadline=1.0)
+    await asyncio.sleep(0.05)
+    assert a.kv_room == 200
+    b.close()
+    assert await _until(lambda: a.kv_room == 500)
+    a.close()
+
+
+async def test_grows_go_most_urgent_first_and_none_overtakes_one_that_waits(
+    budgeted: DeviceArbiter,
+) -> None:
+    a = await _te(budgeted, "a", 500)
+    b = await _te(budgeted, "b", 0)
+    c = await _te(budgeted, "c", 0)
+    d = await _te(budgeted, "d", 0)
+    # 500 free: c (due first) gets its 100; b's 600 does not fit, and d's 50, due after b,
+    # would fit but waits behind it (a large grow is never starved by small ones).
+    c.kv_need(100, deadline=1.0)
+    b.kv_need(600, deadline=2.0)
+    await asyncio.sleep(0.05)
+    d.kv_need(50, deadline=3.0)
+    assert await _until(lambda: c.kv_room == 100)
+    await asyncio.sleep(0.05)
+    assert b.kv_room == 0 and d.kv_room == 0
+    assert a.take_squeeze() and not c.take_squeeze()  # c holds nothing yet, only room
+    a.kv_hold(100)
+    assert await _until(lambda: b.kv_room == 600 and d.kv_room == 50)
+    for te in (a, b, c, d):
+        te.close()
+
+
+async def test_without_a_budget_a_grow_has_room_at_once(arbiter: DeviceArbiter) -> None:
+    a = await _te(arbiter, "a", 10**12)
+    a.kv_need(2 * 10**12, deadline=1.0)
+    assert await _until(lambda: a.kv_room == 2 * 10**12)
+    a.close()
+    assert TurnClient("", "off").kv_room == math.inf  # no arbiter: no bound

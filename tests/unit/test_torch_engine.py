@@ -756,27 +756,38 @@ def test_the_kv_pool_resizes_between_iterations_and_outputs_stay_the_same(
 def test_a_tes_kv_pool_grows_at_once_and_shrinks_after_a_while(model_dir: Path) -> None:
     """``MESHSERVE_KV_SIZING``'s state and calls (``task_executor/kv_pool.py``) on a real
     engine: 256 blocks of 4 tokens, a 128-token context (the demand's floor)."""
-    from services.task_executor.kv_pool import KvPool
+    from services.task_executor.kv_pool import KvPlan, KvPool
 
     engine = _engine(model_dir, device="cpu", num_kv_blocks=256)
     pool = KvPool(engine, max_model_len=engine.max_model_len)
     assert engine.max_model_len == 128
     # Idle: 1,024 tokens against a demand of 128; shrunk to 128 × 1.25 only after 30 s.
-    assert pool.target_blocks([], now=0.0) is None
-    assert pool.target_blocks([], now=29.0) is None
-    assert pool.target_blocks([], now=30.0) == 40
+    assert pool.plan([], now=0.0).blocks is None
+    assert pool.plan([], now=29.0).blocks is None
+    assert pool.plan([], now=30.0).blocks == 40
     assert pool.resize(40) == 40 and engine.stats().total_kv_blocks == 40
     # Two requests of 100 + 300 tokens: 800, grown at once to 1,000 tokens (250 blocks).
     held = [(100, 300), (100, 300)]
-    assert pool.target_blocks(held, now=31.0) == 250
+    assert pool.plan(held, now=31.0).blocks == 250
     pool.resize(250)
     # A demand that wobbles inside the band changes nothing.
-    assert pool.target_blocks([(100, 300), (100, 250)], now=32.0) is None
+    assert pool.plan([(100, 300), (100, 250)], now=32.0).blocks is None
     # One short request (its output taken as the mean, 256): 266 tokens × 1.25 = 333, and
     # 1,000 is over 1.5 times that: shrunk, but not before 30 s of it.
-    assert pool.target_blocks([(10, 10)], now=40.0) is None
-    assert pool.target_blocks([(10, 10)], now=70.0) == 84  # ceil(332.5 / 4) blocks
+    assert pool.plan([(10, 10)], now=40.0).blocks is None
+    assert pool.plan([(10, 10)], now=70.0).blocks == 84  # ceil(332.5 / 4) blocks
     assert pool.resize(84) == 84
+    # Under a device budget: a grow goes as far as the arbiter's room and asks for the rest
+    # (in bytes); a squeeze shrinks to the demand at once, band and delay ignored.
+    bb = engine.kv_block_bytes
+    assert bb == 2 * 2 * 4 * 2 * 8 * 4  # K and V, 2 layers, 4 tokens, 2 heads of 8, fp32
+    grow = pool.plan(held, now=71.0, room_bytes=100 * bb)
+    assert grow.blocks == 100 and grow.need_bytes == 250 * bb
+    assert pool.plan(held, now=71.0, room_bytes=50 * bb) == KvPlan(None, 250 * bb)
+    assert pool.plan(held, now=71.0, room_bytes=300 * bb) == KvPlan(250, None)
+    pool.resize(250)
+    assert pool.plan([(10, 300)], now=72.0).blocks is None  # in the band
+    assert pool.plan([(10, 300)], now=72.0, squeeze=True) == KvPlan(97, None)  # 310 x 1.25
     # The mean output follows what finished requests produced.
     for _ in range(40):
         pool.finished(10)

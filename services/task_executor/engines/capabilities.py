@@ -185,6 +185,11 @@ class KvResizer(Protocol):
         """(blocks it may use now, blocks it could grow to)."""
         ...
 
+    @property
+    def kv_block_bytes(self) -> int:
+        """Memory one block takes (every layer's K and V): what a resize frees or needs."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineFeatures:

@@ -457,6 +457,10 @@ class TorchEngine:
         return self.cache.limit, self.cache.num_blocks
 
     @property
+    def kv_block_bytes(self) -> int:
+        return self.cache.block_bytes
+
+    @property
     def kv_layout(self) -> KvLayout:
         cfg = self.config
         return KvLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)

@@ -155,6 +155,11 @@ class PagedKVCache:
         return len(self._maps) == 2 * len(self.k)
 
     @property
+    def block_bytes(self) -> int:
+        """Bytes a block takes across every layer's K and V."""
+        return 2 * sum(k[0].numel() * k.element_size() for k in self.k)
+
+    @property
     def limit(self) -> int:
         """Blocks the cache may use now (``resize``); ``num_blocks`` is what it could."""
         return self.allocator.limit
