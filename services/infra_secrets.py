@@ -12,8 +12,14 @@ service role, each with a generated secret and only its permissions. Written:
   into that role's containers, read through ``MESHSERVE_NATS_URL_FILE`` and
   ``MESHSERVE_REDIS_URL_FILE``).
 
+- ``DIR/frontend/admin-key``: the API's admin key (the frontend reads it through
+  ``MESHSERVE_ADMIN_KEY_FILE``: compose.yaml's frontend listens beyond loopback, so auth is
+  on), which the operator reads with ``docker compose exec frontend cat
+  /run/meshserve/admin-key``.
+
 Secrets already there are kept (``DIR/store/credentials.json``, a volume of the secrets
-service's own), so a second ``up`` does not change them under running servers.
+service's own; the admin key where it is), so a second ``up`` does not change them under
+running servers or their clients.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from pathlib import Path
 
 from shared.access import ROLES, Credentials, nats_config, redis_acl
 from shared.files import write_file
+from shared.tenancy import write_admin_key
 
 NATS_PORT = 4222
+ADMIN_KEY_FILE = "admin-key"
 
 
 def credentials(root: Path) -> Credentials:
@@ -65,4 +73,14 @@ def write(
         }
         for name, url in urls.items():
             write_file(root / role / name, url + "\n", owner=owner)
+    key = root / "frontend" / ADMIN_KEY_FILE
+    if not _readable(key):
+        write_admin_key(key, owner=owner)
     return creds
+
+
+def _readable(path: Path) -> bool:
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from shared.access import SERVICE_ROLE, Credentials
 from shared.embedded import EmbeddedServer, die_with_parent, free_port
 from shared.settings import Settings, process_environment
-from shared.tenancy import admin_key, default_admin_key_file, write_admin_key
+from shared.tenancy import admin_key, auth_on, default_admin_key_file, write_admin_key
 
 # Start order; stop order is the reverse, so the frontend stops taking requests first and
 # the cluster manager, which everybody reports to, goes last.
@@ -74,7 +74,7 @@ class Launcher:
                 say(f"started embedded {kind} at {server.url}{secured}")
         if self.settings.frontend.http_port == 0:
             updates["http_port"] = free_port()
-        if self.settings.auth.mode == "on" and admin_key(self.settings) is None:
+        if auth_on(self.settings) and admin_key(self.settings) is None:
             # The key stays in a file only this user reads; never on the terminal or in logs.
             path = self.settings.auth.admin_key_file or default_admin_key_file(self.settings)
             write_admin_key(path)

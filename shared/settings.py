@@ -160,13 +160,16 @@ class FrontendSettings(Section):
 
 
 class AuthSettings(Section):
-    mode: Literal["off", "on"] = Field(
-        default="off",
+    mode: Literal["auto", "off", "on"] = Field(
+        default="auto",
         json_schema_extra=_env("MESHSERVE_AUTH"),
         description="`on`: every API request needs `Authorization: Bearer <key>` (keys made "
         "with `meshserve keys create`, stored hashed in Redis, each bound to a tenant). "
-        "`off`: the open local default, anyone who reaches the port is the tenant "
-        "`default` and may use the admin API.",
+        "`off`: open, anyone who reaches the port is the tenant `default` and may use the "
+        "admin API. `auto` (default): off where the frontend listens on loopback only "
+        "(MESHSERVE_HTTP_HOST 127.0.0.1, ::1 or localhost: the local default), on anywhere "
+        "else; a frontend beyond loopback with no admin key refuses to start, and serves "
+        "open only with `off` said explicitly.",
     )
     admin_key: SecretStr | None = Field(
         default=None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import re
 import secrets
 import time
@@ -119,6 +120,24 @@ def check_tenant_name(name: str) -> str:
     return name
 
 
+def loopback_only(host: str) -> bool:
+    """Whether a listener on ``host`` is reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, or "" (every interface)
+        return False
+
+
+def auth_on(settings: Settings) -> bool:
+    """Whether the frontend asks for keys: ``MESHSERVE_AUTH``, where ``auto`` is on wherever
+    the frontend listens beyond loopback."""
+    if settings.auth.mode == "auto":
+        return not loopback_only(settings.frontend.http_host)
+    return settings.auth.mode == "on"
+
+
 def default_admin_key_file(settings: Settings) -> Path:
     return Path.home() / ".cache" / "meshserve" / f"{settings.cluster}.admin-key"
 
@@ -134,10 +153,10 @@ def admin_key(settings: Settings) -> str | None:
         return None
 
 
-def write_admin_key(path: Path) -> str:
-    """Make a new admin key and write it where only this user can read it."""
+def write_admin_key(path: Path, *, owner: int | None = None) -> str:
+    """Make a new admin key and write it where only this user (or ``owner``) can read it."""
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    write_file(path, secret + "\n")
+    write_file(path, secret + "\n", owner=owner)
     return secret
 
 

@@ -1,7 +1,8 @@
 """Who is calling: the API key in ``Authorization: Bearer`` resolved to a tenant.
 
-With ``MESHSERVE_AUTH=off`` (the open local default) every caller is the tenant ``default``
-and may use the admin API. With ``on``, a missing or unknown key is a 401; the admin key
+With auth off (``MESHSERVE_AUTH=auto`` on loopback: the open local default; or ``off``,
+said explicitly) every caller is the tenant ``default`` and may use the admin API. With it
+on (``on``, or ``auto`` beyond loopback), a missing or unknown key is a 401; the admin key
 (``shared.tenancy.admin_key``) is the admin, exempt from limits; any other key is looked up
 by its hash in Redis and remembered for ``auth.key_cache`` (a revocation reaches every
 frontend over NATS and drops it at once). A tenant's record (models, limits) is re-read at
@@ -31,8 +32,10 @@ from shared.tenancy import (
     Tenant,
     TenantStore,
     admin_key,
+    auth_on,
     effective_limits,
     hash_key,
+    loopback_only,
     same_secret,
 )
 
@@ -92,12 +95,26 @@ class Authenticator:
     def __init__(self, settings: Settings, tenants: TenantStore | None) -> None:
         self._settings = settings
         self._tenants = tenants
-        self.enabled = settings.auth.mode == "on"
+        self.enabled = auth_on(settings)
         self._admin_key = admin_key(settings) if self.enabled else None
+        host = settings.frontend.http_host
         if self.enabled and (self._admin_key is None or tenants is None):
+            why = (
+                "MESHSERVE_AUTH=on"
+                if settings.auth.mode == "on"
+                else f"Listening on {host or 'every interface'} (beyond loopback), auth is on"
+            )
             raise SystemExit(
-                "MESHSERVE_AUTH=on needs an admin key (MESHSERVE_ADMIN_KEY or "
-                "MESHSERVE_ADMIN_KEY_FILE) and Redis (MESHSERVE_REDIS_URL)"
+                f"{why}: it needs an admin key (MESHSERVE_ADMIN_KEY, or a file at "
+                "MESHSERVE_ADMIN_KEY_FILE; `meshserve up` and compose.yaml generate one) and "
+                "Redis (MESHSERVE_REDIS_URL). To serve open beyond loopback on purpose, set "
+                "MESHSERVE_AUTH=off."
+            )
+        if not self.enabled and not loopback_only(host):
+            log.warning(
+                "auth is off (MESHSERVE_AUTH=off) on a frontend listening beyond loopback: "
+                "anyone who reaches it may use every model and the admin API",
+                host=host,
             )
         self._key_ttl = settings.auth.key_cache.total_seconds()
         self._keys: dict[str, tuple[str, float]] = {}  # key hash -> (tenant, checked at)

@@ -80,6 +80,7 @@ class Compose:
         self.project = project
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self._admin_key: str | None = None
         prometheus = free_port()
         self.prometheus_url = f"http://127.0.0.1:{prometheus}"
         # Only the variables compose.yaml is meant to see: none of the test run's MESHSERVE_*.
@@ -109,6 +110,14 @@ class Compose:
     def logs(self, tail: int = 60) -> str:
         r = self("logs", "--no-color", "--tail", str(tail), check=False, timeout=60)
         return r.stdout[-12000:] + r.stderr[-2000:]
+
+    def admin_key(self) -> str:
+        """The admin key the secrets service generated (the API is published beyond the
+        host's loopback, so it asks for keys), read as the operator does."""
+        if self._admin_key is None:
+            out = self("exec", "-T", "frontend", "cat", "/run/meshserve/admin-key").stdout
+            self._admin_key = out.strip()
+        return self._admin_key
 
     def container(self, service: str) -> str:
         ids = self("ps", "-q", service).stdout.split()

@@ -1,5 +1,5 @@
 """`docker compose up` gives a working cluster: the official openai client gets chat
-completions through it, a crashed task executor comes back through its restart policy with
+completions through it with the admin key the cluster generated (and nothing without one), a crashed task executor comes back through its restart policy with
 no request lost, and `docker compose down` leaves nothing behind."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -24,7 +25,7 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def _client(c: Compose) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", timeout=180, max_retries=0)
+    return openai.OpenAI(base_url=f"{c.url}/v1", api_key=c.admin_key(), timeout=180, max_retries=0)
 
 
 # The killed-TE test needs a stream still running when the kill lands: past the demo
@@ -84,6 +85,23 @@ def test_chat_completions_through_compose(compose: Compose) -> None:
     assert finish in ("stop", "length")
     with pytest.raises(openai.NotFoundError):
         _client(compose).chat.completions.create(model="no-such-model", messages=PROMPT)
+
+
+def test_the_published_api_asks_for_keys(compose: Compose) -> None:
+    """Published on every host interface, the API is not open: no key (or a wrong one) is a
+    401 on the API and on the admin routes; the generated admin key manages keys."""
+    nobody = openai.OpenAI(base_url=f"{compose.url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        nobody.models.list()
+    for path in ("/admin/keys", "/admin/tenants"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{compose.url}{path}", timeout=10)
+        assert e.value.code == 401, path
+    req = urllib.request.Request(
+        f"{compose.url}/admin/keys", headers={"Authorization": f"Bearer {compose.admin_key()}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
 
 
 def test_killed_task_executor_restarts_and_loses_no_request(compose: Compose) -> None:
@@ -239,13 +257,15 @@ print(refused_redis)
 
 def test_nats_and_redis_admit_only_the_roles(compose: Compose) -> None:
     """The servers refuse anonymous clients; each container holds only its own role's
-    credentials (mode 0600), and the cluster serves with them (the tests above)."""
+    credentials (mode 0600; the frontend's include the API's admin key), and the cluster
+    serves with them (the tests above)."""
     frontend = compose.container("frontend")
     out = compose.d.run("exec", frontend, "python", "-c", ANONYMOUS).stdout.splitlines()
     assert "admitted" not in out[0] and "uthoriz" in out[0], out
     assert out[1] in ("AuthenticationError", "NoPermissionError", "ResponseError"), out
     listing = compose.d.run("exec", frontend, "ls", "-l", "/run/meshserve").stdout
     assert sorted(line.split()[-1] for line in listing.splitlines()[1:]) == [
+        "admin-key",  # the API's (the frontend's role only: the task executor has none)
         "nats-url",
         "redis-url",
     ]
@@ -256,6 +276,8 @@ def test_nats_and_redis_admit_only_the_roles(compose: Compose) -> None:
         ).stdout
         for service in ("frontend", "task-executor")
     }
+    te = compose.d.run("exec", compose.container("task-executor"), "ls", "/run/meshserve").stdout
+    assert "admin-key" not in te.split()
     assert urls["frontend"].startswith("nats://frontend:")
     assert urls["task-executor"].startswith("nats://task_executor:")
 

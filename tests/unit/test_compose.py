@@ -88,3 +88,17 @@ def test_the_observability_profile_mounts_what_the_repository_ships():
     ]
     dashboard = next(v for v in SERVICES["grafana"]["volumes"] if "grafana-dashboard" in v)
     assert dashboard.split(":")[1].startswith(provider["options"]["path"] + "/")
+
+
+def test_the_api_published_beyond_loopback_asks_for_keys():
+    """The frontend's port is published on every host interface: auth is at its safe default
+    (on beyond loopback) unless the operator sets it, and the frontend reads the admin key
+    the secrets service generates into its own secrets volume."""
+    frontend = SERVICES["frontend"]
+    env = frontend["environment"]
+    assert env["MESHSERVE_AUTH"] == "${MESHSERVE_AUTH:-auto}"
+    assert env["MESHSERVE_ADMIN_KEY_FILE"] == "/run/meshserve/admin-key"
+    assert "secrets-frontend:/run/meshserve:ro" in frontend["volumes"]
+    assert any(not p.startswith("127.0.0.1:") for p in frontend["ports"])
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "MESHSERVE_HTTP_HOST=0.0.0.0" in dockerfile

@@ -9,6 +9,7 @@ from pathlib import Path
 from services import infra_secrets
 from shared.access import ROLES
 from shared.settings import Settings
+from shared.tenancy import admin_key, auth_on
 
 
 def test_each_role_gets_its_urls_and_the_servers_their_configurations(tmp_path: Path) -> None:
@@ -40,3 +41,17 @@ def test_secrets_are_kept_across_runs(tmp_path: Path) -> None:
     assert infra_secrets.write(tmp_path, "c1") == first
     (tmp_path / "store" / "credentials.json").write_text("{broken")
     assert infra_secrets.write(tmp_path, "c1") != first
+
+
+def test_the_frontend_gets_an_admin_key_kept_across_runs(tmp_path: Path) -> None:
+    """compose.yaml's frontend listens beyond loopback, so auth is on: its admin key is
+    generated once, readable by the frontend's user only, and what it reads as its key."""
+    infra_secrets.write(tmp_path, "c1")
+    path = tmp_path / "frontend" / "admin-key"
+    key = path.read_text().strip()
+    assert key.startswith("sk-ms-") and stat.S_IMODE(path.stat().st_mode) == 0o600
+    infra_secrets.write(tmp_path, "c1")
+    assert path.read_text().strip() == key
+    s = Settings.load({"MESHSERVE_ADMIN_KEY_FILE": str(path), "MESHSERVE_HTTP_HOST": "0.0.0.0"})
+    assert auth_on(s) and admin_key(s) == key
+    assert not any((tmp_path / role / "admin-key").exists() for role in ROLES if role != "frontend")
