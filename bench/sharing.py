@@ -7,7 +7,12 @@
 - ``uncoordinated``: one TE per model, every model loaded, their processes competing for
   the cores (meshserve without device turns: what it did before);
 - ``turns``: the same, with the pool's device turns (earliest deadline first);
-- ``full``: the same, with shadow validation too before a TE takes a request.
+- ``full``: the same, with shadow validation too before a TE takes a request;
+- ``full-kv`` (not in the default run): ``full`` with each TE's KV pool sized by demand
+  (``MESHSERVE_KV_SIZING``, shrunk after 10 s).
+
+Every row also has the TE processes' resident memory, summed, sampled every half second
+(``te_rss_mean_mib``, ``te_rss_peak_mib``): what KV sized by demand gives back.
 
 Models are ``--models`` copies of the demo model, each its own model with tensors of its own
 (scaled copies: the host cache shares none). The trace is ``meshserve-loadgen synth``: each
@@ -25,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,7 @@ from bench.common import (
     write_result,
 )
 from bench.scaling import Fleet, _distinct_copy
+from devtools.procs import module_of, processes_of, rss_bytes
 from shared.settings import process_environment
 
 COMMON = {
@@ -58,7 +66,42 @@ CONFIGS: dict[str, dict[str, str]] = {
     "uncoordinated": {"DEVICE_TURNS": "0", "SHADOW_ADMISSION": "0"},
     "turns": {"DEVICE_TURNS": "1", "SHADOW_ADMISSION": "0"},
     "full": {"DEVICE_TURNS": "1", "SHADOW_ADMISSION": "1"},
+    "full-kv": {
+        "DEVICE_TURNS": "1",
+        "SHADOW_ADMISSION": "1",
+        "KV_SIZING": "1",
+        "KV_SHRINK_AFTER": "10",
+    },
 }
+DEFAULT_CONFIGS = ("exclusive", "uncoordinated", "turns", "full")
+
+
+class TeMemory:
+    """The resident memory of a cluster's TE processes, summed, every ``every_s``."""
+
+    def __init__(self, cluster: str, every_s: float = 0.5) -> None:
+        self.cluster, self.every_s = cluster, every_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> TeMemory:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            pids = processes_of(self.cluster)
+            tes = [p for p in pids if module_of(p) == "services.task_executor.worker"]
+            self.samples.append(sum(rss_bytes(p) for p in tes))
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        mib = [s / 2**20 for s in self.samples] or [0.0]
+        return {"te_rss_mean_mib": statistics.fmean(mib), "te_rss_peak_mib": max(mib)}
+
+
 PREWARM_S = 5.0
 
 
@@ -86,6 +129,7 @@ def _run(
             time.sleep(0.5)
         time.sleep(PREWARM_S)
         fleet.instance_s = 0.0
+        memory = TeMemory(cluster.cluster).start()
         run_dir = work / name
         subprocess.run(
             [sys.executable, "-m", "loadgen.cli", "replay", str(trace), "--url", cluster.url,
@@ -95,8 +139,14 @@ def _run(
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         fleet.stop()
+        rss = memory.stop()
         summary = json.loads((run_dir / "summary.json").read_text())
-        return {"summary": summary, "instance_s": fleet.instance_s, "metrics": cluster.metrics()}
+        return {
+            "summary": summary,
+            "instance_s": fleet.instance_s,
+            "metrics": cluster.metrics(),
+            **rss,
+        }
 
 
 def _met(summary: dict[str, Any]) -> int:
@@ -116,7 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-tokens", type=int, default=200)
     p.add_argument("--output-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(CONFIGS), help="which of them, in this order")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"which of {', '.join(CONFIGS)}, in this order",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="directory of sharing.json")
     args = p.parse_args(argv)
 
@@ -159,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         row = replay_row(name, runs[name]["summary"])
         row["met"] = _met(runs[name]["summary"])
         row["instance_s"] = runs[name]["instance_s"]
+        row["te_rss_mean_mib"] = runs[name]["te_rss_mean_mib"]
+        row["te_rss_peak_mib"] = runs[name]["te_rss_peak_mib"]
         rows.append(row)
         print(f"{name}: {time.monotonic() - t0:.0f} s, {row['met']} met the SLO", flush=True)
     table = Table(
@@ -173,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             Col("ttft_p90", "TTFT p90 ms", ".0f"),
             Col("tpot_p90", "TPOT p90 ms", ".0f"),
             Col("failed", "failed"),
+            Col("te_rss_mean_mib", "TE RSS mean MiB", ".0f"),
+            Col("te_rss_peak_mib", "peak MiB", ".0f"),
         ]
     )
     table.print(rows, title=f"{args.models} models sharing one CPU, CV {args.cv:g}")
@@ -182,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         for other in ("exclusive", "uncoordinated", "turns"):
             if other in met:
                 ratios[f"full_vs_{other}"] = met["full"] / max(1, met[other])
+    rss = {r["config"]: r["te_rss_mean_mib"] for r in rows}
+    if "full" in rss and "full-kv" in rss:
+        ratios["kv_sizing_rss_ratio"] = rss["full-kv"] / max(1e-9, rss["full"])
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     write_result(
