@@ -131,6 +131,15 @@ class MembershipSettings(Section):
         default=timedelta(seconds=10),
         description="How long a stopping service drains in-flight work.",
     )
+    leader_lease: Duration = Field(
+        default=timedelta(seconds=3),
+        gt=timedelta(0),
+        description="Where only one replica of a service may decide at a time (the scaler), "
+        "it holds a lease of this length in Redis, renewed every third of it "
+        "(shared/leader.py); when the leader stops renewing (stopped, or its host cut off), "
+        "another replica takes over within it. Each change of hands raises an epoch that the "
+        "leader's commands carry, and a TE refuses a command from an epoch passed.",
+    )
     health_file: Path | None = Field(
         default=None,
         description="A file the service touches every heartbeat interval while it is "

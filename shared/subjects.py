@@ -329,6 +329,15 @@ class Keys:
         """Set: the block hashes (8 bytes, little-endian) ``te_id`` holds in ``tier``."""
         return f"{self.cluster}:kvidx:{model}:{te_id}:{tier}"
 
+    def leader(self, role: str) -> str:
+        """String: the id of the replica of ``role`` holding its leader lease (``shared.leader``),
+        expiring with the lease."""
+        return f"{self.cluster}:leader:{role}"
+
+    def leader_epoch(self, role: str) -> str:
+        """Integer: ``role``'s fencing number, one more each time its lease changes hands."""
+        return f"{self.cluster}:leader:{role}:epoch"
+
     def graph(self, graph_id: str) -> str:
         """Hash: one job's task graph (``shared.task_graphs``): ``owner``, ``epoch``,
         ``open``, ``graph`` (msgpack ``TaskGraph``)."""

@@ -12,6 +12,10 @@ from prometheus_client import Counter, Gauge
 
 from services.scaler.target import Target
 
+LEADER = Gauge(
+    "meshserve:scaler_leader",
+    "1 while this scaler replica holds the leader lease and decides, 0 while it watches",
+)
 REPLICAS = Gauge(
     "meshserve:replicas",
     "A model's instances as the scaler counts them: current (ready and loading, not "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import Sequence
 
 import msgspec
@@ -26,6 +27,7 @@ from services.views import TEView, te_view
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient, ViewWatcher
 from shared.errors import MeshserveError
+from shared.leader import SCALER, LeaderLease
 from shared.logging import get_logger
 from shared.messages.cluster import ClusterView, TEHeartbeat
 from shared.messages.scaling import (
@@ -83,6 +85,10 @@ class Scaler:
         self._awaiting_first: dict[str, tuple[ScaleEvent, float]] = {}
         self._wake = asyncio.Event()
         self._capacities_checked = time.monotonic()
+        # Replicas decide one at a time: the one holding the leader lease (shared/leader.py).
+        self.replica_id = f"scaler-{uuid.uuid4().hex[:8]}"
+        self.lease: LeaderLease | None = None
+        self._stopping = asyncio.Event()
 
     async def run(self) -> None:
         if self._store is None:
@@ -90,6 +96,16 @@ class Scaler:
                 raise ValueError("the scaler needs MESHSERVE_REDIS_URL (its stored capacities)")
             self._store = await Store.connect(self._settings.redis_url)
         await self._load_capacities()
+        self.lease = LeaderLease(
+            self._store,
+            self._settings.cluster,
+            SCALER,
+            self.replica_id,
+            self._settings.membership.leader_lease.total_seconds(),
+            on_change=self._leadership,
+        )
+        await self.lease.try_take()
+        self._life.spawn(self.lease.run(self._stopping), name="leader lease")
         await self._view.start(self._life)
         await self._bus.subscribe(self._subjects.traffic(), {TrafficReport: self._on_traffic})
         await self._bus.subscribe(self._subjects.outcomes(), {OutcomeReport: self._on_outcomes})
@@ -105,6 +121,8 @@ class Scaler:
                 waiter.cancel()
                 stopper.cancel()
         finally:
+            self._stopping.set()
+            await self.lease.release()  # another replica takes over at once
             await metrics.stop()
             await self._life.cancel_tasks()
             if self._store is not None:
@@ -113,6 +131,21 @@ class Scaler:
 
     async def shutdown(self) -> None:
         self._life.request_stop()
+
+    @property
+    def _fence(self) -> int:
+        """The epoch the commands of this tick carry."""
+        return self.lease.epoch if self.lease is not None else 0
+
+    def _leadership(self, leading: bool) -> None:
+        """This replica became the leader (it decides from the view as it is now: what an
+        earlier term of its own remembered may be stale) or stopped being one."""
+        metrics.LEADER.set(int(leading))
+        if leading:
+            self._state = ScalerState()
+            self._sent.clear()
+            self._awaiting_first.clear()
+            self._wake.set()
 
     # -- observation -----------------------------------------------------------------------
 
@@ -183,7 +216,7 @@ class Scaler:
 
     async def _tick(self) -> None:
         view = self._view.view
-        if view.version < 0:
+        if view.version < 0 or self.lease is None or not self.lease.leading():
             return
         now = time.time()
         await self._remember_capacities(view)
@@ -226,7 +259,9 @@ class Scaler:
         for p in step.preloads:
             log.info("preload decision", model=p.model, te=p.te_id, fork=p.weights_from)
             self._preloaded[p.model, p.pool_id] = now
-            cmd = PreloadModel(model=p.model, path=paths[p.model], weights_from=p.weights_from)
+            cmd = PreloadModel(
+                model=p.model, path=paths[p.model], weights_from=p.weights_from, fence=self._fence
+            )
             try:
                 ack = await self._tes.control(p.te_id, cmd)
                 if not ack.ok:
@@ -250,6 +285,7 @@ class Scaler:
                     capacity=self._capacity(action.model, engine),
                     weights_from=action.weights_from,
                     role=action.role,
+                    fence=self._fence,
                     multicast=(
                         Multicast(
                             node=m.node,
@@ -263,6 +299,7 @@ class Scaler:
                 )
             else:
                 cmd = UnloadModel(
+                    fence=self._fence,
                     reason=action.reason,
                     drain_s=self._settings.scaler.drain_timeout.total_seconds(),
                 )

@@ -14,7 +14,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine
@@ -28,6 +29,7 @@ from services.views import queued_prompt_tokens
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import Unavailable
+from shared.leader import SCALER, stale
 from shared.logging import get_logger
 from shared.messages.cluster import MemberDown, TEHeartbeat, TEState
 from shared.messages.scaling import ControlAck, Drain, LoadModel, PreloadModel, UnloadModel
@@ -39,6 +41,8 @@ from shared.store import Store
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
+
+C = TypeVar("C", LoadModel, PreloadModel, UnloadModel)
 
 # Longest a stopping TE waits for the engine step in flight.
 STEP_STOP_TIMEOUT_S = 30.0
@@ -194,9 +198,9 @@ class TaskExecutor:
         await self._bus.subscribe(
             self._subjects.te_control(self.te_id),
             {
-                LoadModel: control.on_load,
-                PreloadModel: control.on_preload,
-                UnloadModel: control.on_unload,
+                LoadModel: self._fenced(control.on_load),
+                PreloadModel: self._fenced(control.on_preload),
+                UnloadModel: self._fenced(control.on_unload),
                 Drain: self._on_drain,
             },
         )
@@ -242,6 +246,28 @@ class TaskExecutor:
     async def _on_drain(self, _: Drain) -> ControlAck:
         self._life.request_stop()
         return ControlAck(te_id=self.te_id, ok=True)
+
+    def _fenced(
+        self, handler: Callable[[C], Awaitable[ControlAck]]
+    ) -> Callable[[C], Awaitable[ControlAck]]:
+        """``handler`` for the scaler's commands, refusing one a deposed scaler leader sent
+        (``shared.leader.stale``: its epoch passed by a newer leader's)."""
+
+        async def fenced(cmd: C) -> ControlAck:
+            if self._store is not None and await stale(
+                self._store, self._settings.cluster, SCALER, cmd.fence
+            ):
+                log.warning(
+                    "command from a deposed scaler refused",
+                    command=type(cmd).__name__,
+                    fence=cmd.fence,
+                )
+                return ControlAck(
+                    te_id=self.te_id, ok=False, error=f"stale: epoch {cmd.fence} was deposed"
+                )
+            return await handler(cmd)
+
+        return fenced
 
 
 def main() -> None:

@@ -105,6 +105,9 @@ class LoadModel(Message):
     # whose KV it imports), prefill (prefill tasks only) or decode (as colocated, counted by
     # the scaler as the decode side of a disaggregated model). The engine must support it.
     role: TaskMode = TaskMode.COLOCATED
+    # The scaler leader's epoch it was decided under (shared/leader.py): a TE refuses a
+    # command whose epoch a newer leader has passed (a deposed scaler's); 0: no leader.
+    fence: int = 0
 
 
 class PreloadModel(Message):
@@ -115,6 +118,7 @@ class PreloadModel(Message):
     model: str
     path: str
     weights_from: str | None = None  # as LoadModel's
+    fence: int = 0  # as LoadModel's
 
 
 class UnloadModel(Message):
@@ -123,6 +127,7 @@ class UnloadModel(Message):
 
     reason: str = ""
     drain_s: float | None = None  # None: the TE's shutdown grace
+    fence: int = 0  # as LoadModel's
 
 
 class ScaleEvent(Message):
