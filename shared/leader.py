@@ -50,6 +50,7 @@ return 0
 """
 VALID_SHARE = 0.8  # of the lease, after a renewal was sent, that a leader trusts it
 SCALER = "scaler"  # the scaler's lease: its epoch fences LoadModel, PreloadModel, UnloadModel
+CLUSTER_MANAGER = "cluster_manager"  # who pushes the view and tells members down
 
 
 class LeaderLease:

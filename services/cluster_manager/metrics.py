@@ -1,6 +1,6 @@
 """What the cluster manager serves at its ``/metrics``: the members it counts, by kind, the
 ones it declared gone (silent past the liveness deadline, or left), and the models in its
-registry."""
+registry; whether this replica leads."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ MEMBERS_GONE = Counter(
     ["kind", "why"],
 )
 MODELS = Gauge("meshserve:registered_models", "Models in the registry (MESHSERVE_MODELS_DIR)")
+LEADER = Gauge(
+    "meshserve:cluster_manager_leader",
+    "1 while this cluster manager replica holds the leader lease (pushes the view, tells "
+    "members down), 0 while it follows",
+)
 
 KINDS = {"TEHeartbeat": "task_executor", "JEHeartbeat": "job_executor", "FEHeartbeat": "frontend"}
 

@@ -1,10 +1,20 @@
-"""The cluster manager service."""
+"""The cluster manager service.
+
+Several replicas may run. Each follows every member's heartbeats and leaves, sweeps the
+silent ones from its own state and answers ``GetView`` from it (they hold the same view);
+only the one holding the cluster manager's leader lease (``shared/leader.py``) speaks for
+the cluster: it pushes the view, tells ``MemberDown``, forgets a gone TE's prompt-index
+entries and writes the model registry. A replica that takes over tells ``MemberDown`` again
+for the members it swept in the last lease and liveness timeout (the deposed leader may
+have died with them before it could), and pushes its view at once; its versions carry its
+epoch, so they supersede the deposed leader's."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+import uuid
 
 import msgspec
 
@@ -14,6 +24,7 @@ from services.cluster_manager.registry import scan_models
 from shared.bus import Bus
 from shared.errors import MeshserveError
 from shared.kv_index_store import KvIndexStore
+from shared.leader import CLUSTER_MANAGER, LeaderLease
 from shared.logging import get_logger
 from shared.messages.cluster import (
     ClusterView,
@@ -52,8 +63,22 @@ class ClusterManager:
         self._models: list[ModelInfo] = []
         self._version = 0
         self._dirty = asyncio.Event()
+        self.replica_id = f"cm-{uuid.uuid4().hex[:8]}"
+        self.lease = LeaderLease(
+            store,
+            settings.cluster,
+            CLUSTER_MANAGER,
+            self.replica_id,
+            settings.membership.leader_lease.total_seconds(),
+            on_change=self._leadership,
+        )
+        self._stopping = asyncio.Event()
+        # Members swept here lately (id -> when, heartbeat): told again on a takeover.
+        self._swept: dict[str, tuple[float, Member]] = {}
 
     async def run(self) -> None:
+        await self.lease.try_take()
+        self._life.spawn(self.lease.run(self._stopping), name="leader lease")
         await self._rescan()
         await self._bus.subscribe(
             self._subjects.heartbeat(),
@@ -73,6 +98,8 @@ class ClusterManager:
         try:
             await self._life.wait()
         finally:
+            self._stopping.set()
+            await self.lease.release()
             await metrics.stop()
             await self._life.cancel_tasks()
             await self._store.close()
@@ -88,7 +115,8 @@ class ClusterManager:
         metrics.MODELS.set(len(self._models))
         return ClusterView(
             cluster=self._settings.cluster,
-            version=self._version,
+            # A new leader's views supersede the last one's: the epoch leads the version.
+            version=(self.lease.epoch << 32) + self._version,
             generated_at=time.time(),
             tes=sorted((m for m in members if isinstance(m, TEHeartbeat)), key=lambda m: m.te_id),
             jes=sorted((m for m in members if isinstance(m, JEHeartbeat)), key=lambda m: m.je_id),
@@ -101,6 +129,24 @@ class ClusterManager:
     def _changed(self) -> None:
         self._version += 1
         self._dirty.set()
+
+    def _leadership(self, leading: bool) -> None:
+        metrics.LEADER.set(int(leading))
+        if leading:
+            self._changed()  # pushed at once
+            self._life.spawn(self._tell_swept(), name="members swept before", one_shot=True)
+
+    async def _tell_swept(self) -> None:
+        """On a takeover: ``MemberDown`` for the members swept within the last lease and
+        liveness timeout, which the deposed leader may not have told."""
+        ms = self._settings.membership
+        since = (
+            time.monotonic() - ms.leader_lease.total_seconds() - ms.liveness_timeout.total_seconds()
+        )
+        for mid, (at, hb) in list(self._swept.items()):
+            if at >= since and mid not in self._members:
+                await self._member_down(mid, "gone before this cluster manager took over")
+                await self._forget_kv(hb)
 
     async def _on_heartbeat(self, hb: Member) -> None:
         mid = member_id(hb)
@@ -123,15 +169,18 @@ class ClusterManager:
 
     async def _forget_kv(self, hb: object) -> None:
         """A TE is gone: its prompt-index entries leave the store (its replicas drop it on the
-        view)."""
-        if isinstance(hb, TEHeartbeat) and hb.model is not None:
+        view). The leader's to do."""
+        if isinstance(hb, TEHeartbeat) and hb.model is not None and self.lease.leading():
             try:
                 await self._kv_index.forget(hb.model, hb.te_id)
             except Exception as e:  # a replica resyncing it finds nothing: harmless
                 log.warning("prompt index forget failed", te=hb.te_id, error=str(e))
 
     async def _member_down(self, member: str, reason: str) -> None:
-        """Tell whoever depends on the member (frontends streaming from it) at once."""
+        """Tell whoever depends on the member (frontends streaming from it) at once: the
+        leader does."""
+        if not self.lease.leading():
+            return
         try:
             await self._bus.publish(
                 self._subjects.member_down(), MemberDown(member_id=member, reason=reason)
@@ -152,9 +201,13 @@ class ClusterManager:
             gone = [self._members.pop(mid, None) for mid in dead]
             for hb in gone:
                 metrics.MEMBERS_GONE.labels(metrics.kind_of(hb), "silent").inc()
-            for mid in dead:
+            for mid, hb in zip(dead, gone, strict=True):
                 self._last_seen.pop(mid, None)
+                if hb is not None:
+                    self._swept[mid] = (now, hb)
                 log.warning("member declared dead", member=mid, silent_for_s=timeout)
+            keep = now - 2 * (timeout + self._settings.membership.leader_lease.total_seconds())
+            self._swept = {m: v for m, v in self._swept.items() if v[0] >= keep}
             if dead:
                 self._changed()
                 for mid in dead:
@@ -172,6 +225,8 @@ class ClusterManager:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), period)
             self._dirty.clear()
+            if not self.lease.leading():
+                continue
             try:
                 await self._bus.publish(self._subjects.view(), self.view())
             except MeshserveError as e:  # the bus reconnects by itself; keep pushing
@@ -187,6 +242,11 @@ class ClusterManager:
 
     async def _rescan(self) -> None:
         models = await asyncio.to_thread(scan_models, self._settings.models_dir)
+        if not self.lease.leading():  # the leader writes the registry
+            if models != self._models:
+                self._models = models
+                self._changed()
+            return
         if models == self._models:
             # Unchanged, but Redis may have restarted without its data: the registry is
             # written again where it is gone, not only when the models change.

@@ -1,11 +1,14 @@
 """One scaler decides at a time (``shared/leader.py``): replicas take a leader lease in Redis
 in turn, each change of hands raising the epoch; a lapsed leader stops deciding before
 another may start; two scaler replicas on one cluster make one load for one decision, the
-other takes over when the leader stops, and a TE refuses a command from a deposed epoch."""
+other takes over when the leader stops, and a TE refuses a command from a deposed epoch; of
+two cluster managers only the leader speaks, and the other takes over when it is cut off."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,10 +18,10 @@ from services.cluster_manager.service import ClusterManager
 from services.scaler.service import Scaler
 from services.task_executor.worker import TaskExecutor
 from shared.leader import SCALER, LeaderLease, stale
-from shared.messages.cluster import TEState
+from shared.messages.cluster import ClusterView, FEHeartbeat, MemberDown, TEState
 from shared.messages.scaling import ControlAck, LoadModel, UnloadModel
 from shared.store import Store
-from shared.subjects import Keys
+from shared.subjects import Keys, Subjects
 from tests.integration.services import BusClient, Running, fast_settings
 
 pytestmark = [pytest.mark.nats, pytest.mark.redis]
@@ -138,3 +141,82 @@ def _record(scaler: Scaler) -> list[LoadModel | UnloadModel]:
 
     scaler._tes.control = recording  # type: ignore[method-assign,assignment]
     return sent
+
+
+async def test_two_cluster_managers_one_speaks_and_the_other_takes_over(
+    cluster: str, nats_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Two cluster managers follow the same heartbeats; only the leader pushes the view and
+    tells members down. Killed outright together with a member (one host cut), the other
+    takes over within the lease, tells that member down and pushes views of a newer epoch."""
+    settings = fast_settings(
+        cluster, nats_url, redis_url, tmp_path, leader_lease=timedelta(seconds=1)
+    )
+    run = Running(settings, nats_url)
+    stores = [await Store.connect(redis_url) for _ in range(2)]
+    views: list[ClusterView] = []
+    downs: list[str] = []
+    try:
+        cms: list[ClusterManager] = []
+        for store in stores:
+            cms.append(
+                await run.start(
+                    lambda bus, store=store: ClusterManager(settings=settings, bus=bus, store=store)
+                )
+            )
+        client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
+        await client.started.wait()
+
+        async def on_view(v: ClusterView) -> None:
+            views.append(v)
+
+        async def on_down(m: MemberDown) -> None:
+            downs.append(m.member_id)
+
+        subjects = Subjects(cluster)
+        subs = [
+            await client.bus.subscribe(subjects.view(), {ClusterView: on_view}),
+            await client.bus.subscribe(subjects.member_down(), {MemberDown: on_down}),
+        ]
+        beating = True
+
+        async def beat() -> None:  # a frontend that lives on the leader's host
+            hb = FEHeartbeat(frontend_id="fe-x", host="h", pid=1, started_at=time.time())
+            while beating:
+                await client.bus.publish(subjects.heartbeat(), hb)
+                await asyncio.sleep(0.1)
+
+        beater = asyncio.create_task(beat())
+        for _ in range(50):
+            if all(any(f.frontend_id == "fe-x" for f in v.frontends) for v in views[-2:]) and views:
+                break
+            await asyncio.sleep(0.1)
+        (leader,) = [c for c in cms if c.lease.leading()]
+        (other,) = [c for c in cms if c is not leader]
+        epoch = leader.lease.epoch
+        views.clear()
+        await asyncio.sleep(0.6)  # three pushes and more
+        assert views and all(v.version >> 32 == epoch for v in views)  # the leader's only
+        assert any(f.frontend_id == "fe-x" for f in other.view().frontends)  # followed too
+        # The leader's host is cut: the leader and the frontend go silent at once.
+        beating = False
+        await beater
+        await run.kill(leader)
+        cut = time.monotonic()
+        for _ in range(60):
+            if "fe-x" in downs and other.lease.leading():
+                break
+            await asyncio.sleep(0.1)
+        assert other.lease.leading() and other.lease.epoch == epoch + 1
+        assert "fe-x" in downs, downs
+        assert time.monotonic() - cut < 4  # lease 1 s, liveness 1 s
+        await asyncio.sleep(0.5)
+        newer = [v for v in views if v.version >> 32 == epoch + 1]
+        assert newer and not any(f.frontend_id == "fe-x" for f in newer[-1].frontends)
+        for sub in subs:
+            await sub.close()
+    finally:
+        await run.stop()
+        for store in stores:
+            with contextlib.suppress(Exception):
+                await store.close()
