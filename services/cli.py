@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         "dir", help="where: DIR/nats and DIR/redis for the servers, DIR/<role> for each role"
     )
     sec.add_argument("--owner", type=int, help="uid (and gid) to own the roles' files")
+    sec.add_argument("--nats-host", default="nats", help="NATS's host in the roles' URLs")
+    sec.add_argument("--redis-host", default="redis", help="Redis's host in the roles' URLs")
     from services import admin_cli
 
     admin_cli.add_commands(sub)
@@ -86,7 +88,13 @@ def main(argv: list[str] | None = None) -> None:
         from shared.settings import Settings
 
         cluster = Settings.load().cluster
-        infra_secrets.write(Path(args.dir), cluster, owner=args.owner)
+        infra_secrets.write(
+            Path(args.dir),
+            cluster,
+            owner=args.owner,
+            nats_host=args.nats_host,
+            redis_host=args.redis_host,
+        )
         print(f"credentials for cluster {cluster!r} in {args.dir} (one user per role)")
         return
     if args.command == "health":
