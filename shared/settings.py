@@ -827,6 +827,18 @@ class Settings(BaseModel):
         default=None,
         description="A file holding the Redis URL, read when redis_url is unset, as nats_url_file.",
     )
+    redis_sentinels: list[str] = Field(
+        default_factory=list,
+        description='Redis Sentinels (host:port, as JSON: ["s1:26379", "s2:26379"]) that '
+        "watch a Redis primary with its replicas: every service finds the primary through "
+        "them, and after a failover reconnects to the one they promoted. The Redis URL then "
+        "gives only the credentials and the database (its host is not used). Empty: the "
+        "Redis URL's server.",
+    )
+    redis_master: str = Field(
+        default="meshserve",
+        description="The name the Sentinels monitor the primary under (MESHSERVE_REDIS_SENTINELS).",
+    )
     models_dir: Path = Field(
         default=Path("models"),
         validate_default=True,

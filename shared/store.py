@@ -3,15 +3,20 @@ cluster name."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.asyncio.client
 import redis.exceptions
+from redis.asyncio.sentinel import Sentinel
 
 from shared.errors import Unavailable
 from shared.infra_metrics import REDIS_ERRORS
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 
 class Store:
@@ -19,14 +24,33 @@ class Store:
         self.redis = client
 
     @classmethod
-    async def connect(cls, url: str) -> Store:
-        client = MeteredRedis.from_url(url, decode_responses=False, socket_connect_timeout=5)
+    async def connect(
+        cls, url: str, *, sentinels: Sequence[str] = (), master: str = "meshserve"
+    ) -> Store:
+        """The Redis at ``url``; with ``sentinels``, the primary they monitor as ``master``
+        (``url`` then gives the credentials and database), found again after a failover:
+        a command that meets a lost connection or a demoted server asks them anew."""
+        if sentinels:
+            client = _through_sentinels(url, sentinels, master)
+            where = f"the primary {master!r} of Sentinels {', '.join(sentinels)}"
+        else:
+            client = MeteredRedis.from_url(url, decode_responses=False, socket_connect_timeout=5)
+            where = redacted(url)
         try:
             await client.ping()
         except Exception as e:
             await client.aclose()
-            raise Unavailable(f"redis at {redacted(url)} is unreachable: {e}") from e
+            raise Unavailable(f"redis at {where} is unreachable: {e}") from e
         return cls(client)
+
+    @classmethod
+    async def for_settings(cls, settings: Settings) -> Store:
+        """The cluster's Redis as the settings name it (its URL, or its Sentinels)."""
+        if not settings.redis_url:
+            raise Unavailable("MESHSERVE_REDIS_URL is not set")
+        return await cls.connect(
+            settings.redis_url, sentinels=settings.redis_sentinels, master=settings.redis_master
+        )
 
     async def replace_hash(self, key: str, mapping: dict[str, bytes]) -> None:
         """Set a hash to exactly this mapping, atomically."""
@@ -43,6 +67,24 @@ class Store:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _through_sentinels(url: str, sentinels: Sequence[str], master: str) -> aioredis.Redis:
+    parts = urlsplit(url)
+    db = int(parts.path.strip("/") or 0)
+    nodes = [(h, int(p)) for h, _, p in (s.rpartition(":") for s in sentinels)]
+    timeouts = {"socket_connect_timeout": 5, "socket_timeout": 5}  # asking a Sentinel
+    sentinel = Sentinel(nodes, sentinel_kwargs=timeouts)  # type: ignore[no-untyped-call]
+    client: aioredis.Redis = sentinel.master_for(
+        master,
+        redis_class=MeteredRedis,
+        username=parts.username,
+        password=parts.password,
+        db=db,
+        decode_responses=False,
+        socket_connect_timeout=5,
+    )
+    return client
 
 
 def _count(e: BaseException) -> None:

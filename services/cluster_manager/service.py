@@ -267,5 +267,5 @@ class ClusterManager:
 async def create(settings: Settings, bus: Bus) -> ClusterManager:
     if not settings.redis_url:
         raise SystemExit("cluster_manager: MESHSERVE_REDIS_URL is not set (meshserve up sets it)")
-    store = await Store.connect(settings.redis_url)
+    store = await Store.for_settings(settings)
     return ClusterManager(settings=settings, bus=bus, store=store)

@@ -538,5 +538,5 @@ def traced(gen: Generation, *, chat: bool) -> Iterator[None]:
 
 
 async def create(settings: Settings, bus: Bus) -> Frontend:
-    store = await Store.connect(settings.redis_url) if settings.redis_url else None
+    store = await Store.for_settings(settings) if settings.redis_url else None
     return Frontend(settings=settings, bus=bus, store=store)

@@ -648,7 +648,7 @@ class JobExecutor:
 async def create(settings: Settings, bus: Bus) -> JobExecutor:
     block_hash.use_native(Toolchain.of(settings))  # every prompt is hashed to be matched
     try:
-        store = await Store.connect(settings.redis_url) if settings.redis_url else None
+        store = await Store.for_settings(settings) if settings.redis_url else None
     except Unavailable as e:  # it routes on the events it hears; Redis is only the shared copy
         log.warning("prompt index without its Redis copy", error=e.message)
         store = None

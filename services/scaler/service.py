@@ -94,7 +94,7 @@ class Scaler:
         if self._store is None:
             if not self._settings.redis_url:
                 raise ValueError("the scaler needs MESHSERVE_REDIS_URL (its stored capacities)")
-            self._store = await Store.connect(self._settings.redis_url)
+            self._store = await Store.for_settings(self._settings)
         await self._load_capacities()
         self.lease = LeaderLease(
             self._store,

@@ -183,7 +183,7 @@ async def create(settings: Settings, bus: Bus) -> NodePool:
     store = None
     if settings.redis_url and settings.host_cache.bytes != 0:
         try:
-            store = await Store.connect(settings.redis_url)
+            store = await Store.for_settings(settings)
         except Unavailable as e:  # it serves; the host cache is not published
             log.warning("host cache metadata not published", error=e.message)
     return NodePool(settings=settings, store=store, bus=bus)

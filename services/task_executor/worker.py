@@ -276,7 +276,7 @@ def main() -> None:
 
     async def factory(settings: Settings, bus: Bus) -> TaskExecutor:
         try:
-            store = await Store.connect(settings.redis_url) if settings.redis_url else None
+            store = await Store.for_settings(settings) if settings.redis_url else None
         except Unavailable as e:  # it serves; routing learns its cache from its events alone
             log.warning("prompt index entries not stored", error=e.message)
             store = None
