@@ -71,8 +71,10 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, *, name: str, cluster: str, role: str | None = None) -> Bus:
-        """``role``: the service's role (``shared.access``), which names its reply inboxes:
-        authenticated NATS lets a role subscribe to its own only."""
+        """``url``: one server, or several comma-separated (the servers of a NATS cluster: the
+        client connects to one and moves to another when it is lost; a cluster's servers
+        also tell it of the others). ``role``: the service's role (``shared.access``), which
+        names its reply inboxes: authenticated NATS lets a role subscribe to its own only."""
         listeners: list[Bus] = []
 
         async def disconnected() -> None:
@@ -90,8 +92,9 @@ class Bus:
             BUS_ERRORS.labels("client").inc()
             log.warning("nats client error", error=f"{type(e).__name__}: {e}")
 
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         nc = await nats.connect(
-            url,
+            servers,
             name=name,
             # Reply inboxes carry the cluster name too, like every other subject.
             inbox_prefix=inbox_prefix(cluster, role),

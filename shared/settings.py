@@ -813,7 +813,10 @@ class Settings(BaseModel):
         "and one Redis never see each other.",
     )
     nats_url: str | None = Field(
-        default=None, description="NATS server URL. Unset: `meshserve up` starts an embedded one."
+        default=None,
+        description="NATS server URL, or the URLs of a NATS cluster's servers, comma-separated "
+        "(a service moves to another server when its own is lost). Unset: `meshserve up` "
+        "starts an embedded one.",
     )
     redis_url: str | None = Field(
         default=None, description="Redis URL. Unset: `meshserve up` starts an embedded one."
