@@ -200,9 +200,17 @@ def test_observability_profile_scrapes_every_service_and_every_panel_has_data(
             break
         assert time.monotonic() < deadline, f"targets: {health}\n{targets}"
         time.sleep(2)
-    rules = _prometheus(compose, "rules")["groups"]
-    assert [g["name"] for g in rules] == ["meshserve"]
-    assert all(r["health"] == "ok" for r in rules[0]["rules"]), rules
+    # Every alert rule evaluates cleanly: "unknown" until its group's first evaluation (every
+    # 15 s, counted from Prometheus's start), so wait for that; "err" fails at once.
+    while True:
+        rules = _prometheus(compose, "rules")["groups"]
+        assert [g["name"] for g in rules] == ["meshserve"]
+        health = {r["name"]: (r["health"], r.get("lastError", "")) for r in rules[0]["rules"]}
+        assert not [h for h in health.values() if h[0] == "err"], health
+        if all(h == "ok" for h, _ in health.values()):
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(2)
     # Traffic in two rounds with scrapes (every 5 s) between, so every rate has an increase.
     for _ in range(2):
         for _ in range(3):
