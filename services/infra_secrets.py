@@ -29,7 +29,7 @@ from pathlib import Path
 
 from shared.access import ROLES, Credentials, nats_config, redis_acl
 from shared.files import write_file
-from shared.tenancy import write_admin_key
+from shared.tenancy import read_admin_key, write_admin_key
 
 NATS_PORT = 4222
 ADMIN_KEY_FILE = "admin-key"
@@ -74,13 +74,6 @@ def write(
         for name, url in urls.items():
             write_file(root / role / name, url + "\n", owner=owner)
     key = root / "frontend" / ADMIN_KEY_FILE
-    if not _readable(key):
+    if read_admin_key(key) is None:
         write_admin_key(key, owner=owner)
     return creds
-
-
-def _readable(path: Path) -> bool:
-    try:
-        return bool(path.read_text().strip())
-    except OSError:
-        return False

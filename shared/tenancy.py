@@ -146,7 +146,11 @@ def admin_key(settings: Settings) -> str | None:
     """The admin key: the setting, else the file (``admin_key_file`` or its default)."""
     if settings.auth.admin_key is not None:
         return settings.auth.admin_key.get_secret_value()
-    path = settings.auth.admin_key_file or default_admin_key_file(settings)
+    return read_admin_key(settings.auth.admin_key_file or default_admin_key_file(settings))
+
+
+def read_admin_key(path: Path) -> str | None:
+    """The admin key in ``path``; None where it is missing, unreadable or empty."""
     try:
         return path.read_text().strip() or None
     except OSError:

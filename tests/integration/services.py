@@ -24,7 +24,9 @@ from shared.bus import Bus
 from shared.clients import JobExecutorClient, TaskExecutorClient, ViewWatcher
 from shared.embedded import free_port
 from shared.messages.api import SamplingParams
+from shared.messages.cluster import TEState
 from shared.messages.jobs import ChatJob, JobAccepted
+from shared.messages.scaling import LoadModel
 from shared.messages.tasks import ChatTask, TokenChunk
 from shared.runner import Lifecycle
 from shared.settings import Settings, process_environment
@@ -235,6 +237,15 @@ class BusClient:
             await self.tes.place(te_id, task)
             ids.append(task.request_id)
         return ids
+
+    async def load_everywhere(self, path: Path, model: str = "demo") -> list[str]:
+        """``model`` loaded on every TE in the view, and each ready: their ids."""
+        tes = [t.te_id for t in self.view.view.tes]
+        for te_id in tes:
+            ack = await self.tes.control(te_id, LoadModel(model=model, path=str(path)))
+            assert ack.ok, ack
+        await self.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        return tes
 
     async def until(self, ok, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + timeout

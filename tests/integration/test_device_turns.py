@@ -62,13 +62,7 @@ async def test_a_pools_tes_take_turns_on_its_device(
         await client.until(lambda v: len(v.tes) == 2, 60)
         # Idle, they say what they run on (the scaler places on CPUs before GPUs by it).
         assert [t.device for t in client.view.view.tes] == ["cpu", "cpu"]
-        tes = [t.te_id for t in client.view.view.tes]
-        for te_id in tes:
-            ack = await client.tes.control(
-                te_id, LoadModel(model="demo", path=str(tmp_path / "demo"))
-            )
-            assert ack.ok, ack
-        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        tes = await client.load_everywhere(tmp_path / "demo")
         prompts = [[(7 * i + k) % 400 + 30 for i in range(40 + 20 * k)] for k in range(4)]
         alone = [(await client.run_on(tes[0], p, 24))[0] for p in prompts]
         before = await _turns(port)

@@ -20,8 +20,7 @@ from services.task_executor.device_arbiter import KV_SQUEEZES
 from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.pool import NodePool
-from shared.messages.cluster import TEHeartbeat, TEState
-from shared.messages.scaling import LoadModel
+from shared.messages.cluster import TEHeartbeat
 from shared.store import Store
 from tests.integration.services import BusClient, Running, fast_settings
 
@@ -60,10 +59,7 @@ async def test_a_tes_kv_pool_follows_its_demand(
         await client.started.wait()
         sub = await client.bus.subscribe(client.subjects.heartbeat(), {TEHeartbeat: on_heartbeat})
         await client.until(lambda v: len(v.tes) == 1, 60)
-        te_id = client.view.view.tes[0].te_id
-        ack = await client.tes.control(te_id, LoadModel(model="demo", path=str(tmp_path / "demo")))
-        assert ack.ok, ack
-        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        (te_id,) = await client.load_everywhere(tmp_path / "demo")
         prompt = [(7 * i) % 400 + 30 for i in range(48)]
         first, _ = await client.run_on(te_id, prompt, 16)
         await asyncio.wait_for(heard.wait(), 10)
@@ -134,13 +130,7 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
         client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await client.started.wait()
         await client.until(lambda v: len(v.tes) == 2, 60)
-        tes = [t.te_id for t in client.view.view.tes]
-        for te_id in tes:
-            ack = await client.tes.control(
-                te_id, LoadModel(model="demo", path=str(tmp_path / "demo"))
-            )
-            assert ack.ok, ack
-        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        tes = await client.load_everywhere(tmp_path / "demo")
         prompt = [(7 * i) % 400 + 30 for i in range(48)]
         alone = [(await client.run_on(te_id, prompt, 400))[0] for te_id in tes]
         assert alone[0] == alone[1]

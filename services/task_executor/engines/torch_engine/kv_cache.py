@@ -140,6 +140,13 @@ class PagedKVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.block_bytes = self.bytes_per_block(  # every layer's K and V of one block
+            num_layers=num_layers,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: attention reads padding slots (masked out) and must not meet NaNs.
         k = [zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -153,11 +160,6 @@ class PagedKVCache:
         """Whether ``resize`` gives memory back: CPU caches, whose pages are mapped per
         tensor. (A GPU cache is allocated once; CUDA graphs hold its addresses.)"""
         return len(self._maps) == 2 * len(self.k)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes a block takes across every layer's K and V."""
-        return 2 * sum(k[0].numel() * k.element_size() for k in self.k)
 
     @property
     def limit(self) -> int:
