@@ -105,12 +105,16 @@ def test_the_published_api_asks_for_keys(compose: Compose) -> None:
         assert r.status == 200
 
 
-def _kill_task_executor(compose: Compose) -> Callable[[], None]:
-    """SIGKILL to the task-executor container's init (the node pool and its TEs die with
-    it); returns what waits for its restart policy to bring it back."""
+def _node_pool_killer(compose: Compose) -> Callable[[], Callable[[], None]]:
+    """What kills the task-executor container: SIGKILL to its init (the node pool and its
+    TEs die with it), then returns what waits for the restart policy to bring it back. The
+    container is looked up now, so the kill itself is immediate."""
     te = compose.container("task-executor")
     before = compose.inspect(te)
-    os.kill(before["State"]["Pid"], signal.SIGKILL)
+
+    def kill() -> Callable[[], None]:
+        os.kill(before["State"]["Pid"], signal.SIGKILL)
+        return restarted
 
     def restarted() -> None:
         deadline = time.monotonic() + 60
@@ -121,11 +125,12 @@ def _kill_task_executor(compose: Compose) -> Callable[[], None]:
             assert time.monotonic() < deadline, f"not restarted: {after['State']}"
             time.sleep(0.5)
 
-    return restarted
+    return kill
 
 
 def test_killed_task_executor_restarts_and_loses_no_request(compose: Compose) -> None:
     reference = _greedy(compose, 400, LONG)
+    kill = _node_pool_killer(compose)
     result: dict[str, object] = {}
     first = threading.Event()
 
@@ -138,7 +143,7 @@ def test_killed_task_executor_restarts_and_loses_no_request(compose: Compose) ->
     t = threading.Thread(target=in_flight)
     t.start()
     assert first.wait(60), "the request never started streaming"
-    restarted = _kill_task_executor(compose)
+    restarted = kill()
     assert "text" not in result, "the request finished before the kill: ask for more tokens"
     restarted()
     t.join(timeout=240)
@@ -226,7 +231,7 @@ def test_observability_profile_scrapes_every_service_and_every_panel_has_data(
     # scrape of the frontend on a fast host): the node pool killed, the model loaded again
     # on its return by the traffic below. Then traffic in two rounds with scrapes (every
     # 5 s) between, so every rate has an increase.
-    _kill_task_executor(compose)()
+    _node_pool_killer(compose)()()
     for _ in range(2):
         for _ in range(3):
             _greedy(compose, 16)
