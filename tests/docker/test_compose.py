@@ -205,6 +205,10 @@ def test_observability_profile_scrapes_every_service_and_every_panel_has_data(
     """The profile's Prometheus (running since `up`, through the tests above: cold starts, a
     TE killed and restarted, a fine-tuning job) finds every service up, loads the alert
     rules, and answers every query of the shipped dashboard with data after more traffic."""
+    # A scale-up Prometheus sees happen (the earlier ones may all have come before its first
+    # scrape of the frontend on a fast host): the node pool killed first, the model loaded
+    # again on its return by the traffic below, once every target is scraped again.
+    _node_pool_killer(compose)()()
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -227,11 +231,7 @@ def test_observability_profile_scrapes_every_service_and_every_panel_has_data(
             break
         assert time.monotonic() < deadline, health
         time.sleep(2)
-    # A scale-up Prometheus sees happen (the earlier ones may all have come before its first
-    # scrape of the frontend on a fast host): the node pool killed, the model loaded again
-    # on its return by the traffic below. Then traffic in two rounds with scrapes (every
-    # 5 s) between, so every rate has an increase.
-    _node_pool_killer(compose)()()
+    # Traffic in two rounds with scrapes (every 5 s) between, so every rate has an increase.
     for _ in range(2):
         for _ in range(3):
             _greedy(compose, 16)
