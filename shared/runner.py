@@ -92,11 +92,13 @@ class Lifecycle:
         self.request_stop()
 
     async def cancel_tasks(self) -> None:
-        """Cancel the background tasks still running and wait for them."""
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel the background tasks still running and wait for them. A task that outlives
+        its cancel (Python 3.11's ``asyncio.wait_for`` swallows one that meets the awaited
+        result) is cancelled again until it ends."""
+        while tasks := [t for t in self._tasks if not t.done()]:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=1.0)
 
     def stopped(self) -> None:
         """The service is down; raises ServiceFailed if a background task killed it."""

@@ -156,6 +156,7 @@ class FineTuneRunner:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._placements: dict[str, _Placement] = {}  # by training_key
         self._wake = asyncio.Event()
+        self._stopping = False
         self.taken_over = 0
 
     async def start(self, life: Any) -> None:
@@ -169,11 +170,14 @@ class FineTuneRunner:
         life.spawn(self._scan_forever(), name="fine-tuning scan")
 
     async def stop(self) -> None:
-        for task in self._running.values():
-            task.cancel()
-        for task in list(self._running.values()):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """Stop every job this JE runs (their graphs stay open under it: another JE takes
+        them over). No job is taken any more; a task that outlives one cancel (Python 3.11's
+        ``wait_for`` can swallow one) is cancelled again until it ends."""
+        self._stopping = True
+        while tasks := [t for t in self._running.values() if not t.done()]:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=1.0)
 
     async def _on_submit(self, _: FineTuneSubmitted) -> None:
         self._wake.set()
@@ -204,6 +208,8 @@ class FineTuneRunner:
         and its graph closed, then it is settled)."""
         assert self._jobs is not None and self._graphs is not None
         for job_id in await self._jobs.active():
+            if self._stopping:
+                return
             if job_id in self._running:
                 continue
             held = await self._graphs.get(job_id)
@@ -234,6 +240,8 @@ class FineTuneRunner:
             self._spawn(job_id, run, ())
 
     def _spawn(self, job_id: str, run: Running, stray: tuple[GraphTask, ...]) -> None:
+        if self._stopping:  # a scan that ran on while the JE stops: the job stays open
+            return
         task = asyncio.create_task(self._run(job_id, run, stray), name=f"fine-tune {job_id}")
         self._running[job_id] = task
         task.add_done_callback(lambda _: self._running.pop(job_id, None))
@@ -412,8 +420,9 @@ class FineTuneRunner:
                     if now is None or now.status in TERMINAL:
                         cancelled = True
                         await self._send_cancel(p.te_id, job.id, p.attempt)
-            try:
-                msg = await asyncio.wait_for(p.inbox.get(), max(check_at - time.monotonic(), 0))
+            try:  # not wait_for: on Python 3.11 it swallows a cancel that meets a report
+                async with asyncio.timeout(max(check_at - time.monotonic(), 0)):
+                    msg = await p.inbox.get()
             except TimeoutError:
                 continue
             if isinstance(msg, TrainDone):
