@@ -20,7 +20,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from loadgen import control_plane as cp
 from loadgen import transforms
 from loadgen.closed_loop import report, run_closed_loop
 from loadgen.plan import PlanError, parse_models_map, plan
@@ -31,6 +33,9 @@ from loadgen.traces import FORMATS, TraceError, TraceRequest, read_trace, write_
 from services.job_executor.disaggregation import PdConfig
 from services.job_executor.routing import POLICIES, RoutingConfig
 from shared.slo import SLO, parse_slo
+
+if TYPE_CHECKING:
+    from loadgen.simulator import SimConfig, SimStats
 
 __all__ = ["main", "report"]
 
@@ -401,8 +406,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             },
             "stats": dataclasses.asdict(ideal_stats),
         }
+    control = _control_plane(args, cfg, stats)
     summary["run"] = {
         "simulated": True,
+        "control_plane": cp.to_json(control),
         "trace": str(args.trace),
         "trace_requests": n_trace,
         "config": dataclasses.asdict(cfg),
@@ -445,6 +452,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{100 * stats.hit_rate:.1f}; routing {stats.routed}"
         )
     print(_weight_cache_line(stats, cfg.host_cache_bytes))
+    print("\n".join(cp.lines(control)))
     if stats.prefill_loads or stats.pd_reasons:
         print(
             f"PD: {stats.prefill_loads} prefill instance loads, {stats.disaggregated} "
@@ -462,6 +470,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{ideal_is:.0f}; this run uses {ratio:.2f}x the ideal's instance-seconds"
         )
     return 0
+
+
+def _control_plane(args: argparse.Namespace, cfg: SimConfig, stats: SimStats) -> cp.ControlPlane:
+    """What the run asked of the control plane (``loadgen.control_plane``), with the
+    per-message costs measured now on this host."""
+    tes = cfg.devices * max(1, cfg.slots_per_device)
+    fleet = cp.Fleet(
+        tes=tes,
+        hosts=-(-cfg.devices // max(cfg.pool_size, 1)),
+        job_executors=args.job_executors,
+        frontends=args.frontends,
+        heartbeat_s=cfg.heartbeat_s,
+    )
+    costs = cp.measure(stats.placement_wall_s / max(stats.placements, 1), tes=max(tes, 100))
+    seconds = list(stats.placements_by_s) + list(stats.view_changes_by_s)
+    work = cp.Work(
+        placements=stats.placements,
+        placements_by_s=stats.placements_by_s,
+        view_changes_by_s=stats.view_changes_by_s,
+        duration_s=float(max(seconds) - min(seconds) + 1) if seconds else 0.0,
+    )
+    return cp.needs(work, fleet, costs)
 
 
 def _size(text: str) -> int:
@@ -852,6 +882,15 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--devices", type=int, default=4, help="devices in the fleet")
     m.add_argument("--pool-size", type=int, default=4, help="TEs per node pool")
+    m.add_argument(
+        "--job-executors",
+        type=int,
+        default=2,
+        help="job executors sharing the placements (the control plane's report)",
+    )
+    m.add_argument(
+        "--frontends", type=int, default=2, help="frontends (view subscribers, in the report)"
+    )
     m.add_argument(
         "--slots-per-device",
         type=int,

@@ -87,6 +87,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -288,6 +289,15 @@ class SimStats:
     late_turns: int = 0
     shadow_refused: dict[str, int] = dataclasses.field(default_factory=dict)
     device_busy: int = 0
+    # The control plane's work (loadgen/control_plane.py): the JE's placement steps (each
+    # try, held requests' retries too) and the wall time the decision functions took here,
+    # and the changes of TE state that make the cluster manager push a view; by second of
+    # simulated time.
+    placements: int = 0
+    placement_wall_s: float = 0.0
+    placements_by_s: dict[int, int] = dataclasses.field(default_factory=dict)
+    view_changes: int = 0
+    view_changes_by_s: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def weight_cache_hit_rate(self) -> float:
@@ -628,6 +638,17 @@ class Simulation:
     def _try_place(self, seq: _Seq) -> bool:
         """The JE's step (``holding.next_step``) on the view it has: True when the job left
         its hands (placed, or refused at once), False when it is held."""
+        t0 = time.perf_counter()
+        try:
+            return self._place_step(seq)
+        finally:
+            st = self.stats
+            st.placements += 1
+            st.placement_wall_s += time.perf_counter() - t0
+            second = int(self.now - EPOCH)
+            st.placements_by_s[second] = st.placements_by_s.get(second, 0) + 1
+
+    def _place_step(self, seq: _Seq) -> bool:
         model = seq.plan.model
         assert seq.job is not None
         every = [self._view[t] for t in self._by_model.get(model, ())]
@@ -899,6 +920,10 @@ class Simulation:
     def _state_changed(self, te: _TE) -> None:
         """A TE beats at once when its state changes (as the service does); the cluster
         manager pushes the new view; jobs held for an instance retry on it."""
+        st = self.stats
+        st.view_changes += 1
+        second = int(self.now - EPOCH)
+        st.view_changes_by_s[second] = st.view_changes_by_s.get(second, 0) + 1
         self._report(te)
         for model in self._held:
             self._at(self.now + self.cfg.network_s, "place", model)

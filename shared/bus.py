@@ -70,11 +70,21 @@ class Bus:
         self.on_reconnected: list[Callable[[], None]] = []
 
     @classmethod
-    async def connect(cls, url: str, *, name: str, cluster: str, role: str | None = None) -> Bus:
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str,
+        cluster: str,
+        role: str | None = None,
+        ping_interval: float = 1.0,
+    ) -> Bus:
         """``url``: one server, or several comma-separated (the servers of a NATS cluster: the
         client connects to one and moves to another when it is lost; a cluster's servers
         also tell it of the others). ``role``: the service's role (``shared.access``), which
-        names its reply inboxes: authenticated NATS lets a role subscribe to its own only."""
+        names its reply inboxes: authenticated NATS lets a role subscribe to its own only.
+        ``ping_interval``: seconds between pings; two unanswered and the server is taken for
+        lost (``membership.nats_ping_interval``)."""
         listeners: list[Bus] = []
 
         async def disconnected() -> None:
@@ -101,6 +111,8 @@ class Bus:
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
+            ping_interval=ping_interval,
+            max_outstanding_pings=2,
             allow_reconnect=True,
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,

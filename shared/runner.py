@@ -119,6 +119,7 @@ async def _main(name: str, factory: ServiceFactory, settings: Settings) -> None:
         name=f"{settings.cluster}-{name}",
         cluster=settings.cluster,
         role=SERVICE_ROLE.get(name.split(".", 1)[0]),  # a pool's TEs: task_executor.<id>
+        ping_interval=settings.membership.nats_ping_interval.total_seconds(),
     )
     try:
         service = await factory(settings, bus)

@@ -140,6 +140,14 @@ class MembershipSettings(Section):
         "another replica takes over within it. Each change of hands raises an epoch that the "
         "leader's commands carry, and a TE refuses a command from an epoch passed.",
     )
+    nats_ping_interval: Duration = Field(
+        default=timedelta(seconds=1),
+        gt=timedelta(0),
+        description="How often each service pings its NATS server. Two pings unanswered (a "
+        "server whose host was cut off sends no TCP reset) and it moves to another server of "
+        "the cluster. Keep it well under the liveness timeout: a service stuck on a lost "
+        "server hears no heartbeats and would take every member for dead.",
+    )
     health_file: Path | None = Field(
         default=None,
         description="A file the service touches every heartbeat interval while it is "

@@ -182,6 +182,13 @@ def test_thousands_of_devices_and_models_run_fast() -> None:
     assert all(r.ok for r in results)
     assert stats.loads >= 500 and stats.max_busy_devices >= 500
     assert elapsed < 120, elapsed
+    # What it asked of the control plane: a placement step for every request at least, by
+    # second of the trace (100 a second arrive), and a view change for each load at least.
+    assert stats.placements >= 20_000 and stats.placement_wall_s > 0
+    assert sum(stats.placements_by_s.values()) == stats.placements
+    assert max(stats.placements_by_s.values()) >= 100
+    assert stats.view_changes >= stats.loads
+    assert sum(stats.view_changes_by_s.values()) == stats.view_changes
 
 
 def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None:
@@ -216,6 +223,9 @@ def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None
     assert summary["run"]["stats"]["loads"] == 2
     assert summary["run"]["stats"]["peak_replicas"] == {"demo": 2}
     assert summary["clipped_prompts"] > 0  # the trace has prompts beyond 4,096 tokens
+    control = summary["run"]["control_plane"]  # loadgen/control_plane.py
+    assert control["fleet"]["tes"] == 2 and control["first_limit"]
+    assert control["placements_per_s_per_je"] > 0 and control["view_bytes"] > 0
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 300
     assert (out / "latency_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
