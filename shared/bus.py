@@ -59,6 +59,14 @@ class Subscription:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
+# A server that stops answering (its host cut off: no TCP reset) is left after this many
+# unanswered pings; a connect attempt gives up after CONNECT_TIMEOUT_S (a server across a
+# LAN answers in milliseconds), and the client pauses RECONNECT_WAIT_S between rounds.
+MAX_OUTSTANDING_PINGS = 2
+CONNECT_TIMEOUT_S = 2.0
+RECONNECT_WAIT_S = 0.5
+
+
 class Bus:
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -68,6 +76,7 @@ class Bus:
         # waiting for messages (a token stream) must hear it rather than wait for ever.
         self.on_disconnected: list[Callable[[], None]] = []
         self.on_reconnected: list[Callable[[], None]] = []
+        self.failover_s = 0.0  # how long moving to another server of the cluster may take
 
     @classmethod
     async def connect(
@@ -109,16 +118,23 @@ class Bus:
             # Reply inboxes carry the cluster name too, like every other subject.
             inbox_prefix=inbox_prefix(cluster, role),
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
+            reconnect_time_wait=RECONNECT_WAIT_S,
+            connect_timeout=CONNECT_TIMEOUT_S,
             ping_interval=ping_interval,
-            max_outstanding_pings=2,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             allow_reconnect=True,
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
             error_cb=error,
         )
         bus = cls(nc)
+        if len(servers) > 1:
+            # Lost to found again on another server of the cluster: the pings that go
+            # unanswered, one connect attempt to a server that does not answer either (a cut
+            # host's), the pause. (One server: there is no other to move to.)
+            bus.failover_s = (
+                ping_interval * (MAX_OUTSTANDING_PINGS + 1) + CONNECT_TIMEOUT_S + RECONNECT_WAIT_S
+            )
         listeners.append(bus)
         return bus
 

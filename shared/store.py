@@ -3,14 +3,17 @@ cluster name."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.asyncio.client
 import redis.exceptions
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialWithJitterBackoff
 
 from shared.errors import Unavailable
 from shared.infra_metrics import REDIS_ERRORS
@@ -69,11 +72,20 @@ class Store:
         await self.redis.aclose()
 
 
+# Under Sentinel the primary may be on a host that was cut off: no reset tells a client, so
+# a command to it fails only by its timeout, and each of redis-py's retries (which ask the
+# Sentinels for the primary anew) waits as long. A Sentinel or a primary on the network
+# answers in milliseconds: a command is given PRIMARY_TIMEOUT_S and three tries, a Sentinel
+# SENTINEL_TIMEOUT_S (one on a cut host is passed over for the next).
+PRIMARY_TIMEOUT_S = 2.0
+SENTINEL_TIMEOUT_S = 1.0
+
+
 def _through_sentinels(url: str, sentinels: Sequence[str], master: str) -> aioredis.Redis:
     parts = urlsplit(url)
     db = int(parts.path.strip("/") or 0)
     nodes = [(h, int(p)) for h, _, p in (s.rpartition(":") for s in sentinels)]
-    timeouts = {"socket_connect_timeout": 5, "socket_timeout": 5}  # asking a Sentinel
+    timeouts = {"socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S}
     sentinel = Sentinel(nodes, sentinel_kwargs=timeouts)  # type: ignore[no-untyped-call]
     client: aioredis.Redis = sentinel.master_for(
         master,
@@ -82,7 +94,9 @@ def _through_sentinels(url: str, sentinels: Sequence[str], master: str) -> aiore
         password=parts.password,
         db=db,
         decode_responses=False,
-        socket_connect_timeout=5,
+        socket_connect_timeout=PRIMARY_TIMEOUT_S,
+        socket_timeout=PRIMARY_TIMEOUT_S,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=3),
     )
     return client
 
@@ -99,22 +113,41 @@ def _count(e: BaseException) -> None:
         REDIS_ERRORS.labels("refused").inc()
 
 
+@contextlib.contextmanager
+def _metered() -> Iterator[None]:
+    """Count a failed command by kind and pass the error on; redis-py's event-loop error
+    for a connection closed under it (``_lost``) becomes the ConnectionError it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "closed" not in str(e):
+            raise
+        lost = _lost(e)
+        _count(lost)
+        raise lost from e
+    except Exception as e:
+        _count(e)
+        raise
+
+
+def _lost(e: RuntimeError) -> redis.exceptions.ConnectionError:
+    """redis-py lets an event loop's error through where a Sentinel's connection was
+    closed under it ("unable to perform operation on <TCPTransport closed=True>", seen after
+    a failover to a host that had been cut off): a lost connection like any other, which
+    every caller already handles, not a bug that should stop a service."""
+    return redis.exceptions.ConnectionError(f"connection lost: {e}")
+
+
 class MeteredPipeline(redis.asyncio.client.Pipeline):
     """A pipeline or transaction whose failures are counted (``MeteredRedis.pipeline``)."""
 
     async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
-        try:
+        with _metered():
             return await super().immediate_execute_command(*args, **options)  # type: ignore[no-untyped-call]
-        except Exception as e:
-            _count(e)
-            raise
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        try:
+        with _metered():
             return await super().execute(raise_on_error)
-        except Exception as e:
-            _count(e)
-            raise
 
 
 class MeteredRedis(aioredis.Redis):
@@ -122,11 +155,8 @@ class MeteredRedis(aioredis.Redis):
     the error and decide what it means)."""
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        try:
+        with _metered():
             return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
-        except Exception as e:
-            _count(e)
-            raise
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Any:
         return MeteredPipeline(

@@ -22,7 +22,7 @@ FIXTURE_MARKS = {
 }
 # What a unit test may not need: servers, a trained model, an engine's own venv. (GPU unit
 # tests are unit tests: they skip without a GPU.)
-NOT_UNIT = {"nats", "redis", "e2e", "fuzz", "vllm", "openvino", "demo_model", "docker"}
+NOT_UNIT = {"nats", "redis", "e2e", "fuzz", "vllm", "openvino", "demo_model", "docker", "multihost"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -252,10 +252,12 @@ class Frontend:
     def _on_bus_down(self) -> None:
         """NATS is gone. Token streams stop; a request must not wait out its whole timeout
         for a bus that may not come back: past one liveness deadline (what a member gets
-        before its requests move), the requests in flight fail with a 503."""
+        before its requests move) and the time the client takes to move to another server of
+        the cluster, the requests in flight fail with a 503."""
         if self._bus_down_timer is None and not self._life.stopping:
+            grace = self._settings.membership.liveness_timeout.total_seconds()
             self._bus_down_timer = asyncio.get_running_loop().call_later(
-                self._settings.membership.liveness_timeout.total_seconds(), self._bus_gone
+                grace + self._bus.failover_s, self._bus_gone
             )
 
     def _bus_gone(self) -> None:

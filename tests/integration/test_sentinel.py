@@ -86,6 +86,13 @@ def sentinels(tmp_path: Path) -> Iterator[tuple[Servers, int, int, list[str]]]:
         servers.stop()
 
 
+def _logs(root: Path) -> str:
+    return "\n".join(
+        f"== {log.name}\n" + "\n".join(log.read_text().splitlines()[-25:])
+        for log in sorted(root.glob("*.log"))
+    )
+
+
 async def _until(what: str, check: Callable[[], Awaitable[object]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -160,7 +167,12 @@ async def test_a_failover_is_followed_through_the_sentinels(
             return bool(await probe.redis.set(f"{cluster}:after", b"1"))
 
         await _until("a write reaches the new primary", writes, 30)
-        assert await probe.redis.get(f"{cluster}:before") == b"1"
+
+        async def kept() -> bool:
+            assert probe is not None
+            return await probe.redis.get(f"{cluster}:before") == b"1"
+
+        await _until("what was written before the kill is there", kept, 10)
         # The cluster manager follows: its lease is renewed (or taken again) on the new
         # primary, and its views go on.
         epoch_key = Keys(cluster).leader_epoch(CLUSTER_MANAGER)
@@ -178,6 +190,9 @@ async def test_a_failover_is_followed_through_the_sentinels(
         await _until("the cluster manager pushes views again", pushed, 20)
         print(f"failover followed {time.monotonic() - killed:.1f} s after the kill")
         await sub.close()
+    except AssertionError:
+        print(_logs(tmp_path))  # what the Sentinels and servers saw
+        raise
     finally:
         await run.stop()
         if probe is not None:

@@ -1,0 +1,250 @@
+"""A meshserve cluster spread over network-namespace hosts (``devtools.netns_hosts.Hosts``), started the
+way an operator starts one on several machines: each service is its own process
+(``python -m services.<name>``, what ``meshserve <service>`` and a container run), given
+the cluster's NATS servers and Redis Sentinels by the environment.
+
+Layout (three hosts):
+
+    host 0: nats, sentinel, redis replica, frontend, job executor, cluster manager, node pool
+    host 1: nats, sentinel,                frontend, job executor, scaler,          node pool
+    host 2: nats, sentinel, redis primary,                         cluster manager, scaler,
+            node pool
+
+Every host keeps its own host weight cache (a directory of its own under /dev/shm), and
+its weight server and KV server listen on its address, so a fork or a KV pull between two
+hosts crosses the shaped links."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from devtools.netns_hosts import Hosts
+from shared.embedded import nats_server_binary, redis_server_binary
+
+NATS_PORT, ROUTE_PORT, REDIS_PORT, SENTINEL_PORT, HTTP_PORT = 4222, 6222, 6379, 26379, 8080
+SCALER_METRICS, CM_METRICS = 9101, 9102
+MASTER = "meshserve"
+REDIS_PRIMARY, REDIS_REPLICA = 2, 0
+
+LAYOUT: dict[int, tuple[str, ...]] = {
+    0: ("cluster_manager", "job_executor", "task_executor", "frontend"),
+    1: ("scaler", "job_executor", "task_executor", "frontend"),
+    2: ("cluster_manager", "scaler", "task_executor"),
+}
+
+
+class MultiHostCluster:
+    def __init__(self, hosts: Hosts, models_dir: Path, **settings: str) -> None:
+        self.hosts = hosts
+        self.name = f"mh-{uuid.uuid4().hex[:8]}"
+        self.models_dir = models_dir
+        self.settings = settings
+        self.services: dict[tuple[int, str], subprocess.Popen[bytes]] = {}
+        self.redis: dict[str, subprocess.Popen[bytes]] = {}
+
+    # -- addresses -------------------------------------------------------------------------
+
+    def address(self, i: int) -> str:
+        return self.hosts[i].address
+
+    def url(self, i: int) -> str:
+        """The OpenAI base URL of host ``i``'s frontend."""
+        return f"http://{self.address(i)}:{HTTP_PORT}/v1"
+
+    @property
+    def nats_url(self) -> str:
+        return ",".join(f"nats://{h.address}:{NATS_PORT}" for h in self.hosts.hosts)
+
+    @property
+    def sentinels(self) -> list[str]:
+        return [f"{h.address}:{SENTINEL_PORT}" for h in self.hosts.hosts]
+
+    # -- infrastructure --------------------------------------------------------------------
+
+    def start_nats(self) -> None:
+        for h in self.hosts.hosts:
+            routes = ", ".join(
+                f'"nats://{o.address}:{ROUTE_PORT}"' for o in self.hosts.hosts if o is not h
+            )
+            conf = self.hosts.root / f"nats-{h.index}.conf"
+            # Pings every second, two missed and the peer is gone: a route or a client on a
+            # cut host is dropped within seconds, not the default minutes.
+            conf.write_text(
+                f'listen: "{h.address}:{NATS_PORT}"\nping_interval: "1s"\nping_max: 2\n'
+                f'cluster {{\n  name: "meshserve-mh"\n  listen: "{h.address}:{ROUTE_PORT}"\n'
+                f"  routes: [{routes}]\n}}\n"
+            )
+            self.hosts.spawn(h.index, "nats", [nats_server_binary(), "-c", str(conf)], {})
+
+    def start_redis(self) -> None:
+        binary = redis_server_binary()
+        plain = ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        primary = self.address(REDIS_PRIMARY)
+        for role, i, extra in (
+            ("primary", REDIS_PRIMARY, []),
+            ("replica", REDIS_REPLICA, ["--replicaof", primary, str(REDIS_PORT)]),
+        ):
+            argv = [binary, "--port", str(REDIS_PORT), "--bind", self.address(i), *plain, *extra]
+            self.redis[role] = self.hosts.spawn(i, f"redis-{role}", argv, {})
+        for h in self.hosts.hosts:
+            conf = self.hosts.root / f"sentinel-{h.index}.conf"
+            conf.write_text(
+                f"port {SENTINEL_PORT}\nbind {h.address}\nprotected-mode no\n"
+                f"sentinel monitor {MASTER} {primary} {REDIS_PORT} 2\n"
+                f"sentinel down-after-milliseconds {MASTER} 3000\n"
+                f"sentinel failover-timeout {MASTER} 10000\n"
+            )
+            self.hosts.spawn(h.index, "sentinel", [binary, str(conf), "--sentinel"], {})
+
+    def redis_cli(self, i: int, *args: str) -> str:
+        """One Redis command to host ``i``'s Redis server, from the test's namespace."""
+
+        r = redis.Redis(
+            host=self.address(i), port=REDIS_PORT, socket_timeout=2, socket_connect_timeout=2
+        )
+        try:
+            got = r.execute_command(*args)
+        finally:
+            r.close()
+        if isinstance(got, bytes):
+            return got.decode()
+        return (
+            str([g.decode() if isinstance(g, bytes) else g for g in got])
+            if isinstance(got, list)
+            else str(got)
+        )
+
+    def redis_primary(self) -> str:
+        """The primary's address as the first Sentinel on a host not cut off names it."""
+        for h in self.hosts.reachable():
+            with contextlib.suppress(redis.RedisError, OSError):
+                r = redis.Redis(
+                    host=h.address, port=SENTINEL_PORT, socket_timeout=1, socket_connect_timeout=1
+                )
+                try:
+                    got = r.execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
+                finally:
+                    r.close()
+                if got:
+                    return str(got[0].decode() if isinstance(got[0], bytes) else got[0])
+        return ""
+
+    # -- meshserve ----------------------------------------------------------------------------
+
+    def env(self, i: int, service: str) -> dict[str, str]:
+
+        h = self.hosts[i]
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")},
+            "MESHSERVE_CLUSTER": self.name,
+            "MESHSERVE_NATS_URL": self.nats_url,
+            # Found through the Sentinels; the URL's host is not used.
+            "MESHSERVE_REDIS_URL": f"redis://{self.address(REDIS_PRIMARY)}:{REDIS_PORT}/0",
+            "MESHSERVE_REDIS_SENTINELS": json.dumps(self.sentinels),
+            "MESHSERVE_REDIS_MASTER": MASTER,
+            "MESHSERVE_MODELS_DIR": str(self.models_dir),
+            "MESHSERVE_HOST_CACHE_DIR": f"/dev/shm/meshserve-weights-{self.name}-h{i}",
+            "MESHSERVE_HOST_CACHE_SERVE_HOST": h.address,
+            "MESHSERVE_KV_HOST": h.address,
+            "MESHSERVE_HTTP_HOST": h.address,
+            "MESHSERVE_HTTP_PORT": str(HTTP_PORT),
+            # Beyond loopback the API asks for keys by default; these tests are about hosts.
+            "MESHSERVE_AUTH": "off",
+            "MESHSERVE_POOL_SIZE": "2",
+            "MESHSERVE_POOL_ID": f"pool-h{i}",
+            "MESHSERVE_TORCH_THREADS": "1",
+            "MESHSERVE_HEARTBEAT_INTERVAL": "0.25",
+            "MESHSERVE_LIVENESS_TIMEOUT": "2",
+            "MESHSERVE_NATS_PING_INTERVAL": "0.5",
+            "MESHSERVE_LEADER_LEASE": "2",
+            "MESHSERVE_LOG_LEVEL": "info",
+            **{f"MESHSERVE_{k.upper()}": v for k, v in self.settings.items()},
+        }
+        if service == "scaler":
+            env["MESHSERVE_METRICS_PORT"] = str(SCALER_METRICS)
+        if service == "cluster_manager":
+            env["MESHSERVE_METRICS_PORT"] = str(CM_METRICS)
+        return env
+
+    def start_services(self) -> None:
+        for i, services in LAYOUT.items():
+            for service in services:
+                argv = [sys.executable, "-m", f"services.{service}"]
+                proc = self.hosts.spawn(i, service, argv, self.env(i, service))
+                self.services[(i, service)] = proc
+
+    def start(self) -> MultiHostCluster:
+        self.start_nats()
+        self.start_redis()
+        self.start_services()
+        return self
+
+    def stop(self) -> None:
+        self.hosts.down()
+        for h in self.hosts.hosts:
+            subprocess.run(
+                ["rm", "-rf", f"/dev/shm/meshserve-weights-{self.name}-h{h.index}"], check=False
+            )
+
+    # -- looking at it -----------------------------------------------------------------------
+
+    def health(self, i: int) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(
+                f"http://{self.address(i)}:{HTTP_PORT}/health", timeout=2
+            ) as r:
+                body: dict[str, Any] = json.loads(r.read())
+                return body
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def instances(self, i: int, model: str = "demo") -> dict[str, str]:
+        """TE id -> state, for the TEs holding ``model``, as host ``i``'s frontend sees them."""
+        body = self.health(i) or {}
+        return {
+            t["id"]: t["state"] for t in body.get("task_executors", []) if t.get("model") == model
+        }
+
+    def metric(self, i: int, port: int, name: str) -> float | None:
+        if i in self.hosts.cut_off:
+            return None
+        try:
+            with urllib.request.urlopen(f"http://{self.address(i)}:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def wait(self, what: str, check: Any, timeout: float) -> Any:
+        """What ``check()`` returns once it is neither None nor False (0 is an answer: host
+        0), asked every quarter of a second; an error says what was awaited, with the
+        services' last log lines."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if (got := check()) is not None and got is not False:
+                    return got
+            time.sleep(0.25)
+        raise AssertionError(f"not within {timeout:g} s: {what}\n{self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        out = []
+        for path in sorted(self.hosts.root.glob("h*.log")):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"== {path.name}\n" + "\n".join(text))
+        return "\n".join(out)

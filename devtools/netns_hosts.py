@@ -1,0 +1,184 @@
+"""Hosts for the multi-host tests: network namespaces joined by veth links to one bridge,
+each link shaped with ``tc`` (a token bucket at the link's rate; a netem delay where the
+kernel has netem), and processes started inside a host with ``ip netns exec``.
+
+The bridge has an address in the test's own namespace (the gateway), so the test talks to
+the hosts' addresses directly; nothing is routed anywhere else. Cutting a host sets its
+link down on the bridge's side: its processes live on, packets to and from it are dropped,
+and nobody gets a TCP reset (what a pulled cable or a dead switch port does). Needs root
+and ``ip netns``; ``available()`` says why not where they are missing."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def _tc(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["tc", *args], check=False, capture_output=True, text=True)
+
+
+def available() -> str | None:
+    """None where network-namespace hosts can be built here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root to build network namespaces"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    name = f"msprobe{secrets.token_hex(3)}"
+    probe = _ip("netns", "add", name, check=False)
+    if probe.returncode != 0:
+        return f"`ip netns add` fails here: {probe.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+@dataclasses.dataclass
+class Host:
+    index: int
+    netns: str
+    address: str
+    link: str  # the veth end on the bridge (cut: set down)
+    inside: str  # the veth end inside the namespace
+
+
+@dataclasses.dataclass
+class Shaping:
+    rate: str = "10gbit"
+    delay_ms: float = 0.2
+    delayed: bool = False  # netem took the delay (else only the rate is shaped)
+
+
+class Hosts:
+    """``n`` hosts on one bridge, at 10.<a>.<b>.1 … n; the test's namespace is .254."""
+
+    def __init__(self, n: int, root: Path, shaping: Shaping | None = None) -> None:
+        tag = secrets.token_hex(2)
+        a, b = 200 + secrets.randbelow(50), secrets.randbelow(250)
+        self.subnet = f"10.{a}.{b}"
+        self.bridge = f"ms{tag}br"
+        self.gateway = f"{self.subnet}.254"
+        self.root = root
+        self.shaping = shaping or Shaping()
+        self.hosts = [
+            Host(i, f"ms{tag}h{i}", f"{self.subnet}.{i + 1}", f"ms{tag}v{i}", f"ms{tag}p{i}")
+            for i in range(n)
+        ]
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.cut_off: set[int] = set()
+
+    def __getitem__(self, i: int) -> Host:
+        return self.hosts[i]
+
+    def _forward(self, op: str) -> None:
+        """Where bridged packets pass iptables (br_netfilter, which Docker loads with a
+        FORWARD policy of DROP), let the bridge's own traffic through."""
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        subprocess.run(["iptables", op, *rule], check=False, capture_output=True)
+
+    def up(self) -> Hosts:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._forward("-I")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for h in self.hosts:
+            _ip("netns", "add", h.netns)
+            _ip("link", "add", h.link, "type", "veth", "peer", "name", h.inside)
+            _ip("link", "set", h.inside, "netns", h.netns)
+            _ip("link", "set", h.link, "master", self.bridge)
+            _ip("link", "set", h.link, "up")
+            _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.inside)
+            _ip("-n", h.netns, "link", "set", h.inside, "up")
+            _ip("-n", h.netns, "link", "set", "lo", "up")
+            self._shape(h)
+        return self
+
+    def _shape(self, h: Host) -> None:
+        """Both directions of the host's link: the rate by a token bucket, the delay by
+        netem under it where the kernel has netem (half the round trip each way)."""
+        s = self.shaping
+        for ns, dev in ((h.netns, h.inside), (None, h.link)):
+            where = ["-n", ns] if ns else []
+            tbf = ["tbf", "rate", s.rate, "burst", "1mb", "latency", "50ms"]
+            delay = f"{s.delay_ms / 2:g}ms"
+            netem = _tc(*where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                        "delay", delay)  # fmt: skip
+            if netem.returncode == 0:
+                s.delayed = True
+                tc = _tc(*where, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf)
+            else:
+                tc = _tc(*where, "qdisc", "add", "dev", dev, "root", *tbf)
+            if tc.returncode != 0:
+                raise RuntimeError(f"tc could not shape {dev}: {tc.stderr.strip()}")
+
+    def cut(self, i: int) -> None:
+        _ip("link", "set", self.hosts[i].link, "down")
+        self.cut_off.add(i)
+
+    def heal(self, i: int) -> None:
+        _ip("link", "set", self.hosts[i].link, "up")
+        self.cut_off.discard(i)
+
+    def reachable(self) -> list[Host]:
+        return [h for h in self.hosts if h.index not in self.cut_off]
+
+    def spawn(
+        self, i: int, name: str, argv: Sequence[str], env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """``argv`` inside host ``i``, its output in ``<root>/h<i>-<name>.log``."""
+        log = (self.root / f"h{i}-{name}.log").open("ab")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.hosts[i].netns, *argv],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=self.root,  # what a server writes (a replica's RDB) stays in the test's dir
+        )
+        log.close()
+        self.procs.append((f"h{i}-{name}", proc))
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def down(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _, proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            if proc.poll() is None:
+                self.kill(proc)
+        for h in self.hosts:
+            # Whatever still runs in the namespace (a TE a node pool started) goes with it.
+            pids = _ip("netns", "pids", h.netns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", h.netns, check=False)
+        _ip("link", "del", self.bridge, check=False)
+        self._forward("-D")
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
