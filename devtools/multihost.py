@@ -1,7 +1,8 @@
-"""A meshserve cluster spread over network-namespace hosts (``devtools.netns_hosts.Hosts``), started the
-way an operator starts one on several machines: each service is its own process
-(``python -m services.<name>``, what ``meshserve <service>`` and a container run), given
-the cluster's NATS servers and Redis Sentinels by the environment.
+"""A meshserve cluster spread over network-namespace hosts (``devtools.netns_hosts``),
+started the way an operator starts one on several machines: each service is its own
+process (``python -m services.<name>``, what ``meshserve <service>`` and a container run),
+given the cluster's NATS servers (with its role's credentials, as ``meshserve infra-secrets
+--nats-host`` writes them for a NATS cluster) and Redis Sentinels by the environment.
 
 Layout (three hosts):
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,9 +31,11 @@ from typing import Any
 import redis
 
 from devtools.netns_hosts import Hosts
+from services import infra_secrets
 from shared.embedded import nats_server_binary, redis_server_binary
+from shared.settings import process_environment
 
-NATS_PORT, ROUTE_PORT, REDIS_PORT, SENTINEL_PORT, HTTP_PORT = 4222, 6222, 6379, 26379, 8080
+REDIS_PORT, SENTINEL_PORT, HTTP_PORT = 6379, 26379, 8080
 SCALER_METRICS, CM_METRICS = 9101, 9102
 MASTER = "meshserve"
 REDIS_PRIMARY, REDIS_REPLICA = 2, 0
@@ -46,8 +48,15 @@ LAYOUT: dict[int, tuple[str, ...]] = {
 
 
 class MultiHostCluster:
-    def __init__(self, hosts: Hosts, models_dir: Path, **settings: str) -> None:
+    def __init__(
+        self,
+        hosts: Hosts,
+        models_dir: Path,
+        layout: dict[int, tuple[str, ...]] | None = None,
+        **settings: str,
+    ) -> None:
         self.hosts = hosts
+        self.layout = LAYOUT if layout is None else layout
         self.name = f"mh-{uuid.uuid4().hex[:8]}"
         self.models_dir = models_dir
         self.settings = settings
@@ -64,8 +73,8 @@ class MultiHostCluster:
         return f"http://{self.address(i)}:{HTTP_PORT}/v1"
 
     @property
-    def nats_url(self) -> str:
-        return ",".join(f"nats://{h.address}:{NATS_PORT}" for h in self.hosts.hosts)
+    def addresses(self) -> list[str]:
+        return [h.address for h in self.hosts.hosts]
 
     @property
     def sentinels(self) -> list[str]:
@@ -74,19 +83,20 @@ class MultiHostCluster:
     # -- infrastructure --------------------------------------------------------------------
 
     def start_nats(self) -> None:
+        """A server on each host, configured as ``meshserve infra-secrets --nats-host`` with
+        every host's address configures a NATS cluster: one user per role, routes between
+        the servers with their own secret, pings every second. Each service then connects
+        with its role's URLs (all three servers)."""
+        secrets = self.hosts.root / "secrets"
+        infra_secrets.write(secrets, self.name, nats_host=",".join(self.addresses))
+        conf = json.loads((secrets / "nats" / "nats.conf").read_text())
         for h in self.hosts.hosts:
-            routes = ", ".join(
-                f'"nats://{o.address}:{ROUTE_PORT}"' for o in self.hosts.hosts if o is not h
-            )
-            conf = self.hosts.root / f"nats-{h.index}.conf"
-            # Pings every second, two missed and the peer is gone: a route or a client on a
-            # cut host is dropped within seconds, not the default minutes.
-            conf.write_text(
-                f'listen: "{h.address}:{NATS_PORT}"\nping_interval: "1s"\nping_max: 2\n'
-                f'cluster {{\n  name: "meshserve-mh"\n  listen: "{h.address}:{ROUTE_PORT}"\n'
-                f"  routes: [{routes}]\n}}\n"
-            )
-            self.hosts.spawn(h.index, "nats", [nats_server_binary(), "-c", str(conf)], {})
+            path = self.hosts.root / f"nats-{h.index}.conf"
+            path.write_text(json.dumps(conf))
+            self.hosts.spawn(h.index, "nats", [nats_server_binary(), "-c", str(path)], {})
+
+    def role_nats_url(self, role: str) -> str:
+        return (self.hosts.root / "secrets" / role / "nats-url").read_text().strip()
 
     def start_redis(self) -> None:
         binary = redis_server_binary()
@@ -141,15 +151,34 @@ class MultiHostCluster:
                     return str(got[0].decode() if isinstance(got[0], bytes) else got[0])
         return ""
 
+    def redis_whole(self) -> bool:
+        """Whether every Sentinel on a host not cut off names one primary and knows a
+        replica of it, up and linked: a failover could promote it. (A Sentinel learns of
+        replicas from the primary's INFO every 10 s; before that it finds no good replica.)"""
+        primaries, ok = set(), True
+        for h in self.hosts.reachable():
+            r = redis.Redis(
+                host=h.address, port=SENTINEL_PORT, socket_timeout=1, socket_connect_timeout=1
+            )
+            try:
+                primary = r.execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
+                replicas = r.execute_command("SENTINEL", "REPLICAS", MASTER)
+            except (redis.RedisError, OSError):
+                return False
+            finally:
+                r.close()
+            primaries.add(_text(primary[0]) if primary else "")
+            ok = ok and any(_good_replica(entry) for entry in replicas)
+        return ok and len(primaries) == 1 and "" not in primaries
+
     # -- meshserve ----------------------------------------------------------------------------
 
     def env(self, i: int, service: str) -> dict[str, str]:
 
         h = self.hosts[i]
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("MESHSERVE_")},
             "MESHSERVE_CLUSTER": self.name,
-            "MESHSERVE_NATS_URL": self.nats_url,
+            "MESHSERVE_NATS_URL": self.role_nats_url(service),
             # Found through the Sentinels; the URL's host is not used.
             "MESHSERVE_REDIS_URL": f"redis://{self.address(REDIS_PRIMARY)}:{REDIS_PORT}/0",
             "MESHSERVE_REDIS_SENTINELS": json.dumps(self.sentinels),
@@ -176,10 +205,10 @@ class MultiHostCluster:
             env["MESHSERVE_METRICS_PORT"] = str(SCALER_METRICS)
         if service == "cluster_manager":
             env["MESHSERVE_METRICS_PORT"] = str(CM_METRICS)
-        return env
+        return process_environment(env)  # this process's own, these set over it
 
     def start_services(self) -> None:
-        for i, services in LAYOUT.items():
+        for i, services in self.layout.items():
             for service in services:
                 argv = [sys.executable, "-m", f"services.{service}"]
                 proc = self.hosts.spawn(i, service, argv, self.env(i, service))
@@ -248,3 +277,15 @@ class MultiHostCluster:
             text = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"== {path.name}\n" + "\n".join(text))
         return "\n".join(out)
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _good_replica(entry: Any) -> bool:
+    """A ``SENTINEL REPLICAS`` entry (a dict, or a flat list of names and values) for a
+    replica neither down nor unlinked."""
+    fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))
+    flags = _text(next((v for k, v in fields.items() if _text(k) == "flags"), ""))
+    return not {"s_down", "o_down", "disconnected"} & set(flags.split(","))

@@ -45,7 +45,12 @@ def main(argv: list[str] | None = None) -> None:
         "dir", help="where: DIR/nats and DIR/redis for the servers, DIR/<role> for each role"
     )
     sec.add_argument("--owner", type=int, help="uid (and gid) to own the roles' files")
-    sec.add_argument("--nats-host", default="nats", help="NATS's host in the roles' URLs")
+    sec.add_argument(
+        "--nats-host",
+        default="nats",
+        help="NATS's host in the roles' URLs; a NATS cluster's hosts, comma-separated, also "
+        "route its servers to each other (nats.conf's cluster block)",
+    )
     sec.add_argument("--redis-host", default="redis", help="Redis's host in the roles' URLs")
     from services import admin_cli
 

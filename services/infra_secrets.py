@@ -57,18 +57,25 @@ def write(
     redis_host: str = "redis",
     owner: int | None = None,
 ) -> Credentials:
+    """``nats_host``: one host, or the hosts of a NATS cluster's servers, comma-separated
+    (each server then runs the one ``nats.conf``, whose cluster block routes them to each
+    other, and each role's URL names them all)."""
     creds = credentials(root)
+    servers = [h.strip() for h in nats_host.split(",") if h.strip()]
+    routes = servers if len(servers) > 1 else []
     # Read by the servers' own users (the official Redis image runs as redis): readable by
     # any user of the one container each volume is mounted into.
     write_file(
         root / "nats" / "nats.conf",
-        nats_config(creds, cluster, port=NATS_PORT, store_dir="/data", host="0.0.0.0"),
+        nats_config(
+            creds, cluster, port=NATS_PORT, store_dir="/data", host="0.0.0.0", routes=routes
+        ),
         mode=0o644,
     )
     write_file(root / "redis" / "redis.acl", redis_acl(creds, cluster), mode=0o644)
     for role in ROLES:
         urls = {
-            "nats-url": creds.url(f"nats://{nats_host}:{NATS_PORT}", role),
+            "nats-url": ",".join(creds.url(f"nats://{h}:{NATS_PORT}", role) for h in servers),
             "redis-url": creds.url(f"redis://{redis_host}:6379/0", role),
         }
         for name, url in urls.items():

@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -116,25 +116,56 @@ class Credentials:
         return urlunsplit(parts._replace(netloc=netloc))
 
 
+ROUTE_PORT = 6222  # where the servers of a NATS cluster meet each other
+
+
+def route_secret(creds: Credentials) -> str:
+    """The password the servers of a NATS cluster give each other on their routes: derived
+    from the roles' secrets, so it is stored nowhere else and changes with them."""
+    joined = "\n".join(f"{r}={creds.secrets[r]}" for r in sorted(creds.secrets))
+    return hashlib.sha256(f"nats-route\n{joined}".encode()).hexdigest()
+
+
 def nats_config(
-    creds: Credentials, cluster: str, *, port: int, store_dir: str, host: str = "127.0.0.1"
+    creds: Credentials,
+    cluster: str,
+    *,
+    port: int,
+    store_dir: str,
+    host: str = "127.0.0.1",
+    routes: Sequence[str] = (),
 ) -> str:
     """A nats-server configuration: on ``host`` (loopback unless a container's), JetStream,
-    one user per role."""
+    one user per role. With ``routes`` (the hosts of every server of a NATS cluster, this
+    one's too: a server drops the route to itself), no JetStream and a cluster block: the servers route to
+    each other on ``ROUTE_PORT`` with ``route_secret``, and ping every second, two missed and
+    a route or client is dropped (a cut host's is gone in seconds, not minutes)."""
     users = [
         {"user": role, "password": creds.secrets[role], "permissions": permissions(role, cluster)}
         for role in ROLES
     ]
-    # nats-server reads JSON as its configuration syntax.
-    return json.dumps(
-        {
+    config: dict[str, object] = {
+        "host": host,
+        "port": port,
+        "jetstream": {"store_dir": store_dir},
+        "authorization": {"users": users},
+    }
+    if routes:
+        # meshserve uses core NATS only; JetStream clustered would need a server_name per
+        # server, and this one file serves them all.
+        del config["jetstream"]
+        secret = route_secret(creds)
+        config["ping_interval"] = "1s"
+        config["ping_max"] = 2
+        config["cluster"] = {
+            "name": f"meshserve-{cluster}",
             "host": host,
-            "port": port,
-            "jetstream": {"store_dir": store_dir},
-            "authorization": {"users": users},
-        },
-        indent=2,
-    )
+            "port": ROUTE_PORT,
+            "authorization": {"user": "route", "password": secret},
+            "routes": [f"nats-route://route:{secret}@{h}:{ROUTE_PORT}" for h in routes],
+        }
+    # nats-server reads JSON as its configuration syntax.
+    return json.dumps(config, indent=2)
 
 
 def redis_acl(creds: Credentials, cluster: str) -> str:

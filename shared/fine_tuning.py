@@ -224,12 +224,16 @@ class FineTuneStore:
         *,
         register: Adapter | None = None,
         withdraw: str = "",
+        checkpoint_record: JobCheckpoint | None = None,
         **changes: Any,
     ) -> FineTuneJob | None:
         """Apply ``changes`` to the job if its status is one of ``allowed``: the job as
         changed, or None (missing, or in another status). In the same transaction,
-        ``register`` an adapter or ``withdraw`` one by name. A terminal status stamps
-        ``finished_at``; the job stays active until ``settle``."""
+        ``register`` an adapter or ``withdraw`` one by name, and append ``checkpoint_record``
+        to its checkpoints (with ``checkpoint=`` its path: a job executor that dies between
+        two writes would leave an epoch listed that a successor resumes before, and trains
+        twice). A terminal status stamps ``finished_at``; the job stays active until
+        ``settle``."""
         allowed = frozenset(allowed)
         key = self._keys.ft_job(job_id)
         while True:
@@ -253,6 +257,11 @@ class FineTuneStore:
                         )
                     if withdraw:
                         pipe.hdel(self._keys.adapters(), withdraw)
+                    if checkpoint_record is not None:
+                        pipe.rpush(
+                            self._keys.ft_checkpoints(job_id),
+                            msgspec.json.encode(checkpoint_record),
+                        )
                     await pipe.execute()
                     return job
                 except WatchError:
@@ -291,10 +300,6 @@ class FineTuneStore:
         """Oldest first."""
         blobs = await self._redis.lrange(self._keys.ft_events(job_id), 0, -1)
         return [msgspec.json.decode(b, type=JobEvent) for b in blobs]
-
-    async def add_checkpoint(self, checkpoint: JobCheckpoint) -> None:
-        key = self._keys.ft_checkpoints(checkpoint.fine_tuning_job_id)
-        await self._redis.rpush(key, msgspec.json.encode(checkpoint))
 
     async def checkpoints(self, job_id: str) -> list[JobCheckpoint]:
         """Oldest first."""

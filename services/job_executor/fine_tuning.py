@@ -477,8 +477,10 @@ class FineTuneRunner:
                 metrics["train_loss"] = msg.train_loss
             if msg.valid_loss is not None:
                 metrics["full_valid_loss"] = msg.valid_loss
-            await jobs.add_checkpoint(
-                JobCheckpoint(
+            await jobs.update(
+                job.id,
+                LIVE,
+                checkpoint_record=JobCheckpoint(
                     id=new_id("ftckpt"),
                     created_at=int(time.time()),
                     fine_tuned_model_checkpoint=f"{job.model_name()}:ckpt-epoch-{msg.epoch}",
@@ -487,11 +489,7 @@ class FineTuneRunner:
                     metrics=metrics,
                     epoch=msg.epoch,
                     path=msg.checkpoint,
-                )
-            )
-            await jobs.update(
-                job.id,
-                LIVE,
+                ),
                 checkpoint=msg.checkpoint,
                 trained_tokens=now.tokens_per_epoch * msg.epoch,
             )

@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from services.cluster_manager.service import ClusterManager
 from shared.embedded import free_port
@@ -84,6 +85,32 @@ def sentinels(tmp_path: Path) -> Iterator[tuple[Servers, int, int, list[str]]]:
         yield servers, primary, replica, addresses
     finally:
         servers.stop()
+
+
+async def _known(sentinels: list[str], replica: int) -> bool:
+    """Whether every Sentinel lists the replica, up and linked to the primary."""
+    for address in sentinels:
+        host, _, port = address.rpartition(":")
+        client = aioredis.Redis(host=host, port=int(port), socket_timeout=1)
+        try:
+            replicas = await client.execute_command("SENTINEL", "REPLICAS", MASTER)
+        finally:
+            await client.aclose()
+        if not any(_good(r, replica) for r in replicas):
+            return False
+    return True
+
+
+def _good(entry: object, port: int) -> bool:
+    fields = entry if isinstance(entry, dict) else dict(zip(entry[::2], entry[1::2], strict=True))  # type: ignore[index]
+    text = {_s(k): _s(v) for k, v in fields.items()}
+    return text.get("port") == str(port) and not {"s_down", "disconnected"} & set(
+        text.get("flags", "").split(",")
+    )
+
+
+def _s(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _logs(root: Path) -> str:
@@ -158,6 +185,9 @@ async def test_a_failover_is_followed_through_the_sentinels(
             return await probe.redis.execute_command("WAIT", 1, 1000) == 1  # type: ignore[no-any-return]
 
         await _until("the write reaches the replica", replicated, 20)
+        # A Sentinel learns of replicas from the primary's INFO, every 10 s: killed before
+        # they all know it, they find "no good replica" to promote.
+        await _until("every Sentinel knows the replica", lambda: _known(addresses, replica), 30)
         servers.kill("primary")
         killed = time.monotonic()
         await _until("the Sentinels promoted the replica", lambda: primary_is(replica), 30)

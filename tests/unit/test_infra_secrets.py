@@ -55,3 +55,20 @@ def test_the_frontend_gets_an_admin_key_kept_across_runs(tmp_path: Path) -> None
     s = Settings.load({"MESHSERVE_ADMIN_KEY_FILE": str(path), "MESHSERVE_HTTP_HOST": "0.0.0.0"})
     assert auth_on(s) and admin_key(s) == key
     assert not any((tmp_path / role / "admin-key").exists() for role in ROLES if role != "frontend")
+
+
+def test_a_nats_cluster_gets_routes_and_every_role_all_its_servers(tmp_path: Path) -> None:
+    creds = infra_secrets.write(tmp_path, "c1", nats_host="n1,n2,n3")
+    conf = json.loads((tmp_path / "nats" / "nats.conf").read_text())
+    cluster = conf["cluster"]
+    assert cluster["port"] == 6222 and cluster["authorization"]["user"] == "route"
+    secret = cluster["authorization"]["password"]
+    assert cluster["routes"] == [f"nats-route://route:{secret}@n{i}:6222" for i in (1, 2, 3)]
+    assert secret not in creds.secrets.values() and conf["ping_max"] == 2
+    assert "jetstream" not in conf  # core NATS only: nothing to replicate
+    for role in ROLES:
+        urls = (tmp_path / role / "nats-url").read_text().strip().split(",")
+        assert urls == [creds.url(f"nats://n{i}:4222", role) for i in (1, 2, 3)]
+    # One server: no cluster block, as compose.yaml's.
+    infra_secrets.write(tmp_path, "c1", nats_host="nats")
+    assert "cluster" not in json.loads((tmp_path / "nats" / "nats.conf").read_text())
