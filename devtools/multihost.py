@@ -58,6 +58,8 @@ class MultiHostCluster:
         self.hosts = hosts
         self.layout = LAYOUT if layout is None else layout
         self.name = f"mh-{uuid.uuid4().hex[:8]}"
+        self.dir = hosts.root / self.name  # its configurations, secrets and logs
+        self.dir.mkdir()
         self.models_dir = models_dir
         self.settings = settings
         self.services: dict[tuple[int, str], subprocess.Popen[bytes]] = {}
@@ -87,16 +89,16 @@ class MultiHostCluster:
         every host's address configures a NATS cluster: one user per role, routes between
         the servers with their own secret, pings every second. Each service then connects
         with its role's URLs (all three servers)."""
-        secrets = self.hosts.root / "secrets"
+        secrets = self.dir / "secrets"
         infra_secrets.write(secrets, self.name, nats_host=",".join(self.addresses))
         conf = json.loads((secrets / "nats" / "nats.conf").read_text())
         for h in self.hosts.hosts:
-            path = self.hosts.root / f"nats-{h.index}.conf"
+            path = self.dir / f"nats-{h.index}.conf"
             path.write_text(json.dumps(conf))
-            self.hosts.spawn(h.index, "nats", [nats_server_binary(), "-c", str(path)], {})
+            self.hosts.spawn(h.index, "nats", [nats_server_binary(), "-c", str(path)], {}, self.dir)
 
     def role_nats_url(self, role: str) -> str:
-        return (self.hosts.root / "secrets" / role / "nats-url").read_text().strip()
+        return (self.dir / "secrets" / role / "nats-url").read_text().strip()
 
     def start_redis(self) -> None:
         binary = redis_server_binary()
@@ -107,16 +109,16 @@ class MultiHostCluster:
             ("replica", REDIS_REPLICA, ["--replicaof", primary, str(REDIS_PORT)]),
         ):
             argv = [binary, "--port", str(REDIS_PORT), "--bind", self.address(i), *plain, *extra]
-            self.redis[role] = self.hosts.spawn(i, f"redis-{role}", argv, {})
+            self.redis[role] = self.hosts.spawn(i, f"redis-{role}", argv, {}, self.dir)
         for h in self.hosts.hosts:
-            conf = self.hosts.root / f"sentinel-{h.index}.conf"
+            conf = self.dir / f"sentinel-{h.index}.conf"
             conf.write_text(
                 f"port {SENTINEL_PORT}\nbind {h.address}\nprotected-mode no\n"
                 f"sentinel monitor {MASTER} {primary} {REDIS_PORT} 2\n"
                 f"sentinel down-after-milliseconds {MASTER} 3000\n"
                 f"sentinel failover-timeout {MASTER} 10000\n"
             )
-            self.hosts.spawn(h.index, "sentinel", [binary, str(conf), "--sentinel"], {})
+            self.hosts.spawn(h.index, "sentinel", [binary, str(conf), "--sentinel"], {}, self.dir)
 
     def redis_cli(self, i: int, *args: str) -> str:
         """One Redis command to host ``i``'s Redis server, from the test's namespace."""
@@ -211,7 +213,7 @@ class MultiHostCluster:
         for i, services in self.layout.items():
             for service in services:
                 argv = [sys.executable, "-m", f"services.{service}"]
-                proc = self.hosts.spawn(i, service, argv, self.env(i, service))
+                proc = self.hosts.spawn(i, service, argv, self.env(i, service), self.dir)
                 self.services[(i, service)] = proc
 
     def start(self) -> MultiHostCluster:
@@ -221,7 +223,7 @@ class MultiHostCluster:
         return self
 
     def stop(self) -> None:
-        self.hosts.down()
+        self.hosts.stop_processes()
         for h in self.hosts.hosts:
             subprocess.run(
                 ["rm", "-rf", f"/dev/shm/meshserve-weights-{self.name}-h{h.index}"], check=False
@@ -273,7 +275,7 @@ class MultiHostCluster:
 
     def tail(self, lines: int = 15) -> str:
         out = []
-        for path in sorted(self.hosts.root.glob("h*.log")):
+        for path in sorted(self.dir.glob("h*.log")):
             text = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"== {path.name}\n" + "\n".join(text))
         return "\n".join(out)

@@ -136,10 +136,15 @@ class Hosts:
         return [h for h in self.hosts if h.index not in self.cut_off]
 
     def spawn(
-        self, i: int, name: str, argv: Sequence[str], env: dict[str, str]
+        self,
+        i: int,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        log_dir: Path | None = None,
     ) -> subprocess.Popen[bytes]:
-        """``argv`` inside host ``i``, its output in ``<root>/h<i>-<name>.log``."""
-        log = (self.root / f"h{i}-{name}.log").open("ab")
+        """``argv`` inside host ``i``, its output in ``<log_dir or root>/h<i>-<name>.log``."""
+        log = ((log_dir or self.root) / f"h{i}-{name}.log").open("ab")
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.hosts[i].netns, *argv],
             env=env,
@@ -158,7 +163,9 @@ class Hosts:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    def down(self) -> None:
+    def stop_processes(self) -> None:
+        """Every process started in the hosts, and whatever they started there, stopped; the
+        hosts stay up for the next."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -175,6 +182,13 @@ class Hosts:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
+        self.procs.clear()
+        for i in list(self.cut_off):
+            self.heal(i)
+
+    def down(self) -> None:
+        self.stop_processes()
+        for h in self.hosts:
             _ip("netns", "del", h.netns, check=False)
         _ip("link", "del", self.bridge, check=False)
         self._forward("-D")
