@@ -36,6 +36,7 @@ from typing import Any
 import openai
 
 from bench.common import RESULTS, ROOT, Col, Table, ensure_model, replay_row, write_result
+from devtools.chat import stream_greedy
 from devtools.multihost import LAYOUT, MultiHostCluster
 from devtools.netns_hosts import Hosts, Shaping, available
 
@@ -58,7 +59,7 @@ def _layout(pool_hosts: int) -> dict[int, tuple[str, ...]]:
 
 
 def _up(hosts: Hosts, models: Path, layout: dict[int, tuple[str, ...]], **settings: str) -> Any:
-    cluster = MultiHostCluster(hosts, models, layout, **{**SETTINGS, **settings}).start()
+    cluster = MultiHostCluster(hosts, models, layout=layout, **{**SETTINGS, **settings}).start()
     pools = sum("task_executor" in s for s in layout.values())
     tes = pools * int(settings.get("pool_size", "2"))
     cluster.wait(
@@ -108,24 +109,6 @@ def scale(hosts: Hosts, models: Path, work: Path, args: argparse.Namespace) -> l
     return rows
 
 
-async def _stream(client: openai.AsyncOpenAI, prompt: str, seen: list[int]) -> str:
-    stream = await client.chat.completions.create(
-        model="demo",
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=300,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    text = []
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                text.append(choice.delta.content)
-                seen[0] += 1
-    return "".join(text)
-
-
 def _produced(cluster: MultiHostCluster) -> dict[int, int]:
     out: dict[int, int] = {}
     for te in (cluster.health(0) or {})["task_executors"]:
@@ -141,7 +124,7 @@ async def _cut(cluster: MultiHostCluster) -> dict[str, Any]:
         f"Write the log of ship {i} crossing the bay at dawn, hour by hour." for i in range(20)
     ]
     before, seen = _produced(cluster), [0]
-    streams = [asyncio.create_task(_stream(client, p, seen)) for p in prompts]
+    streams = [asyncio.create_task(stream_greedy(client, p, seen=seen)) for p in prompts]
     deadline = time.monotonic() + 60
     while seen[0] < 10 * len(prompts):  # mid-stream: ten chunks a stream, on average
         if time.monotonic() > deadline:
@@ -164,7 +147,7 @@ async def _cut(cluster: MultiHostCluster) -> dict[str, Any]:
     results = [s.result() for s in streams]
     recovered = time.monotonic() - t0
     cluster.hosts.heal(victim)
-    reference = [await _stream(client, p, [0]) for p in prompts]
+    reference = [await stream_greedy(client, p) for p in prompts]
     return {
         "host_cut": victim,
         "streams": len(prompts),

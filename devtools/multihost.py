@@ -52,6 +52,7 @@ class MultiHostCluster:
         self,
         hosts: Hosts,
         models_dir: Path,
+        *,
         layout: dict[int, tuple[str, ...]] | None = None,
         **settings: str,
     ) -> None:

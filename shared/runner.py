@@ -10,7 +10,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from shared import health, heap, tracing
@@ -32,6 +32,16 @@ ServiceFactory = Callable[[Settings, Bus], Awaitable[Service]]
 
 class ServiceFailed(Exception):
     """A background task of the service died; the service stopped because of it."""
+
+
+async def cancel_until_done(tasks: Callable[[], Iterable[asyncio.Task[Any]]]) -> None:
+    """Cancel the tasks ``tasks()`` names and wait for them to end. A task that outlives its
+    cancel (Python 3.11's ``asyncio.wait_for`` swallows one that meets the awaited result)
+    is cancelled again, as is one started meanwhile, until none is left running."""
+    while running := [t for t in tasks() if not t.done()]:
+        for t in running:
+            t.cancel()
+        await asyncio.wait(running, timeout=1.0)
 
 
 class Lifecycle:
@@ -92,13 +102,8 @@ class Lifecycle:
         self.request_stop()
 
     async def cancel_tasks(self) -> None:
-        """Cancel the background tasks still running and wait for them. A task that outlives
-        its cancel (Python 3.11's ``asyncio.wait_for`` swallows one that meets the awaited
-        result) is cancelled again until it ends."""
-        while tasks := [t for t in self._tasks if not t.done()]:
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks, timeout=1.0)
+        """Cancel the background tasks still running and wait for them."""
+        await cancel_until_done(lambda: self._tasks)
 
     def stopped(self) -> None:
         """The service is down; raises ServiceFailed if a background task killed it."""

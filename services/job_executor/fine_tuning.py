@@ -55,6 +55,7 @@ from shared.messages.training import (
     TrainStage,
     TrainTask,
 )
+from shared.runner import cancel_until_done
 from shared.settings import FineTuningSettings
 from shared.store import Store
 from shared.subjects import Subjects
@@ -171,13 +172,9 @@ class FineTuneRunner:
 
     async def stop(self) -> None:
         """Stop every job this JE runs (their graphs stay open under it: another JE takes
-        them over). No job is taken any more; a task that outlives one cancel (Python 3.11's
-        ``wait_for`` can swallow one) is cancelled again until it ends."""
+        them over). No job is taken any more."""
         self._stopping = True
-        while tasks := [t for t in self._running.values() if not t.done()]:
-            for task in tasks:
-                task.cancel()
-            await asyncio.wait(tasks, timeout=1.0)
+        await cancel_until_done(self._running.values)
 
     async def _on_submit(self, _: FineTuneSubmitted) -> None:
         self._wake.set()

@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from devtools.chat import stream_greedy
 from shared.embedded import free_port, nats_server_binary
 from tests.e2e.conftest import Cluster
 
@@ -89,22 +90,7 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: str, seen: list[int] | None = None) -> str:
-    stream = await client.chat.completions.create(
-        model="demo",
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=300,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    text = []
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                text.append(choice.delta.content)
-                if seen is not None:
-                    seen[0] += 1
-    return "".join(text)
+    return await stream_greedy(client, prompt, seen=seen)
 
 
 async def test_streams_survive_a_nats_server_of_the_cluster_killed(

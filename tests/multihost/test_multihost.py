@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from devtools.chat import stream_greedy
 from devtools.multihost import (
     CM_METRICS,
     LAYOUT,
@@ -89,22 +90,7 @@ async def _stream(
     seen: list[int] | None = None,
     max_tokens: int = MAX_TOKENS,
 ) -> str:
-    stream = await client.chat.completions.create(
-        model="demo",
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    text = []
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.delta.content:
-                text.append(choice.delta.content)
-                if seen is not None:
-                    seen[0] += 1
-    return "".join(text)
+    return await stream_greedy(client, prompt, max_tokens=max_tokens, seen=seen)
 
 
 _reference: dict[str, str] = {}
@@ -222,15 +208,8 @@ async def test_a_cut_scaler_leader_is_replaced_and_its_successor_scales_out(
     client = _client(mh, via)
 
     async def ask(prompt: str) -> str:
-        stream = await client.chat.completions.create(
-            model="demo2",  # the demo model's checkpoint under another name: the same text
-            messages=[{"role": "user", "content": prompt}],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        # The demo model's checkpoint under another name: the same text.
+        return await stream_greedy(client, prompt, model="demo2", max_tokens=MAX_TOKENS)
 
     got = await asyncio.wait_for(asyncio.gather(*(ask(p) for p in PROMPTS[:8])), 180)
     assert got == [reference[p] for p in PROMPTS[:8]]
