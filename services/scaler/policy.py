@@ -101,6 +101,18 @@ def _loading(view: Sequence[TEView], te_id: str, model: str) -> list[TEView]:
     ]
 
 
+def _with_pending(tes: Sequence[TEView], pending: Mapping[str, PendingLoad]) -> list[TEView]:
+    """The view with this scaler's loads that the TEs' heartbeats do not show yet (one sent
+    a tick ago) as loading: a placement that did not see them would put the model's next
+    instance in the same pool."""
+    return [
+        dataclasses.replace(t, state=TEState.LOADING, model=pending[t.te_id].model)
+        if t.te_id in pending and t.model is None
+        else t
+        for t in tes
+    ]
+
+
 def _prefill_step(
     mem: ModelMemory,
     t: Target,
@@ -171,7 +183,7 @@ def decide(
     for te in tes:
         if te.model is not None:
             by_model.setdefault(te.model, []).append(te)
-    view = list(tes)
+    view = _with_pending(tes, state.pending) if state.pending else list(tes)
     known = set(models)
 
     def load(te: TEView, model: str, reason: str, role: TaskMode) -> None:

@@ -499,3 +499,19 @@ def test_loads_of_one_model_forking_from_one_source_get_it_by_multicast() -> Non
     assert plan_multicasts(loads[:1], tes)[0].multicast is None
     blind = [dataclasses.replace(t, relay_address="") for t in tes]
     assert all(a.multicast is None for a in plan_multicasts(loads, blind))
+
+
+def test_a_load_sent_a_tick_ago_counts_where_its_heartbeat_does_not_show_it_yet() -> None:
+    """The TEs' heartbeats lag the scaler's own loads: the next tick's placement still sees
+    the TE the last tick loaded as idle. It counts as the model's instance in its pool all
+    the same, so the model's next instance goes to another pool (seen on three hosts: two
+    instances of a model on one while another had room)."""
+    tes = [idle("a1", pool="A"), idle("a2", pool="A"), idle("b1", pool="B"), idle("b2", pool="B")]
+    first = decide(with_traffic(fresh(), seconds=2, rps=1), tes, models=["m"], now=T0 + 2, cfg=CFG)
+    (sent,) = loads(first)
+    more = with_traffic(first.state, seconds=6, rps=40)
+    d = decide(more, tes, models=["m"], now=T0 + 6, cfg=CFG)  # the same heartbeats
+    pools = [t.pool_id for a in loads(d) for t in tes if t.te_id == a.te_id]
+    assert sent.te_id not in [a.te_id for a in loads(d)]
+    here = next(t.pool_id for t in tes if t.te_id == sent.te_id)
+    assert pools and pools[0] != here, (sent, pools)
