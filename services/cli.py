@@ -51,7 +51,16 @@ def main(argv: list[str] | None = None) -> None:
         help="NATS's host in the roles' URLs; a NATS cluster's hosts, comma-separated, also "
         "route its servers to each other (nats.conf's cluster block)",
     )
-    sec.add_argument("--redis-host", default="redis", help="Redis's host in the roles' URLs")
+    sec.add_argument(
+        "--redis-host",
+        default="redis",
+        help="Redis's host in the roles' URLs; under Sentinel, the primary sentinel.conf watches",
+    )
+    sec.add_argument(
+        "--redis-master",
+        default="meshserve",
+        help="the name the Sentinels watch the primary under (MESHSERVE_REDIS_MASTER)",
+    )
     from services import admin_cli
 
     admin_cli.add_commands(sub)
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             owner=args.owner,
             nats_host=args.nats_host,
             redis_host=args.redis_host,
+            redis_master=args.redis_master,
         )
         print(f"credentials for cluster {cluster!r} in {args.dir} (one user per role)")
         return

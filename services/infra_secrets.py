@@ -7,6 +7,10 @@ service role, each with a generated secret and only its permissions. Written:
 - ``DIR/nats/nats.conf`` and ``DIR/redis/redis.acl``: the servers' configurations (the
   ``secrets-nats`` and ``secrets-redis`` volumes, each mounted only into its server's
   container; Redis's file holds SHA-256 hashes of the secrets, not the secrets);
+- for Redis under Sentinel, ``DIR/redis/replication.conf`` (every Redis server includes it:
+  the user and secret a replica logs into the primary with) and ``DIR/redis/sentinel.conf``
+  (each Sentinel starts from a copy: the primary ``--redis-host`` watched under
+  ``--redis-master``, and the user it logs into the servers with);
 - ``DIR/<role>/nats-url`` and ``DIR/<role>/redis-url``: that role's URLs, credentials
   included, mode 0600 and owned by ``--owner`` (the ``secrets-<role>`` volume, mounted only
   into that role's containers, read through ``MESHSERVE_NATS_URL_FILE`` and
@@ -27,7 +31,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.access import ROLES, Credentials, nats_config, redis_acl
+from shared.access import (
+    ROLES,
+    Credentials,
+    nats_config,
+    redis_acl,
+    redis_replication_config,
+    sentinel_config,
+)
 from shared.files import write_file
 from shared.tenancy import read_admin_key, write_admin_key
 
@@ -55,6 +66,7 @@ def write(
     *,
     nats_host: str = "nats",
     redis_host: str = "redis",
+    redis_master: str = "meshserve",
     owner: int | None = None,
 ) -> Credentials:
     """``nats_host``: one host, or the hosts of a NATS cluster's servers, comma-separated
@@ -73,6 +85,12 @@ def write(
         mode=0o644,
     )
     write_file(root / "redis" / "redis.acl", redis_acl(creds, cluster), mode=0o644)
+    write_file(root / "redis" / "replication.conf", redis_replication_config(creds), mode=0o644)
+    write_file(
+        root / "redis" / "sentinel.conf",
+        sentinel_config(creds, master=redis_master, primary=redis_host),
+        mode=0o644,
+    )
     for role in ROLES:
         urls = {
             "nats-url": ",".join(creds.url(f"nats://{h}:{NATS_PORT}", role) for h in servers),

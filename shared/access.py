@@ -119,11 +119,17 @@ class Credentials:
 ROUTE_PORT = 6222  # where the servers of a NATS cluster meet each other
 
 
-def route_secret(creds: Credentials) -> str:
-    """The password the servers of a NATS cluster give each other on their routes: derived
-    from the roles' secrets, so it is stored nowhere else and changes with them."""
+def derived_secret(creds: Credentials, purpose: str) -> str:
+    """A secret for the servers' own users (a NATS cluster's routes, a Redis replica, a
+    Sentinel): derived from the roles' secrets, so it is stored nowhere else and changes
+    with them."""
     joined = "\n".join(f"{r}={creds.secrets[r]}" for r in sorted(creds.secrets))
-    return hashlib.sha256(f"nats-route\n{joined}".encode()).hexdigest()
+    return hashlib.sha256(f"{purpose}\n{joined}".encode()).hexdigest()
+
+
+def route_secret(creds: Credentials) -> str:
+    """The password the servers of a NATS cluster give each other on their routes."""
+    return derived_secret(creds, "nats-route")
 
 
 def nats_config(
@@ -168,14 +174,60 @@ def nats_config(
     return json.dumps(config, indent=2)
 
 
+# Redis's own users, beside the roles': a replica reads the primary's stream as
+# REPLICA_USER, a Sentinel watches and reconfigures the servers as SENTINEL_USER (the
+# commands Redis's documentation lists for each).
+REPLICA_USER, SENTINEL_USER = "replica", "sentinel"
+_SERVER_USERS = {
+    REPLICA_USER: "+psync +replconf +ping",
+    SENTINEL_USER: "allchannels +multi +slaveof +ping +exec +subscribe +config|rewrite +role "
+    "+publish +info +client|setname +client|kill +script|kill",
+}
+
+
+def redis_server_secret(creds: Credentials, user: str) -> str:
+    return derived_secret(creds, f"redis-{user}")
+
+
+def _sha(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
 def redis_acl(creds: Credentials, cluster: str) -> str:
     """A Redis ACL file: no default user; each role only its cluster's keys, no
-    administrative or dangerous command. Secrets appear only as their SHA-256."""
+    administrative or dangerous command; a replica's and a Sentinel's users with only what
+    replication and failover need. Secrets appear only as their SHA-256."""
     lines = ["user default off"]
     lines += [
-        f"user {role} on #{hashlib.sha256(creds.secrets[role].encode()).hexdigest()} "
-        f"~{cluster}:* resetchannels "
+        f"user {role} on #{_sha(creds.secrets[role])} ~{cluster}:* resetchannels "
         "+@all -@admin -@dangerous"
         for role in ROLES
     ]
+    lines += [
+        f"user {user} on #{_sha(redis_server_secret(creds, user))} {commands}"
+        for user, commands in _SERVER_USERS.items()
+    ]
     return "\n".join(lines) + "\n"
+
+
+def redis_replication_config(creds: Credentials) -> str:
+    """What every Redis server of a primary with replicas includes: how it authenticates
+    to the primary when it is (or, after a failover, becomes) a replica."""
+    return f"masteruser {REPLICA_USER}\nmasterauth {redis_server_secret(creds, REPLICA_USER)}\n"
+
+
+def sentinel_config(
+    creds: Credentials, *, master: str, primary: str, quorum: int = 2, port: int = 26379
+) -> str:
+    """A Sentinel's configuration (each Sentinel gets its own copy: it rewrites it): watch
+    ``primary`` under the name ``master`` and log into the servers as SENTINEL_USER. Down
+    after 3 s (a cut host is promoted away from in seconds: README, Several machines)."""
+    return (
+        f"port {port}\n"
+        "sentinel resolve-hostnames yes\n"
+        f"sentinel monitor {master} {primary} 6379 {quorum}\n"
+        f"sentinel auth-user {master} {SENTINEL_USER}\n"
+        f"sentinel auth-pass {master} {redis_server_secret(creds, SENTINEL_USER)}\n"
+        f"sentinel down-after-milliseconds {master} 3000\n"
+        f"sentinel failover-timeout {master} 10000\n"
+    )

@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 from services import infra_secrets
-from shared.access import ROLES
+from shared.access import REPLICA_USER, ROLES, SENTINEL_USER, redis_server_secret
 from shared.settings import Settings
 from shared.tenancy import admin_key, auth_on
 
@@ -72,3 +72,28 @@ def test_a_nats_cluster_gets_routes_and_every_role_all_its_servers(tmp_path: Pat
     # One server: no cluster block, as compose.yaml's.
     infra_secrets.write(tmp_path, "c1", nats_host="nats")
     assert "cluster" not in json.loads((tmp_path / "nats" / "nats.conf").read_text())
+
+
+def test_redis_under_sentinel_gets_users_for_replicas_and_sentinels(tmp_path: Path) -> None:
+    """Replicas log into the primary and Sentinels into every server as users of their own,
+    with only what replication and failover need; their secrets are derived from the
+    roles', written in clear only into the servers' own files, hashed in the ACL."""
+    creds = infra_secrets.write(tmp_path, "c1", redis_host="10.0.0.3", redis_master="fleet")
+    acl = (tmp_path / "redis" / "redis.acl").read_text().splitlines()
+    users = {line.split()[1]: line for line in acl}
+    assert set(users) == {"default", *ROLES, REPLICA_USER, SENTINEL_USER}
+    assert "+psync" in users[REPLICA_USER] and "~" not in users[REPLICA_USER]
+    assert "+slaveof" in users[SENTINEL_USER] and "+@all" not in users[SENTINEL_USER]
+    replica_secret = redis_server_secret(creds, REPLICA_USER)
+    sentinel_secret = redis_server_secret(creds, SENTINEL_USER)
+    assert replica_secret != sentinel_secret
+    assert not any(s in "\n".join(acl) for s in (replica_secret, sentinel_secret))
+    replication = (tmp_path / "redis" / "replication.conf").read_text()
+    assert replication == f"masteruser replica\nmasterauth {replica_secret}\n"
+    sentinel = (tmp_path / "redis" / "sentinel.conf").read_text().splitlines()
+    assert "sentinel monitor fleet 10.0.0.3 6379 2" in sentinel
+    assert f"sentinel auth-pass fleet {sentinel_secret}" in sentinel
+    assert "sentinel auth-user fleet sentinel" in sentinel
+    # The same secrets on the next run: the servers keep working.
+    assert infra_secrets.write(tmp_path, "c1") == creds
+    assert redis_server_secret(creds, REPLICA_USER) == replica_secret
