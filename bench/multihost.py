@@ -199,7 +199,7 @@ def fork(hosts: Hosts, models: Path, model: str) -> dict[str, Any]:
                 await asyncio.gather(*(_ask(client, model) for _ in range(4)))
 
         asyncio.run(asyncio.wait_for(burst(), 240))
-        loads = _loads(cluster)
+        loads = cluster.loads()
         forked = [ld for ld in loads if ld["steps"].get("te_load_fetch")]
         if not forked:
             raise RuntimeError(f"no load forked its weights: {loads}")
@@ -228,27 +228,6 @@ async def _ask(client: openai.AsyncOpenAI, model: str) -> None:
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-
-
-def _loads(cluster: MultiHostCluster) -> list[dict[str, Any]]:
-    """Every TE's "model loaded" log record (JSON logs), with its host."""
-    out = []
-    for path in sorted(cluster.dir.glob("h*-task_executor.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if '"model loaded"' not in line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            out.append(
-                {
-                    "host": path.name.split("-", 1)[0],
-                    "seconds": record.get("seconds"),
-                    "steps": record.get("steps", {}),
-                }
-            )
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,9 +11,9 @@ Layout (three hosts):
     host 2: nats, sentinel, redis primary,                         cluster manager, scaler,
             node pool
 
-Every host keeps its own host weight cache (a directory of its own under /dev/shm), and
-its weight server and KV server listen on its address, so a fork or a KV pull between two
-hosts crosses the shaped links."""
+Every host keeps its own host weight cache (in its own /dev/shm: ``devtools.netns_hosts``),
+and its weight server and KV server listen on its address, so a fork or a KV pull between
+two hosts crosses the shaped links."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
 
@@ -65,6 +66,7 @@ class MultiHostCluster:
         self.settings = settings
         self.services: dict[tuple[int, str], subprocess.Popen[bytes]] = {}
         self.redis: dict[str, subprocess.Popen[bytes]] = {}
+        self.cache_dir = f"/dev/shm/meshserve-weights-{self.name}"  # on each host's own
 
     # -- addresses -------------------------------------------------------------------------
 
@@ -85,14 +87,24 @@ class MultiHostCluster:
 
     # -- infrastructure --------------------------------------------------------------------
 
+    def write_secrets(self) -> None:
+        """``meshserve infra-secrets`` for this cluster: the NATS cluster's configuration
+        (every host's address), the Redis ACL, replication and Sentinel configurations (the
+        primary on ``REDIS_PRIMARY``), each role's URLs."""
+        infra_secrets.write(
+            self.dir / "secrets",
+            self.name,
+            nats_host=",".join(self.addresses),
+            redis_host=self.address(REDIS_PRIMARY),
+            redis_master=MASTER,
+        )
+
     def start_nats(self) -> None:
         """A server on each host, configured as ``meshserve infra-secrets --nats-host`` with
         every host's address configures a NATS cluster: one user per role, routes between
         the servers with their own secret, pings every second. Each service then connects
         with its role's URLs (all three servers)."""
-        secrets = self.dir / "secrets"
-        infra_secrets.write(secrets, self.name, nats_host=",".join(self.addresses))
-        conf = json.loads((secrets / "nats" / "nats.conf").read_text())
+        conf = json.loads((self.dir / "secrets" / "nats" / "nats.conf").read_text())
         for h in self.hosts.hosts:
             path = self.dir / f"nats-{h.index}.conf"
             path.write_text(json.dumps(conf))
@@ -101,31 +113,46 @@ class MultiHostCluster:
     def role_nats_url(self, role: str) -> str:
         return (self.dir / "secrets" / role / "nats-url").read_text().strip()
 
+    def role_redis_url(self, role: str) -> str:
+        return (self.dir / "secrets" / role / "redis-url").read_text().strip()
+
     def start_redis(self) -> None:
+        """Redis with the ACL ``infra-secrets`` writes (no default user; replicas and
+        Sentinels log in as their own users), a primary and a replica, and a Sentinel on each
+        host started from a copy of its ``sentinel.conf``."""
         binary = redis_server_binary()
-        plain = ["--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        secrets = self.dir / "secrets" / "redis"
         primary = self.address(REDIS_PRIMARY)
         for role, i, extra in (
-            ("primary", REDIS_PRIMARY, []),
-            ("replica", REDIS_REPLICA, ["--replicaof", primary, str(REDIS_PORT)]),
+            ("primary", REDIS_PRIMARY, ""),
+            ("replica", REDIS_REPLICA, f"replicaof {primary} {REDIS_PORT}\n"),
         ):
-            argv = [binary, "--port", str(REDIS_PORT), "--bind", self.address(i), *plain, *extra]
-            self.redis[role] = self.hosts.spawn(i, f"redis-{role}", argv, {}, self.dir)
+            conf = self.dir / f"redis-{role}.conf"
+            conf.write_text(
+                f'port {REDIS_PORT}\nbind {self.address(i)}\nsave ""\nappendonly no\n'
+                f"aclfile {secrets / 'redis.acl'}\ninclude {secrets / 'replication.conf'}\n" + extra
+            )
+            self.redis[role] = self.hosts.spawn(
+                i, f"redis-{role}", [binary, str(conf)], {}, self.dir
+            )
         for h in self.hosts.hosts:
             conf = self.dir / f"sentinel-{h.index}.conf"
             conf.write_text(
-                f"port {SENTINEL_PORT}\nbind {h.address}\nprotected-mode no\n"
-                f"sentinel monitor {MASTER} {primary} {REDIS_PORT} 2\n"
-                f"sentinel down-after-milliseconds {MASTER} 3000\n"
-                f"sentinel failover-timeout {MASTER} 10000\n"
+                f"bind {h.address}\nprotected-mode no\n" + (secrets / "sentinel.conf").read_text()
             )
             self.hosts.spawn(h.index, "sentinel", [binary, str(conf), "--sentinel"], {}, self.dir)
 
     def redis_cli(self, i: int, *args: str) -> str:
-        """One Redis command to host ``i``'s Redis server, from the test's namespace."""
-
+        """One Redis command to host ``i``'s Redis server, from the test's namespace, as the
+        cluster manager's user (its cluster's keys only)."""
+        url = urlsplit(self.role_redis_url("cluster_manager"))
         r = redis.Redis(
-            host=self.address(i), port=REDIS_PORT, socket_timeout=2, socket_connect_timeout=2
+            host=self.address(i),
+            port=REDIS_PORT,
+            username=unquote(url.username or ""),
+            password=unquote(url.password or ""),
+            socket_timeout=2,
+            socket_connect_timeout=2,
         )
         try:
             got = r.execute_command(*args)
@@ -182,12 +209,12 @@ class MultiHostCluster:
         env = {
             "MESHSERVE_CLUSTER": self.name,
             "MESHSERVE_NATS_URL": self.role_nats_url(service),
-            # Found through the Sentinels; the URL's host is not used.
-            "MESHSERVE_REDIS_URL": f"redis://{self.address(REDIS_PRIMARY)}:{REDIS_PORT}/0",
+            # Its role's credentials; the primary is found through the Sentinels.
+            "MESHSERVE_REDIS_URL": self.role_redis_url(service),
             "MESHSERVE_REDIS_SENTINELS": json.dumps(self.sentinels),
             "MESHSERVE_REDIS_MASTER": MASTER,
             "MESHSERVE_MODELS_DIR": str(self.models_dir),
-            "MESHSERVE_HOST_CACHE_DIR": f"/dev/shm/meshserve-weights-{self.name}-h{i}",
+            "MESHSERVE_HOST_CACHE_DIR": self.cache_dir,
             "MESHSERVE_HOST_CACHE_SERVE_HOST": h.address,
             "MESHSERVE_KV_HOST": h.address,
             "MESHSERVE_HTTP_HOST": h.address,
@@ -218,6 +245,7 @@ class MultiHostCluster:
                 self.services[(i, service)] = proc
 
     def start(self) -> MultiHostCluster:
+        self.write_secrets()
         self.start_nats()
         self.start_redis()
         self.start_services()
@@ -226,9 +254,7 @@ class MultiHostCluster:
     def stop(self) -> None:
         self.hosts.stop_processes()
         for h in self.hosts.hosts:
-            subprocess.run(
-                ["rm", "-rf", f"/dev/shm/meshserve-weights-{self.name}-h{h.index}"], check=False
-            )
+            self.hosts.run(h.index, ["rm", "-rf", self.cache_dir])
 
     # -- looking at it -----------------------------------------------------------------------
 
@@ -249,7 +275,9 @@ class MultiHostCluster:
             t["id"]: t["state"] for t in body.get("task_executors", []) if t.get("model") == model
         }
 
-    def metric(self, i: int, port: int, name: str) -> float | None:
+    def metric(self, i: int, port: int, name: str, **labels: str) -> float | None:
+        """The first sample of ``name`` (with those label values, where given) that host
+        ``i``'s service on ``port`` exposes; None where it is cut off or has no such one."""
         if i in self.hosts.cut_off:
             return None
         try:
@@ -257,10 +285,35 @@ class MultiHostCluster:
                 text = r.read().decode()
         except (urllib.error.URLError, OSError):
             return None
+        want = [f'{k}="{v}"' for k, v in labels.items()]
         for line in text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
+                if all(w in line.split(" ", 1)[0] for w in want):
+                    return float(line.rsplit(" ", 1)[1])
         return None
+
+    def loads(self) -> list[dict[str, Any]]:
+        """Every TE's "model loaded" record (JSON logs): its host, model, seconds and steps
+        (``te_load_fetch`` where it forked the weights from another host's cache)."""
+        out = []
+        for path in sorted(self.dir.glob("h*-task_executor.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if '"model loaded"' not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                out.append(
+                    {
+                        "host": int(path.name.split("-", 1)[0].removeprefix("h")),
+                        "model": record.get("model"),
+                        "role": record.get("role"),
+                        "seconds": record.get("seconds"),
+                        "steps": record.get("steps", {}),
+                    }
+                )
+        return out
 
     def wait(self, what: str, check: Any, timeout: float) -> Any:
         """What ``check()`` returns once it is neither None nor False (0 is an answer: host

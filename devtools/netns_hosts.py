@@ -1,6 +1,12 @@
 """Hosts for the multi-host tests: network namespaces joined by veth links to one bridge,
 each link shaped with ``tc`` (a token bucket at the link's rate; a netem delay where the
-kernel has netem), and processes started inside a host with ``ip netns exec``.
+kernel has netem), and processes started inside a host with ``nsenter``.
+
+Each host also has a mount namespace of its own with a fresh tmpfs on ``/dev/shm``, as two
+machines do: what one host's node pool writes there (its weight cache, KV segments) the
+others cannot see, so two TEs on different hosts find no shared memory and move KV over
+their links. The namespace is kept by a bind mount of its file (as ``ip netns`` keeps a
+network namespace); ``nsenter`` enters both.
 
 The bridge has an address in the test's own namespace (the gateway), so the test talks to
 the hosts' addresses directly; nothing is routed anywhere else. Cutting a host sets its
@@ -36,6 +42,8 @@ def available() -> str | None:
         return "needs root to build network namespaces"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "needs iproute2 (ip, tc)"
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return "needs util-linux (unshare, nsenter)"
     name = f"msprobe{secrets.token_hex(3)}"
     probe = _ip("netns", "add", name, check=False)
     if probe.returncode != 0:
@@ -77,6 +85,10 @@ class Hosts:
         ]
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.cut_off: set[int] = set()
+        self.mounts = root / "mnt-ns"  # one file per host: its mount namespace
+
+    def _mount_ns(self, i: int) -> Path:
+        return self.mounts / f"h{i}"
 
     def __getitem__(self, i: int) -> Host:
         return self.hosts[i]
@@ -89,7 +101,27 @@ class Hosts:
         rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
         subprocess.run(["iptables", op, *rule], check=False, capture_output=True)
 
+    def _mount_namespaces(self) -> None:
+        """Each host's mount namespace, /dev/shm a tmpfs of its own there. The files that
+        keep them must sit on a private mount (unshare refuses others)."""
+        self.mounts.mkdir(exist_ok=True)
+        subprocess.run(["mount", "--bind", self.mounts, self.mounts], check=True)
+        subprocess.run(["mount", "--make-private", self.mounts], check=True)
+        for h in self.hosts:
+            self._mount_ns(h.index).touch()
+            subprocess.run(
+                ["unshare", f"--mount={self._mount_ns(h.index)}", "--propagation", "slave",
+                 "mount", "-t", "tmpfs", "-o", "mode=1777", f"shm-h{h.index}", "/dev/shm"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+
+    def _enter(self, i: int) -> list[str]:
+        """The command prefix that runs a program inside host ``i``."""
+        return ["nsenter", f"--mount={self._mount_ns(i)}",
+                f"--net=/run/netns/{self.hosts[i].netns}", "--"]  # fmt: skip
+
     def up(self) -> Hosts:
+        self._mount_namespaces()
         _ip("link", "add", self.bridge, "type", "bridge")
         self._forward("-I")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
@@ -146,7 +178,7 @@ class Hosts:
         """``argv`` inside host ``i``, its output in ``<log_dir or root>/h<i>-<name>.log``."""
         log = ((log_dir or self.root) / f"h{i}-{name}.log").open("ab")
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.hosts[i].netns, *argv],
+            [*self._enter(i), *argv],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -157,6 +189,10 @@ class Hosts:
         log.close()
         self.procs.append((f"h{i}-{name}", proc))
         return proc
+
+    def run(self, i: int, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """``argv`` inside host ``i``, to its end (its own /dev/shm, its addresses)."""
+        return subprocess.run([*self._enter(i), *argv], check=False, capture_output=True, text=True)
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -192,6 +228,9 @@ class Hosts:
             _ip("netns", "del", h.netns, check=False)
         _ip("link", "del", self.bridge, check=False)
         self._forward("-D")
+        for h in self.hosts:  # the namespace (and its /dev/shm) goes with its last process
+            subprocess.run(["umount", self._mount_ns(h.index)], check=False, capture_output=True)
+        subprocess.run(["umount", self.mounts], check=False, capture_output=True)
 
     def log(self, name: str) -> str:
         path = self.root / f"{name}.log"

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from services.cli import SERVICE_NAMES
+from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu", "gpu")
@@ -72,6 +73,10 @@ def test_the_workloads_are_what_the_design_asks(overlay: str) -> None:
     assert sorted(_container(w)["args"][0] for w in workloads) == sorted(SERVICE_NAMES)
     config = _by(docs, "ConfigMap")["meshserve-config"]["data"]
     assert config["MESHSERVE_AUTH"] != "off"
+    # Settings the services accept (the *_FILE ones name the Secrets' mounts); Redis found
+    # through its Sentinels.
+    settings = Settings.load({k: v for k, v in config.items() if not k.endswith("_FILE")})
+    assert settings.redis_sentinels and settings.redis_master
     for name in CONTROL_PLANE:
         d = deployments[f"meshserve-{name}"]
         assert d["spec"]["replicas"] >= 2, name
@@ -111,7 +116,9 @@ def test_the_workloads_are_what_the_design_asks(overlay: str) -> None:
     limit = _gib(shm["emptyDir"]["sizeLimit"])
     env = _env(_container(pool))
     assert 0 < int(env["MESHSERVE_HOST_CACHE_BYTES"]) < limit
-    assert env["MESHSERVE_HOST_CACHE_SERVE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Its weight server and KV server on the pod's address: other nodes fork and pull there.
+    for name in ("MESHSERVE_HOST_CACHE_SERVE_HOST", "MESHSERVE_KV_HOST"):
+        assert env[name] == {"fieldRef": {"fieldPath": "status.podIP"}}, name
     assert spec["nodeSelector"] == {"meshserve.io/node-pool": overlay}
     if overlay == "gpu":
         assert _container(pool)["resources"]["limits"]["nvidia.com/gpu"] == 1
