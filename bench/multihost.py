@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,16 @@ def _layout(pool_hosts: int) -> dict[int, tuple[str, ...]]:
     }
 
 
+def _only(model: str, least: int, most: int) -> dict[str, str]:
+    """Scaling settings that keep ``least`` to ``most`` instances of ``model`` and none of
+    the other models in the directory (with ``--fork-model`` there are two)."""
+    return {
+        "min_replicas": "0",
+        "max_replicas": str(most),
+        "model_scaling": json.dumps({model: {"min_replicas": least, "max_replicas": most}}),
+    }
+
+
 def _up(hosts: Hosts, models: Path, layout: dict[int, tuple[str, ...]], **settings: str) -> Any:
     cluster = MultiHostCluster(hosts, models, layout=layout, **{**SETTINGS, **settings}).start()
     pools = sum("task_executor" in s for s in layout.values())
@@ -82,9 +93,7 @@ def scale(hosts: Hosts, models: Path, work: Path, args: argparse.Namespace) -> l
     rows = []
     for k in (1, 2, 3):
         n = 2 * k
-        cluster = _up(
-            hosts, models, _layout(k), pool_size="2", min_replicas=str(n), max_replicas=str(n)
-        )
+        cluster = _up(hosts, models, _layout(k), pool_size="2", **_only("demo", n, n))
         try:
             _ready(cluster, n)
             out = work / f"scale-{k}"
@@ -160,7 +169,7 @@ async def _cut(cluster: MultiHostCluster) -> dict[str, Any]:
 
 
 def cut(hosts: Hosts, models: Path) -> dict[str, Any]:
-    cluster = _up(hosts, models, LAYOUT, pool_size="2", min_replicas="4", max_replicas="4")
+    cluster = _up(hosts, models, LAYOUT, pool_size="2", **_only("demo", 4, 4))
     try:
         _ready(cluster, 4)
         return asyncio.run(_cut(cluster))
@@ -178,8 +187,8 @@ def _rate_bytes(rate: str) -> float:
 def fork(hosts: Hosts, models: Path, model: str) -> dict[str, Any]:
     layout = _layout(2)
     cluster = _up(
-        hosts, models, layout, pool_size="1", min_replicas="1", max_replicas="2",
-        max_num_seqs="1", preload_window="0",
+        hosts, models, layout, pool_size="1", max_num_seqs="1", preload_window="0",
+        **_only(model, 1, 2),
     )  # fmt: skip
     try:
         _ready(cluster, 1, model)
@@ -255,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in {"demo", args.fork_model}:
         (models / name).symlink_to(ensure_model(name, models_dir()))
     result: dict[str, Any] = {"link": args.link, "delay_ms": args.delay_ms}
+    # Stopped with SIGTERM, it still takes its hosts down (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     hosts = Hosts(3, work, Shaping(rate=args.link, delay_ms=args.delay_ms)).up()
     try:
         result["delay_shaped"] = hosts.shaping.delayed
