@@ -407,7 +407,7 @@ class TaskLoop:
                     if (engine := self._control.engine) is not None:
                         await self._size_kv(engine)
                     else:
-                        self._kv_pool = None
+                        self.engine_changed()
                 continue
             self._work.clear()
             # An iteration's tokens are published while the next iteration runs on the
@@ -470,25 +470,36 @@ class TaskLoop:
             return
         budgeted = te.device_kv_bytes > 0 and self._turns.active
         squeeze = self._turns.take_squeeze()
+        loaded = False  # a model just loaded: its pool enters the device's books
         if self._kv_pool is None or self._kv_pool.engine is not resizer:
             self._kv_pool = KvPool(
                 resizer,
                 max_model_len=engine.max_model_len,
                 shrink_after_s=te.kv_shrink_after.total_seconds(),
             )
-            if budgeted:  # what it holds at load, shrunk at once to what it needs
-                self._turns.kv_hold(resizer.kv_blocks[0] * resizer.kv_block_bytes)
-                squeeze = True
+            loaded = budgeted
         pool = self._kv_pool
         held = ((s.prompt_tokens, s.max_tokens) for s in self._streams.values())
-        room = self._turns.kv_room if budgeted else math.inf
-        plan = pool.plan(held, time.monotonic(), room_bytes=room, squeeze=squeeze)
+        # A load's pool is first shrunk to its demand, then held: the books never count the
+        # size its engine allocated by default, and a grow beyond it asks for room like any.
+        room = 0.0 if loaded else self._turns.kv_room if budgeted else math.inf
+        plan = pool.plan(held, time.monotonic(), room_bytes=room, squeeze=squeeze or loaded)
+        blocks = resizer.kv_blocks[0]
         if plan.blocks is not None:
             blocks = await self._thread.run(pool.resize, plan.blocks)
-            if budgeted:
-                self._turns.kv_hold(blocks * resizer.kv_block_bytes)
+        if budgeted and (plan.blocks is not None or loaded):
+            self._turns.kv_hold(blocks * resizer.kv_block_bytes)
         if budgeted and plan.need_bytes is not None:
             self._turns.kv_need(plan.need_bytes, self._earliest_deadline())
+
+    def engine_changed(self) -> None:
+        """The model control's state moved. An engine gone (unloaded, or its process lost)
+        gives its KV pool back to the device's books at once: another TE's grow (or the next
+        model's load) need not wait for memory nothing holds any more."""
+        if self._control.engine is None and self._kv_pool is not None:
+            self._kv_pool = None
+            if self._settings.task_executor.device_kv_bytes > 0 and self._turns.active:
+                self._turns.kv_hold(0)
 
     def _squeezed(self) -> None:
         """The device arbiter asks this TE's KV pool to shrink to its demand (another waits

@@ -99,7 +99,7 @@ class TaskExecutor:
             host_cache=self._host_cache,
             step_lock=step_lock,
             drain=lambda grace: self.tasks.drain(grace),
-            changed=self._hb.beat_now,
+            changed=self._control_changed,
             loaded=lambda: self.tasks.wake(),
         )
         self.tasks = TaskLoop(
@@ -122,6 +122,12 @@ class TaskExecutor:
             settings=settings.fine_tuning,
         )
         self.ready = asyncio.Event()  # set once the TE listens for tasks and commands
+
+    def _control_changed(self) -> None:
+        """The model control's state moved: a heartbeat now, and the task loop looks at its
+        engine (one gone gives its KV back to the device)."""
+        self._hb.beat_now()
+        self.tasks.engine_changed()
 
     @property
     def state(self) -> TEState:

@@ -20,7 +20,8 @@ from services.task_executor.device_arbiter import KV_SQUEEZES
 from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.pool import NodePool
-from shared.messages.cluster import TEHeartbeat
+from shared.messages.cluster import TEHeartbeat, TEState
+from shared.messages.scaling import LoadModel, UnloadModel
 from shared.store import Store
 from tests.integration.services import BusClient, Running, fast_settings
 
@@ -174,6 +175,20 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
         assert KV_SQUEEZES.labels("cpu")._value.get() > squeezes  # the first was told
         assert time.monotonic() - started < 60  # not for the lazy shrink
         assert all(tokens == alone[0] for tokens, _ in [*first, *second])
+
+        # An unload gives the TE's KV back to the device's books at once (not when the TE
+        # next looks at its pool, seconds later), and a load enters them at its floor.
+        ack = await client.tes.control(tes[0], UnloadModel(reason="test"))
+        assert ack.ok, ack
+        unloaded = time.monotonic()
+        while books().get(tes[0]) != 0:
+            assert time.monotonic() - unloaded < 3, books()
+            await asyncio.sleep(0.02)
+        ack = await client.tes.control(tes[0], LoadModel(model="demo", path=str(tmp_path / "demo")))
+        assert ack.ok, ack
+        await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        assert (await client.run_on(tes[0], prompt, 400))[0] == alone[0]
+        assert 0 < books()[tes[0]] <= floor + 1, books()
     finally:
         await run.stop()
         await store.close()
