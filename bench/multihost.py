@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"link": args.link, "delay_ms": args.delay_ms}
     # Stopped with SIGTERM, it still takes its hosts down (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    hosts = Hosts(3, work, Shaping(rate=args.link, delay_ms=args.delay_ms)).up()
+    hosts = Hosts(3, work, Shaping(rate=args.link, delay_ms=args.delay_ms))
     try:
+        hosts.up()
         result["delay_shaped"] = hosts.shaping.delayed
         # A part that fails is recorded with its error; the others' results are kept.
         for part, run in (

@@ -142,18 +142,22 @@ class MultiHostCluster:
             )
             self.hosts.spawn(h.index, "sentinel", [binary, str(conf), "--sentinel"], {}, self.dir)
 
-    def redis_cli(self, i: int, *args: str) -> str:
-        """One Redis command to host ``i``'s Redis server, from the test's namespace, as the
-        cluster manager's user (its cluster's keys only)."""
+    def _redis(self, host: str, port: int, timeout: float) -> redis.Redis:
+        """A client of a Redis server or Sentinel as the cluster manager's user (on a server
+        its cluster's keys only; on a Sentinel, lookups only)."""
         url = urlsplit(self.role_redis_url("cluster_manager"))
-        r = redis.Redis(
-            host=self.address(i),
-            port=REDIS_PORT,
+        return redis.Redis(
+            host=host,
+            port=port,
             username=unquote(url.username or ""),
             password=unquote(url.password or ""),
-            socket_timeout=2,
-            socket_connect_timeout=2,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
         )
+
+    def redis_cli(self, i: int, *args: str) -> str:
+        """One Redis command to host ``i``'s Redis server, from the test's namespace."""
+        r = self._redis(self.address(i), REDIS_PORT, timeout=2)
         try:
             got = r.execute_command(*args)
         finally:
@@ -170,9 +174,7 @@ class MultiHostCluster:
         """The primary's address as the first Sentinel on a host not cut off names it."""
         for h in self.hosts.reachable():
             with contextlib.suppress(redis.RedisError, OSError):
-                r = redis.Redis(
-                    host=h.address, port=SENTINEL_PORT, socket_timeout=1, socket_connect_timeout=1
-                )
+                r = self._redis(h.address, SENTINEL_PORT, timeout=1)
                 try:
                     got = r.execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
                 finally:
@@ -187,9 +189,7 @@ class MultiHostCluster:
         replicas from the primary's INFO every 10 s; before that it finds no good replica.)"""
         primaries, ok = set(), True
         for h in self.hosts.reachable():
-            r = redis.Redis(
-                host=h.address, port=SENTINEL_PORT, socket_timeout=1, socket_connect_timeout=1
-            )
+            r = self._redis(h.address, SENTINEL_PORT, timeout=1)
             try:
                 primary = r.execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
                 replicas = r.execute_command("SENTINEL", "REPLICAS", MASTER)

@@ -223,14 +223,17 @@ class Hosts:
             self.heal(i)
 
     def down(self) -> None:
-        self.stop_processes()
-        for h in self.hosts:
-            _ip("netns", "del", h.netns, check=False)
-        _ip("link", "del", self.bridge, check=False)
-        self._forward("-D")
-        for h in self.hosts:  # the namespace (and its /dev/shm) goes with its last process
-            subprocess.run(["umount", self._mount_ns(h.index)], check=False, capture_output=True)
-        subprocess.run(["umount", self.mounts], check=False, capture_output=True)
+        """Everything ``up`` made (or the part of it a failed ``up`` made), whatever fails."""
+        try:
+            self.stop_processes()
+        finally:
+            for h in self.hosts:
+                _ip("netns", "del", h.netns, check=False)
+            _ip("link", "del", self.bridge, check=False)
+            self._forward("-D")
+            for path in [*(self._mount_ns(h.index) for h in self.hosts), self.mounts]:
+                # A host's mount namespace (and its /dev/shm) goes with its last process.
+                subprocess.run(["umount", "-l", path], check=False, capture_output=True)
 
     def log(self, name: str) -> str:
         path = self.root / f"{name}.log"

@@ -178,6 +178,14 @@ def nats_config(
 # REPLICA_USER, a Sentinel watches and reconfigures the servers as SENTINEL_USER (the
 # commands Redis's documentation lists for each).
 REPLICA_USER, SENTINEL_USER = "replica", "sentinel"
+# On the Sentinels: the roles may only ask where the primary and the replicas are (what a
+# client's Sentinel lookup sends), never reconfigure or fail anything over; the Sentinels log
+# into each other as SENTINEL_PEER_USER.
+SENTINEL_PEER_USER = "sentinel-peer"
+_SENTINEL_CLIENT = (
+    "-@all +ping +auth +client|setname +sentinel|masters +sentinel|master "
+    "+sentinel|get-master-addr-by-name +sentinel|slaves +sentinel|replicas +sentinel|sentinels"
+)
 _SERVER_USERS = {
     REPLICA_USER: "+psync +replconf +ping",
     SENTINEL_USER: "allchannels +multi +slaveof +ping +exec +subscribe +config|rewrite +role "
@@ -220,14 +228,28 @@ def sentinel_config(
     creds: Credentials, *, master: str, primary: str, quorum: int = 2, port: int = 26379
 ) -> str:
     """A Sentinel's configuration (each Sentinel gets its own copy: it rewrites it): watch
-    ``primary`` under the name ``master`` and log into the servers as SENTINEL_USER. Down
-    after 3 s (a cut host is promoted away from in seconds: README, Several machines)."""
+    ``primary`` under the name ``master``, log into the servers as SENTINEL_USER and into the
+    other Sentinels as SENTINEL_PEER_USER; no default user, and each role's user (its Redis
+    secret) allowed only the lookups of ``_SENTINEL_CLIENT``. Down after 3 s (a cut host is
+    promoted away from in seconds: README, Several machines)."""
+    peer = redis_server_secret(creds, SENTINEL_PEER_USER)
+    users = [f"user {role} on #{_sha(creds.secrets[role])} {_SENTINEL_CLIENT}" for role in ROLES]
     return (
-        f"port {port}\n"
-        "sentinel resolve-hostnames yes\n"
-        f"sentinel monitor {master} {primary} 6379 {quorum}\n"
-        f"sentinel auth-user {master} {SENTINEL_USER}\n"
-        f"sentinel auth-pass {master} {redis_server_secret(creds, SENTINEL_USER)}\n"
-        f"sentinel down-after-milliseconds {master} 3000\n"
-        f"sentinel failover-timeout {master} 10000\n"
+        "\n".join(
+            [
+                f"port {port}",
+                "sentinel resolve-hostnames yes",
+                f"sentinel monitor {master} {primary} 6379 {quorum}",
+                f"sentinel auth-user {master} {SENTINEL_USER}",
+                f"sentinel auth-pass {master} {redis_server_secret(creds, SENTINEL_USER)}",
+                f"sentinel down-after-milliseconds {master} 3000",
+                f"sentinel failover-timeout {master} 10000",
+                "user default off",
+                *users,
+                f"user {SENTINEL_PEER_USER} on #{_sha(peer)} +@all",
+                f"sentinel sentinel-user {SENTINEL_PEER_USER}",
+                f"sentinel sentinel-pass {peer}",
+            ]
+        )
+        + "\n"
     )

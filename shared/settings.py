@@ -843,8 +843,8 @@ class Settings(BaseModel):
         description='Redis Sentinels (host:port, as JSON: ["s1:26379", "s2:26379"]) that '
         "watch a Redis primary with its replicas: every service finds the primary through "
         "them, and after a failover reconnects to the one they promoted. The Redis URL then "
-        "gives only the credentials and the database (its host is not used). Empty: the "
-        "Redis URL's server.",
+        "gives only the credentials (which log into the Sentinels too) and the database (its "
+        "host is not used). Empty: the Redis URL's server.",
     )
     redis_master: str = Field(
         default="meshserve",

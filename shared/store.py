@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.asyncio.client
@@ -81,17 +81,28 @@ PRIMARY_TIMEOUT_S = 2.0
 SENTINEL_TIMEOUT_S = 1.0
 
 
+def _unquoted(part: str | None) -> str | None:
+    return None if part is None else unquote(part)
+
+
 def _through_sentinels(url: str, sentinels: Sequence[str], master: str) -> aioredis.Redis:
     parts = urlsplit(url)
     db = int(parts.path.strip("/") or 0)
     nodes = [(h, int(p)) for h, _, p in (s.rpartition(":") for s in sentinels)]
-    timeouts = {"socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S}
-    sentinel = Sentinel(nodes, sentinel_kwargs=timeouts)  # type: ignore[no-untyped-call]
+    # The URL's user logs into the Sentinels too, where they ask for one (infra-secrets'
+    # sentinel.conf lets each role only look the primary up).
+    asked = {
+        "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+        "socket_timeout": SENTINEL_TIMEOUT_S,
+        "username": _unquoted(parts.username),
+        "password": _unquoted(parts.password),
+    }
+    sentinel = Sentinel(nodes, sentinel_kwargs=asked)  # type: ignore[no-untyped-call]
     client: aioredis.Redis = sentinel.master_for(
         master,
         redis_class=MeteredRedis,
-        username=parts.username,
-        password=parts.password,
+        username=_unquoted(parts.username),
+        password=_unquoted(parts.password),
         db=db,
         decode_responses=False,
         socket_connect_timeout=PRIMARY_TIMEOUT_S,

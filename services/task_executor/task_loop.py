@@ -493,13 +493,19 @@ class TaskLoop:
             self._turns.kv_need(plan.need_bytes, self._earliest_deadline())
 
     def engine_changed(self) -> None:
-        """The model control's state moved. An engine gone (unloaded, or its process lost)
-        gives its KV pool back to the device's books at once: another TE's grow (or the next
-        model's load) need not wait for memory nothing holds any more."""
-        if self._control.engine is None and self._kv_pool is not None:
-            self._kv_pool = None
-            if self._settings.task_executor.device_kv_bytes > 0 and self._turns.active:
-                self._turns.kv_hold(0)
+        """The model control's state moved. An engine gone (unloaded and closed, or its
+        process lost) gives its KV pool back to the device's books at once: another TE's grow
+        (or the next model's load) need not wait for memory nothing holds any more; not while
+        it drains or closes (its memory is still in use). A new engine sizes its pool at once,
+        so the books count it before its first request."""
+        control = self._control
+        if control.engine is None:
+            if self._kv_pool is not None and control.state != TEState.DRAINING:
+                self._kv_pool = None
+                if self._settings.task_executor.device_kv_bytes > 0 and self._turns.active:
+                    self._turns.kv_hold(0)
+        elif self._kv_pool is None and self._settings.task_executor.kv_sizing:
+            self._squeezed()  # sizes the pool now, whether idle or not
 
     def _squeezed(self) -> None:
         """The device arbiter asks this TE's KV pool to shrink to its demand (another waits
@@ -509,7 +515,7 @@ class TaskLoop:
 
     async def _resize_now(self) -> None:
         async with self._step_lock:
-            if (engine := self._control.engine) is not None and self._kv_pool is not None:
+            if (engine := self._control.engine) is not None:
                 await self._size_kv(engine)
 
     async def _admit(self, task: ChatTask, engine: Engine) -> None:

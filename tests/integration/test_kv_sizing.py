@@ -177,18 +177,34 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
         assert all(tokens == alone[0] for tokens, _ in [*first, *second])
 
         # An unload gives the TE's KV back to the device's books at once (not when the TE
-        # next looks at its pool, seconds later), and a load enters them at its floor.
+        # next looks at its pool, seconds later); a load enters them at its floor as soon as
+        # it is ready (before any request), never at the size its engine allocated.
         ack = await client.tes.control(tes[0], UnloadModel(reason="test"))
         assert ack.ok, ack
         unloaded = time.monotonic()
         while books().get(tes[0]) != 0:
             assert time.monotonic() - unloaded < 3, books()
             await asyncio.sleep(0.02)
+        seen: list[int] = []
+        watching = True
+
+        async def watch_load() -> None:
+            while watching:
+                seen.append(books().get(tes[0], 0))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch_load())
         ack = await client.tes.control(tes[0], LoadModel(model="demo", path=str(tmp_path / "demo")))
         assert ack.ok, ack
         await client.until(lambda v: all(t.state == TEState.READY for t in v.tes), 60)
+        ready = time.monotonic()
+        while books().get(tes[0], 0) == 0:
+            assert time.monotonic() - ready < 3, books()
+            await asyncio.sleep(0.02)
+        watching = False
+        await watcher
+        assert max(seen) <= floor + 1 and 0 < books()[tes[0]] <= floor + 1, (max(seen), books())
         assert (await client.run_on(tes[0], prompt, 400))[0] == alone[0]
-        assert 0 < books()[tes[0]] <= floor + 1, books()
     finally:
         await run.stop()
         await store.close()

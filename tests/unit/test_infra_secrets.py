@@ -7,7 +7,13 @@ import stat
 from pathlib import Path
 
 from services import infra_secrets
-from shared.access import REPLICA_USER, ROLES, SENTINEL_USER, redis_server_secret
+from shared.access import (
+    REPLICA_USER,
+    ROLES,
+    SENTINEL_PEER_USER,
+    SENTINEL_USER,
+    redis_server_secret,
+)
 from shared.settings import Settings
 from shared.tenancy import admin_key, auth_on
 
@@ -82,8 +88,15 @@ def test_redis_under_sentinel_gets_users_for_replicas_and_sentinels(tmp_path: Pa
     acl = (tmp_path / "redis" / "redis.acl").read_text().splitlines()
     users = {line.split()[1]: line for line in acl}
     assert set(users) == {"default", *ROLES, REPLICA_USER, SENTINEL_USER}
-    assert "+psync" in users[REPLICA_USER] and "~" not in users[REPLICA_USER]
-    assert "+slaveof" in users[SENTINEL_USER] and "+@all" not in users[SENTINEL_USER]
+    # Exactly the commands Redis's documentation lists for each, no keys.
+    assert users[REPLICA_USER].split()[4:] == ["+psync", "+replconf", "+ping"]
+    assert users[SENTINEL_USER].split()[4:] == [
+        "allchannels", "+multi", "+slaveof", "+ping", "+exec", "+subscribe", "+config|rewrite",
+        "+role", "+publish", "+info", "+client|setname", "+client|kill", "+script|kill",
+    ]  # fmt: skip
+    for name in ("redis.acl", "replication.conf", "sentinel.conf"):
+        # Read by the server's own user in the one container the volume is mounted into.
+        assert stat.S_IMODE((tmp_path / "redis" / name).stat().st_mode) == 0o644
     replica_secret = redis_server_secret(creds, REPLICA_USER)
     sentinel_secret = redis_server_secret(creds, SENTINEL_USER)
     assert replica_secret != sentinel_secret
@@ -94,6 +107,18 @@ def test_redis_under_sentinel_gets_users_for_replicas_and_sentinels(tmp_path: Pa
     assert "sentinel monitor fleet 10.0.0.3 6379 2" in sentinel
     assert f"sentinel auth-pass fleet {sentinel_secret}" in sentinel
     assert "sentinel auth-user fleet sentinel" in sentinel
+    # On the Sentinels: no default user; each role (its Redis secret) may only look up where
+    # the primary is, never fail it over; the Sentinels log into each other as their own user.
+    assert "user default off" in sentinel
+    on_sentinels = {line.split()[1]: line for line in sentinel if line.startswith("user ")}
+    assert set(on_sentinels) == {"default", *ROLES, SENTINEL_PEER_USER}
+    for role in ROLES:
+        rules = on_sentinels[role].split()[4:]
+        assert rules[0] == "-@all" and "+sentinel|get-master-addr-by-name" in rules
+        assert not {"+sentinel|failover", "+sentinel|set", "+@all"} & set(rules)
+    peer = redis_server_secret(creds, SENTINEL_PEER_USER)
+    assert f"sentinel sentinel-pass {peer}" in sentinel
+    assert not any(peer in line for line in on_sentinels.values())  # hashed there
     # The same secrets on the next run: the servers keep working.
     assert infra_secrets.write(tmp_path, "c1") == creds
     assert redis_server_secret(creds, REPLICA_USER) == replica_secret

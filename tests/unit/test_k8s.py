@@ -76,7 +76,7 @@ def test_the_workloads_are_what_the_design_asks(overlay: str) -> None:
     # Settings the services accept (the *_FILE ones name the Secrets' mounts); Redis found
     # through its Sentinels.
     settings = Settings.load({k: v for k, v in config.items() if not k.endswith("_FILE")})
-    assert settings.redis_sentinels and settings.redis_master
+    assert settings.redis_sentinels and settings.redis_master == "mymaster"
     for name in CONTROL_PLANE:
         d = deployments[f"meshserve-{name}"]
         assert d["spec"]["replicas"] >= 2, name
