@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -118,21 +117,12 @@ def scale(hosts: Hosts, models: Path, work: Path, args: argparse.Namespace) -> l
     return rows
 
 
-def _produced(cluster: MultiHostCluster) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for te in (cluster.health(0) or {})["task_executors"]:
-        if te.get("model") == "demo":
-            host = int(te["pool"].removeprefix("pool-h"))
-            out[host] = out.get(host, 0) + te["generated_tokens"]
-    return out
-
-
 async def _cut(cluster: MultiHostCluster) -> dict[str, Any]:
     client = openai.AsyncOpenAI(base_url=cluster.url(0), api_key="none", max_retries=0)
     prompts = [
         f"Write the log of ship {i} crossing the bay at dawn, hour by hour." for i in range(20)
     ]
-    before, seen = _produced(cluster), [0]
+    before, seen = cluster.produced(0), [0]
     streams = [asyncio.create_task(stream_greedy(client, p, seen=seen)) for p in prompts]
     deadline = time.monotonic() + 60
     while seen[0] < 10 * len(prompts):  # mid-stream: ten chunks a stream, on average
@@ -140,7 +130,7 @@ async def _cut(cluster: MultiHostCluster) -> dict[str, Any]:
             raise RuntimeError("the streams did not start")
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.5)
-    now = _produced(cluster)
+    now = cluster.produced(0)
     load = {h: now[h] - before.get(h, 0) for h in now if h != 0}
     victim = max(load, key=lambda h: load[h])
     cluster.hosts.cut(victim)
@@ -177,13 +167,6 @@ def cut(hosts: Hosts, models: Path) -> dict[str, Any]:
         cluster.stop()
 
 
-def _rate_bytes(rate: str) -> float:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
-    if m is None:
-        raise ValueError(f"link rate {rate!r}: like 10gbit")
-    return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
-
-
 def fork(hosts: Hosts, models: Path, model: str) -> dict[str, Any]:
     layout = _layout(2)
     cluster = _up(
@@ -192,15 +175,11 @@ def fork(hosts: Hosts, models: Path, model: str) -> dict[str, Any]:
     )  # fmt: skip
     try:
         _ready(cluster, 1, model)
-
-        def cached() -> bool:  # the first instance's pool holds every weight in its cache
-            for te in (cluster.health(0) or {})["task_executors"]:
-                c = te["cached_weights"].get(model)
-                if te.get("model") == model and c and c["resident_bytes"] >= c["total_bytes"]:
-                    return True
-            return False
-
-        cluster.wait("the first pool's cache holds the model", cached, 120)
+        cluster.wait(
+            "the first pool's cache holds the model",
+            lambda: cluster.holds_weights(0, model),
+            120,
+        )
 
         async def burst() -> None:
             client = openai.AsyncOpenAI(base_url=cluster.url(0), api_key="none", max_retries=0)
@@ -209,22 +188,10 @@ def fork(hosts: Hosts, models: Path, model: str) -> dict[str, Any]:
 
         asyncio.run(asyncio.wait_for(burst(), 240))
         loads = cluster.loads()
-        forked = [ld for ld in loads if ld["steps"].get("te_load_fetch")]
-        if not forked:
+        forked = cluster.fork(model)
+        if forked is None:
             raise RuntimeError(f"no load forked its weights: {loads}")
-        size = sum(f.stat().st_size for f in (models / model).glob("*.safetensors"))
-        fetch_s = forked[0]["steps"]["te_load_fetch"]
-        link = _rate_bytes(hosts.shaping.rate)
-        return {
-            "model": model,
-            "checkpoint_bytes": size,
-            "fetch_s": fetch_s,
-            "load_s": forked[0]["seconds"],
-            "rate_bytes_s": size / fetch_s,
-            "link_bytes_s": link,
-            "of_link": size / fetch_s / link,
-            "loads": loads,
-        }
+        return {**forked, "loads": loads}
     finally:
         cluster.stop()
 

@@ -180,7 +180,7 @@ class MultiHostCluster:
                 finally:
                     r.close()
                 if got:
-                    return str(got[0].decode() if isinstance(got[0], bytes) else got[0])
+                    return _text(got[0])
         return ""
 
     def redis_whole(self) -> bool:
@@ -275,6 +275,25 @@ class MultiHostCluster:
             t["id"]: t["state"] for t in body.get("task_executors", []) if t.get("model") == model
         }
 
+    def produced(self, i: int, model: str = "demo") -> dict[int, int]:
+        """Host -> tokens ``model``'s instances there produced so far (their TEs' counters),
+        as host ``i``'s frontend sees them."""
+        out: dict[int, int] = {}
+        for te in (self.health(i) or {})["task_executors"]:
+            if te.get("model") == model:
+                out[host_of(te)] = out.get(host_of(te), 0) + te["generated_tokens"]
+        return out
+
+    def holds_weights(self, i: int, model: str, te_id: str | None = None) -> bool:
+        """Whether the host cache of an instance of ``model`` (``te_id``'s, where given)
+        holds every weight of it, as host ``i``'s frontend sees it."""
+        for te in (self.health(i) or {}).get("task_executors", []):
+            c = te["cached_weights"].get(model)
+            if te.get("model") == model and te_id in (None, te["id"]) and c:
+                if c["resident_bytes"] >= c["total_bytes"] > 0:
+                    return True
+        return False
+
     def metric(self, i: int, port: int, name: str, **labels: str) -> float | None:
         """The first sample of ``name`` (with those label values, where given) that host
         ``i``'s service on ``port`` exposes; None where it is cut off or has no such one."""
@@ -306,7 +325,7 @@ class MultiHostCluster:
                     continue
                 out.append(
                     {
-                        "host": int(path.name.split("-", 1)[0].removeprefix("h")),
+                        "host": int(path.name.split("-", 1)[0].removeprefix("h")),  # h<i>-
                         "model": record.get("model"),
                         "role": record.get("role"),
                         "seconds": record.get("seconds"),
@@ -314,6 +333,33 @@ class MultiHostCluster:
                     }
                 )
         return out
+
+    def fork(self, model: str, host: int | None = None) -> dict[str, Any] | None:
+        """The first load of ``model`` (on ``host``, where given) that forked its weights
+        from another host's cache: the checkpoint's bytes, the fetch's and the load's
+        seconds, and the rate against the link's; None where none did."""
+        forks = [
+            ld
+            for ld in self.loads()
+            if ld["model"] == model
+            and host in (None, ld["host"])
+            and ld["steps"].get("te_load_fetch")
+        ]
+        if not forks:
+            return None
+        size = sum(f.stat().st_size for f in (self.models_dir / model).glob("*.safetensors"))
+        fetch_s = forks[0]["steps"]["te_load_fetch"]
+        link = self.hosts.shaping.rate_bytes_s
+        return {
+            "model": model,
+            "host": forks[0]["host"],
+            "checkpoint_bytes": size,
+            "fetch_s": fetch_s,
+            "load_s": forks[0]["seconds"],
+            "rate_bytes_s": size / fetch_s,
+            "link_bytes_s": link,
+            "of_link": size / fetch_s / link,
+        }
 
     def wait(self, what: str, check: Any, timeout: float) -> Any:
         """What ``check()`` returns once it is neither None nor False (0 is an answer: host
@@ -333,6 +379,11 @@ class MultiHostCluster:
             text = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"== {path.name}\n" + "\n".join(text))
         return "\n".join(out)
+
+
+def host_of(te: dict[str, Any]) -> int:
+    """The host a TE of ``/health`` runs on (its pool is ``pool-h<host>``)."""
+    return int(te["pool"].removeprefix("pool-h"))
 
 
 def _text(v: object) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -66,6 +67,14 @@ class Shaping:
     rate: str = "10gbit"
     delay_ms: float = 0.2
     delayed: bool = False  # netem took the delay (else only the rate is shaped)
+
+    @property
+    def rate_bytes_s(self) -> float:
+        """``rate`` (tc's syntax: ``10gbit``, ``500mbit``) in bytes a second."""
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", self.rate.lower())
+        if m is None:
+            raise ValueError(f"link rate {self.rate!r}: like 10gbit")
+        return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
 
 
 class Hosts:

@@ -89,20 +89,21 @@ def _through_sentinels(url: str, sentinels: Sequence[str], master: str) -> aiore
     parts = urlsplit(url)
     db = int(parts.path.strip("/") or 0)
     nodes = [(h, int(p)) for h, _, p in (s.rpartition(":") for s in sentinels)]
+    username, password = _unquoted(parts.username), _unquoted(parts.password)
     # The URL's user logs into the Sentinels too, where they ask for one (infra-secrets'
     # sentinel.conf lets each role only look the primary up).
     asked = {
         "socket_connect_timeout": SENTINEL_TIMEOUT_S,
         "socket_timeout": SENTINEL_TIMEOUT_S,
-        "username": _unquoted(parts.username),
-        "password": _unquoted(parts.password),
+        "username": username,
+        "password": password,
     }
     sentinel = Sentinel(nodes, sentinel_kwargs=asked)  # type: ignore[no-untyped-call]
     client: aioredis.Redis = sentinel.master_for(
         master,
         redis_class=MeteredRedis,
-        username=_unquoted(parts.username),
-        password=_unquoted(parts.password),
+        username=username,
+        password=password,
         db=db,
         decode_responses=False,
         socket_connect_timeout=PRIMARY_TIMEOUT_S,

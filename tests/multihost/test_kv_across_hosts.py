@@ -27,7 +27,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from devtools.multihost import HTTP_PORT, LAYOUT, MultiHostCluster
+from devtools.multihost import HTTP_PORT, LAYOUT, MultiHostCluster, host_of
 from devtools.netns_hosts import Hosts
 from tests.multihost.conftest import start_cluster
 
@@ -202,31 +202,22 @@ async def test_a_second_instance_forks_the_weights_from_another_hosts_cache(
     await _chat(client, "demo3", "Hello there.")
     (first,) = _ready(kv, "demo3")
 
-    def cached() -> bool:
-        for te in _ready(kv, "demo3"):
-            c = te["cached_weights"].get("demo3")
-            if te["id"] == first["id"] and c and c["resident_bytes"] >= c["total_bytes"] > 0:
-                return True
-        return False
-
-    kv.wait("the first instance's host cache holds demo3", cached, 60)
+    kv.wait(
+        "the first instance's host cache holds demo3",
+        lambda: kv.holds_weights(FRONTENDS[0], "demo3", first["id"]),
+        60,
+    )
     deadline = time.monotonic() + 180
     while len(_ready(kv, "demo3")) < 2:
         assert time.monotonic() < deadline, "the burst was not given a second instance"
         await asyncio.gather(*(_chat(client, "demo3", _document(200 + i)) for i in range(6)))
     second = next(te for te in _ready(kv, "demo3") if te["id"] != first["id"])
     assert second["pool"] != first["pool"], (first, second)
-    host = int(second["pool"].removeprefix("pool-h"))
-    forks = [
-        ld
-        for ld in kv.loads()
-        if ld["host"] == host and ld["model"] == "demo3" and "te_load_fetch" in ld["steps"]
-    ]
-    assert forks, kv.loads()
-    size = sum(f.stat().st_size for f in (kv.models_dir / "demo3").glob("*.safetensors"))
-    fetch_s = forks[0]["steps"]["te_load_fetch"]
-    link = kv.hosts.shaping.rate
+    fork = kv.fork("demo3", host_of(second))
+    assert fork is not None, kv.loads()
     print(
-        f"demo3 ({size / 1e6:.1f} MB) forked from {first['pool']} to {second['pool']} across "
-        f"the {link} link in {fetch_s * 1000:.0f} ms ({size / max(fetch_s, 1e-9) / 1e6:.0f} MB/s)"
+        f"demo3 ({fork['checkpoint_bytes'] / 1e6:.1f} MB) forked from {first['pool']} to "
+        f"{second['pool']} across the {kv.hosts.shaping.rate} link in "
+        f"{fork['fetch_s'] * 1000:.0f} ms ({fork['rate_bytes_s'] / 1e6:.0f} MB/s, "
+        f"{100 * fork['of_link']:.1f}% of the link)"
     )

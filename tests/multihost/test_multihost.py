@@ -134,16 +134,7 @@ async def test_streams_survive_a_host_cut_and_the_host_rejoins(mh: MultiHostClus
     one request at a time."""
     client = _client(mh, FRONTENDS[0])
 
-    def produced() -> dict[int, int]:
-        """Tokens the demo instances of each host produced so far (the TEs' counters)."""
-        out: dict[int, int] = {}
-        for te in (mh.health(FRONTENDS[0]) or {})["task_executors"]:
-            if te.get("model") == "demo":
-                host = int(te["pool"].removeprefix("pool-h"))
-                out[host] = out.get(host, 0) + te["generated_tokens"]
-        return out
-
-    before = produced()
+    before = mh.produced(FRONTENDS[0])
     seen = [0]
     streams = [asyncio.create_task(_stream(client, p, seen, CUT_TOKENS)) for p in CUT_PROMPTS]
     deadline = time.monotonic() + 60
@@ -153,7 +144,7 @@ async def test_streams_survive_a_host_cut_and_the_host_rejoins(mh: MultiHostClus
     # The host whose instances produced the most of them so far, other than the client's
     # frontend's host (its heartbeat is at most a quarter of a second old).
     await asyncio.sleep(0.5)
-    now = produced()
+    now = mh.produced(FRONTENDS[0])
     load = {h: now[h] - before.get(h, 0) for h in now if h != FRONTENDS[0]}
     victim = max(load, key=lambda h: load[h])
     assert load[victim] > 0, (before, now)
