@@ -69,15 +69,8 @@ def _only(model: str, least: int, most: int) -> dict[str, str]:
 
 
 def _up(hosts: Hosts, models: Path, layout: dict[int, tuple[str, ...]], **settings: str) -> Any:
-    cluster = MultiHostCluster(hosts, models, layout=layout, **{**SETTINGS, **settings}).start()
-    pools = sum("task_executor" in s for s in layout.values())
-    tes = pools * int(settings.get("pool_size", "2"))
-    cluster.wait(
-        "the cluster up",
-        lambda: (b := cluster.health(0)) is not None and len(b["task_executors"]) == tes,
-        240,
-    )
-    return cluster
+    """The cluster, up once every pool's TEs are in the view (``MultiHostCluster.start``)."""
+    return MultiHostCluster(hosts, models, layout=layout, **{**SETTINGS, **settings}).start()
 
 
 def _ready(cluster: MultiHostCluster, n: int, model: str = "demo") -> None:

@@ -38,6 +38,7 @@ from shared.settings import process_environment
 
 REDIS_PORT, SENTINEL_PORT, HTTP_PORT = 6379, 26379, 8080
 SCALER_METRICS, CM_METRICS = 9101, 9102
+POOL_SIZE = "2"  # TEs a node pool runs, unless the settings say otherwise
 MASTER = "meshserve"
 REDIS_PRIMARY, REDIS_REPLICA = 2, 0
 
@@ -221,7 +222,7 @@ class MultiHostCluster:
             "MESHSERVE_HTTP_PORT": str(HTTP_PORT),
             # Beyond loopback the API asks for keys by default; these tests are about hosts.
             "MESHSERVE_AUTH": "off",
-            "MESHSERVE_POOL_SIZE": "2",
+            "MESHSERVE_POOL_SIZE": POOL_SIZE,
             "MESHSERVE_POOL_ID": f"pool-h{i}",
             "MESHSERVE_TORCH_THREADS": "1",
             "MESHSERVE_HEARTBEAT_INTERVAL": "0.25",
@@ -238,11 +239,31 @@ class MultiHostCluster:
         return process_environment(env)  # this process's own, these set over it
 
     def start_services(self) -> None:
+        """Every service but the scalers, then the scalers once a frontend sees every node
+        pool's TEs: a placement made while some pools' TEs are still starting can only use
+        the pools already there (two instances of a model on one host, another host empty a
+        second later), which would make what the tests check depend on start-up speed."""
         for i, services in self.layout.items():
             for service in services:
-                argv = [sys.executable, "-m", f"services.{service}"]
-                proc = self.hosts.spawn(i, service, argv, self.env(i, service), self.dir)
-                self.services[(i, service)] = proc
+                if service != "scaler":
+                    self._spawn(i, service)
+        pools = sum("task_executor" in s for s in self.layout.values())
+        tes = pools * int(self.settings.get("pool_size", POOL_SIZE))
+        via = next((i for i, s in self.layout.items() if "frontend" in s), None)
+        if via is not None and pools:
+            self.wait(
+                f"the {tes} TEs of every pool in the view",
+                lambda: len((self.health(via) or {}).get("task_executors", [])) == tes,
+                240,
+            )
+        for i, services in self.layout.items():
+            if "scaler" in services:
+                self._spawn(i, "scaler")
+
+    def _spawn(self, i: int, service: str) -> None:
+        argv = [sys.executable, "-m", f"services.{service}"]
+        proc = self.hosts.spawn(i, service, argv, self.env(i, service), self.dir)
+        self.services[(i, service)] = proc
 
     def start(self) -> MultiHostCluster:
         self.write_secrets()
