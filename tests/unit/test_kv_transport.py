@@ -19,6 +19,7 @@ from services.task_executor.kv_transport.mapped import MappedSegments
 from services.task_executor.kv_transport.outbox import Outbox
 from services.task_executor.kv_transport.pool import SegmentPool
 from services.task_executor.kv_transport.server import KvServer
+from services.task_executor.kv_transport.session import merge_ranges
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 200
 TRANSPORTS = ["tcp", "shm"]
@@ -203,6 +204,39 @@ async def test_layers_written_from_another_thread_while_the_puller_waits(server,
     assert same_bytes(p.kv, src)
     assert p.nbytes == (LAYERS * TOKENS + 50) * 2 * row_bytes(torch.bfloat16)
     assert await ends.wait("o") == "released"
+
+
+def test_the_outbox_copies_what_it_is_given():
+    src = source()
+    box = outbox("c", src)
+    k, v = src[1, 0, :10].clone(), src[1, 1, :10].clone()
+    box.layer(1, 0, k, v)
+    k.zero_()  # the caller's tensor is its own again
+    (piece,) = box.take()
+    assert same_bytes(piece.k.view(src.dtype).view(10, HEADS, HEAD_DIM), src[1, 0, :10])
+    assert box.arena is not None and box.arena.shape == (LAYERS, 2, TOKENS, row_bytes(src.dtype))
+    box.discard()
+    assert box.arena is None
+    box.layer(1, 10, k, v)  # after the lease: nothing kept
+    assert box.take() == []
+
+
+def test_written_ranges_merge_into_few_rectangles():
+    chunked = [(layer, a, a + 64) for a in range(0, 256, 64) for layer in range(LAYERS)]
+    assert merge_ranges(chunked) == [(0, LAYERS, 0, 256)]
+    # a chunk whose last layers are not written yet, and a range written twice
+    ranges = [(0, 0, 64), (1, 0, 64), (2, 0, 64), (0, 64, 128), (1, 64, 128), (1, 64, 128)]
+    assert merge_ranges(ranges) == [(0, 2, 64, 128), (0, 3, 0, 64)]
+    # cells covered exactly once each, out of order
+    cells = {(layer, t) for layer, a, b in ranges for t in range(a, b)}
+    covered = [
+        (layer, t)
+        for lo, hi, a, b in merge_ranges(ranges)
+        for layer in range(lo, hi)
+        for t in range(a, b)
+    ]
+    assert sorted(covered) == sorted(cells)
+    assert merge_ranges([]) == []
 
 
 async def test_an_incomplete_kv_fails_the_pull(server, ends):

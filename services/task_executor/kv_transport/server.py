@@ -21,7 +21,7 @@ ended (it is remembered for ``ENDED_MEMORY_S``, to answer with what happened rat
 Everything here runs on the event loop the server was started on; ``offer``, ``withdraw``
 and ``close`` must be called there. The KV goes out over the puller's connection from that
 loop or, to a puller on this host, is copied into the puller's shared-memory segment
-(``pool.py``, mapped here by ``mapped.py``) by two worker threads.
+(``pool.py``, mapped here by ``mapped.py``) by worker threads (two pulls at a time).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class KvServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Copies into pullers' segments, off the loop: two threads (a batch is split in two).
+        # Copies into pullers' segments, off the loop: a batch is one job of strided copies
+        # (each with torch's own threads), two pulls' batches at a time.
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-shm")
         self._mapped = MappedSegments()
         self._pruning: asyncio.TimerHandle | None = None

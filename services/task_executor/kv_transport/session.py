@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import socket
 from collections.abc import Callable
 
@@ -30,15 +29,16 @@ log = get_logger(__name__)
 
 STOP_GRACE_S = 1.0
 # The most one batch holds (the sender looks for a stop between two): the frames of one
-# sendmsg loop, or the copies into a segment between two ``Written`` frames (each batch of
-# copies waits for its slower half, so these are larger).
+# sendmsg loop, or the copies into a segment between two ``Written`` frames (a batch's
+# ranges are merged into a few strided copies, so these are larger).
 BATCH_BYTES = 32 << 20
-SHM_BATCH_BYTES = 64 << 20
+SHM_BATCH_BYTES = 256 << 20
 
 
 class Session:
     """Sends ``outbox`` from token ``skip_tokens`` on over ``sock``, or into ``segment`` (the
-    puller's, mapped here: uint8, laid out as ``Meta`` says) by copies on ``executor``."""
+    puller's, mapped here: uint8, laid out as ``Meta`` says) by copies on ``executor``
+    (``torch.copy_``, each with torch's own threads)."""
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class Session:
         on_end: Callable[[str, str | None], None],
     ) -> None:
         self._sock, self._outbox, self._segment = sock, outbox, segment
+        self._arena = outbox.arena  # held here: a copy in flight outlives the lease's end
         self._executor = executor
         self._on_renew, self._on_end = on_renew, on_end
         self.first = min(skip_tokens, outbox.num_prompt_tokens)
@@ -195,41 +196,37 @@ class Session:
                 buffers += [p.k_bytes, p.v_bytes]
             await wire.send_buffers(self._sock, buffers)
             return
-        writes = []
-        for p in batch:
-            writes.append((self._offset(p.layer, 0, p.start), p.k))
-            writes.append((self._offset(p.layer, 1, p.start), p.v))
-        loop = asyncio.get_running_loop()
-        half = _halfway(writes)
-        await asyncio.gather(
-            loop.run_in_executor(self._executor, _copy, self._segment, writes[:half]),
-            loop.run_in_executor(self._executor, _copy, self._segment, writes[half:]),
-        )
+        arena = self._arena
+        assert arena is not None  # a piece came, so the lease had not ended when we began
+        o = self._outbox
+        segment = self._segment.view(o.num_layers, 2, self.capacity, o.row_bytes)
+        regions = merge_ranges([(p.layer, p.start, p.end) for p in batch])
+        first = self.first
+
+        def copy() -> None:
+            for lo, hi, a, b in regions:
+                segment[lo:hi, :, a - first : b - first].copy_(arena[lo:hi, :, a:b])
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, copy)
         ranges = [(p.layer, p.start, p.end - p.start) for p in batch]
         await wire.send(self._sock, wire.Written(ranges))
 
-    def _offset(self, layer: int, kv: int, token: int) -> int:
-        """Where ``token``'s row of K (``kv == 0``) or V of ``layer`` lies in the segment."""
-        return ((layer * 2 + kv) * self.capacity + token - self.first) * self._outbox.row_bytes
 
-
-def _halfway(writes: list[tuple[int, torch.Tensor]]) -> int:
-    """Where to split ``writes`` into two of about as many bytes."""
-    total, acc = sum(src.numel() for _, src in writes), 0
-    for i, (_, src) in enumerate(writes):
-        acc += src.numel()
-        if 2 * acc >= total:
-            return i + 1
-    return len(writes)
-
-
-def _copy(segment: torch.Tensor, writes: list[tuple[int, torch.Tensor]]) -> None:
-    """On a worker: ``memmove`` (GIL released, a microsecond a call). A torch ``copy_`` per
-    range costs more than a 128 KiB copy itself from a thread that is not torch's main one
-    (an OpenMP team per call): 3 GB/s against 6 GB/s a thread on a 2-core VM."""
-    base, size = segment.data_ptr(), segment.numel()
-    for offset, src in writes:
-        n = src.numel()
-        if not 0 <= offset <= size - n:
-            raise ValueError(f"a write of {n} bytes at {offset} outside the segment's {size}")
-        ctypes.memmove(base + offset, src.data_ptr(), n)
+def merge_ranges(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """``(layer, start, end)`` ranges as ``(first_layer, last_layer + 1, start, end)``
+    rectangles that cover the same (layer, token) cells: consecutive layers with the same
+    tokens merge, then rectangles of the same layers whose tokens follow on."""
+    by_tokens: list[tuple[int, int, int, int]] = []
+    for layer, a, b in sorted(set(ranges), key=lambda r: (r[1], r[2], r[0])):
+        if by_tokens and by_tokens[-1][2:] == (a, b) and by_tokens[-1][1] == layer:
+            lo = by_tokens[-1][0]
+            by_tokens[-1] = (lo, layer + 1, a, b)
+        else:
+            by_tokens.append((layer, layer + 1, a, b))
+    merged: list[tuple[int, int, int, int]] = []
+    for lo, hi, a, b in sorted(by_tokens):
+        if merged and merged[-1][:2] == (lo, hi) and merged[-1][3] == a:
+            merged[-1] = (lo, hi, merged[-1][2], b)
+        else:
+            merged.append((lo, hi, a, b))
+    return merged

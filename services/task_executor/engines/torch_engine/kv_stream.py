@@ -26,7 +26,8 @@ class KvSink(Protocol):
 
     def layer(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K and V ``[ntok, kv_heads, head_dim]`` of tokens ``[start, start + ntok)`` of
-        ``layer``: host tensors the sink may keep."""
+        ``layer``, on the cache's device: new tensors, which the sink copies what it keeps
+        out of (a GPU cache's rows go to host memory in that one copy)."""
         ...
 
 
@@ -43,7 +44,7 @@ def token_slots(
 
 def _send(cache: PagedKVCache, layer: int, sink: KvSink, start: int, slots: torch.Tensor) -> None:
     k, v = cache.read(layer, slots)
-    sink.layer(layer, start, k.cpu(), v.cpu())
+    sink.layer(layer, start, k, v)
 
 
 def catch_up(req: Seq, cache: PagedKVCache, block_size: int, device: torch.device) -> None:
