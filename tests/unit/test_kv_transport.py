@@ -13,8 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import torch
 
+from services.task_executor.kv_transport import connections as connections_module
+from services.task_executor.kv_transport import server as server_module
 from services.task_executor.kv_transport import shm, wire
 from services.task_executor.kv_transport.client import Pulled, TransferFailed, pull, reject
+from services.task_executor.kv_transport.connections import Connections, default_connections
 from services.task_executor.kv_transport.mapped import MappedSegments
 from services.task_executor.kv_transport.outbox import Outbox
 from services.task_executor.kv_transport.pool import SegmentPool
@@ -521,3 +524,82 @@ async def test_a_puller_that_does_not_share_dev_shm_gets_tcp(server, pool, monke
     p = await pull_from(server, "far", "shm")
     assert p.transport == "tcp" and same_bytes(p.kv, src)
     assert pool.created == 0
+
+
+# --- kept connections -----------------------------------------------------------------------
+
+
+async def offered(server: KvServer, key: str, src: torch.Tensor) -> None:
+    box = outbox(key, src)
+    server.offer(box)
+    write(box, src)
+    finish(box, src)
+
+
+async def settled(conns: Connections, idle: int) -> None:
+    """Until ``conns`` holds ``idle`` idle connections (the server's Ok comes after the pull
+    returned)."""
+    async with asyncio.timeout(2.0):
+        while conns.idle != idle:  # noqa: ASYNC110 (nothing to wait on: it is a count)
+            await asyncio.sleep(0.01)
+
+
+async def test_pulls_in_a_row_share_one_connection_and_one_probe(server, ends, monkeypatch):
+    probes = []
+    make_probe = shm.make_probe
+    monkeypatch.setattr(shm, "make_probe", lambda: probes.append(1) or make_probe())
+    conns = default_connections()
+    src = source()
+    for i, transport in enumerate(["shm", "shm", "tcp", "shm"]):
+        await offered(server, f"k{i}", src)
+        p = await pull_from(server, f"k{i}", transport)
+        assert p.transport == transport and same_bytes(p.kv, src)
+        assert await ends.wait(f"k{i}") == "released"
+        await settled(conns, 1)
+    assert (conns.opened, conns.reused) == (1, 3)
+    assert len(probes) == 1  # the first pull's probe holds for the connection
+
+
+async def test_a_failed_pull_closes_its_connection(server, ends):
+    conns = default_connections()
+    src = source()
+    await offered(server, "ok", src)
+    await pull_from(server, "ok")
+    await settled(conns, 1)
+    with pytest.raises(TransferFailed, match="no KV under key"):
+        await pull_from(server, "nothing-here")  # on the kept connection: it is not kept
+    assert conns.idle == 0
+    await offered(server, "ok2", src)
+    assert same_bytes((await pull_from(server, "ok2")).kv, src)
+    assert (conns.opened, conns.reused) == (2, 1)
+
+
+@pytest.mark.parametrize("seen", [True, False])
+async def test_a_kept_connection_the_server_closed_is_replaced(server, ends, monkeypatch, seen):
+    """The server drops idle connections after IDLE_S: the next pull sees it (``seen``) or
+    fails on it before the server read anything, and pulls over a new one either way."""
+    monkeypatch.setattr(server_module, "IDLE_S", 0.1)
+    if not seen:
+        monkeypatch.setattr(connections_module, "_quiet", lambda sock: True)
+    conns = default_connections()
+    src = source()
+    await offered(server, "a", src)
+    await pull_from(server, "a")
+    await settled(conns, 1)
+    await asyncio.sleep(0.3)  # the server closed its end
+    await offered(server, "b", src)
+    p = await pull_from(server, "b")
+    assert same_bytes(p.kv, src) and await ends.wait("b") == "released"
+    assert conns.opened == 2
+
+
+async def test_closing_the_server_does_not_wait_for_kept_connections(ends):
+    srv = KvServer(on_end=ends)
+    await srv.start()
+    src = source()
+    await offered(srv, "x", src)
+    await pull_from(srv, "x")
+    await settled(default_connections(), 1)
+    t = time.monotonic()
+    await srv.close()
+    assert time.monotonic() - t < 1.0

@@ -6,7 +6,9 @@ A pull keeps the prefill side's lease alive while the prefill computes (a renewa
 come, and releases the lease once ``Done`` has come (the server sends it only after every
 layer's range). Every failure (no connection, an error from the server, the connection
 dropping, nothing complete within ``deadline_s``, the caller cancelling) closes the
-connection, which ends the lease on the prefill side: the KV there is freed either way.
+connection, which ends the lease on the prefill side: the KV there is freed either way. A
+pull that completed keeps its connection for the next pull to the same TE
+(``connections.py``).
 
 Over TCP the payloads are received straight into the result tensor's memory. Over shared
 memory the server writes into a segment of this process's (``pool.py``) and the result is a
@@ -28,6 +30,11 @@ import torch
 from services.task_executor.dtypes import DTYPES
 from services.task_executor.kv_transport import shm as shm_files
 from services.task_executor.kv_transport import wire
+from services.task_executor.kv_transport.connections import (
+    Connection,
+    Connections,
+    default_connections,
+)
 from services.task_executor.kv_transport.pool import Lent, SegmentPool, default_pool
 
 
@@ -65,18 +72,22 @@ async def pull(
     renew_s: float,
     shm: bool = True,
     pool: SegmentPool | None = None,
+    connections: Connections | None = None,
 ) -> Pulled:
     """``key``'s KV from the server at ``address`` ("host:port"), from token ``skip_tokens``
     on (the tokens before are held here already; none of their KV is sent). ``shm``: use
     shared memory if the server is on this host, with segments of ``pool`` (this process's
-    ``default_pool()`` unless given). ``TransferFailed`` on any failure."""
+    ``default_pool()`` unless given); over a kept connection of ``connections`` (the event
+    loop's ``default_connections()`` unless given) or a new one. ``TransferFailed`` on any
+    failure."""
     if skip_tokens < 0:
         raise ValueError("skip_tokens must not be negative")
     started = time.perf_counter()
     segments = (pool or default_pool()) if shm else None
+    conns = connections or default_connections()
     try:
         async with asyncio.timeout(deadline_s):
-            return await _Pull(address, key, skip_tokens, renew_s, segments, started).run()
+            return await _Pull(address, key, skip_tokens, renew_s, segments, conns, started).run()
     except TimeoutError as e:
         raise TransferFailed(f"no complete KV from {address} within {deadline_s} s") from e
 
@@ -108,35 +119,42 @@ class _Pull:
         skip_tokens: int,
         renew_s: float,
         pool: SegmentPool | None,
+        connections: Connections,
         started: float,
     ) -> None:
         self.address, self.key, self.skip = address, key, skip_tokens
         self.renew_s, self.pool, self.started = renew_s, pool, started
+        self.connections = connections
+        self.conn: Connection | None = None
         self.sock: socket.socket | None = None
         self.segment: Lent | None = None
         self.nbytes = 0
 
     async def run(self) -> Pulled:
         renewer: asyncio.Task[None] | None = None
+        kept = False
         try:
-            try:
-                self.sock = await wire.connect(self.address)
-            except OSError as e:
-                raise TransferFailed(f"cannot connect to {self.address}: {e}") from e
-            meta = await self._ask()
-            renewer = asyncio.create_task(self._renew(), name=f"kv-renew-{self.key}")
+            meta = await self._open()
+            stop_renewing = asyncio.Event()
+            renewer = asyncio.create_task(self._renew(stop_renewing), name=f"kv-renew-{self.key}")
             kv, done = await self._receive(meta)
-            renewer.cancel()
-            await asyncio.gather(renewer, return_exceptions=True)
-            with contextlib.suppress(OSError):  # everything is here: the release is a courtesy
-                await wire.send(self.sock, wire.Release())
+            stop_renewing.set()  # (a renewal being sent is finished first: no half frame)
+            await renewer
+            try:
+                await wire.send(self._socket(), wire.Release())
+            except OSError:  # everything is here: the release is a courtesy
+                pass
+            else:
+                assert self.conn is not None
+                self.connections.released(self.conn)
+                kept = True
         except (OSError, wire.ProtocolError) as e:
             raise TransferFailed(f"KV {self.key!r} from {self.address}: {e}") from e
         finally:
             if renewer is not None:
                 renewer.cancel()
-            if self.sock is not None:
-                self.sock.close()
+            if self.conn is not None and not kept:
+                self.conn.close()
             if self.segment is not None:
                 self.segment.discard()  # (after the result was taken, a no-op)
         n = done.num_computed_tokens
@@ -154,13 +172,36 @@ class _Pull:
             seconds=time.perf_counter() - self.started,
         )
 
-    async def _ask(self) -> wire.Meta:
+    def _socket(self) -> socket.socket:
         assert self.sock is not None
-        probe = shm_files.make_probe() if self.pool is not None else None
+        return self.sock
+
+    async def _open(self) -> wire.Meta:
+        """A connection and the server's ``Meta``. A kept connection the server closed
+        while it waited fails before the server has read anything: once, a new one."""
+        while True:
+            try:
+                self.conn = await self.connections.get(self.address)
+            except OSError as e:
+                raise TransferFailed(f"cannot connect to {self.address}: {e}") from e
+            self.sock = self.conn.sock
+            try:
+                return await self._ask(self.conn)
+            except (OSError, wire.ConnectionClosed):
+                if not self.conn.reused or self.segment is not None:
+                    raise
+                self.conn.close()  # no Meta came: the server had not taken the pull
+
+    async def _ask(self, conn: Connection) -> wire.Meta:
+        sock = self._socket()
+        probe = None
+        if self.pool is not None and conn.same_host is None:
+            probe = shm_files.make_probe()
         try:
             path, data = (str(probe[0]), probe[1]) if probe is not None else (None, None)
-            await wire.send(self.sock, wire.Pull(self.key, self.skip, path, data))
-            msg, _ = await wire.recv_from_server(self.sock)
+            again = self.pool is not None and conn.same_host is True
+            await wire.send(sock, wire.Pull(self.key, self.skip, path, data, again))
+            msg, _ = await wire.recv_from_server(sock)
         finally:
             if probe is not None:
                 shm_files.remove(probe[0])
@@ -174,24 +215,28 @@ class _Pull:
             raise wire.ProtocolError("a KV of no shape")
         if msg.first_token != min(self.skip, msg.num_prompt_tokens):
             raise wire.ProtocolError(f"KV from token {msg.first_token}, asked from {self.skip}")
+        if probe is not None and msg.capacity > 0:  # (with nothing to send, tcp says nothing)
+            conn.same_host = msg.transport == "shm"
         if msg.transport == "shm":
             if self.pool is None:
                 raise wire.ProtocolError("shared memory, not asked for")
             row = msg.num_kv_heads * msg.head_dim * DTYPES[msg.dtype].itemsize
             self.segment = self.pool.lend(2 * msg.num_layers * msg.capacity * row)
-            await wire.send(self.sock, wire.UseSegment(self.segment.path))
+            await wire.send(sock, wire.UseSegment(self.segment.path))
         return msg
 
-    async def _renew(self) -> None:
-        assert self.sock is not None
+    async def _renew(self, stop: asyncio.Event) -> None:
+        sock = self._socket()
         with contextlib.suppress(OSError):  # the receiving side sees the connection fail
-            while True:
-                await asyncio.sleep(self.renew_s)
-                await wire.send(self.sock, wire.Renew())
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.renew_s)
+                if not stop.is_set():
+                    await wire.send(sock, wire.Renew())
 
     async def _receive(self, meta: wire.Meta) -> tuple[torch.Tensor, wire.Done]:
         """The KV buffer (``[L, 2, capacity, kvh, hd]``) once complete, and ``Done``."""
-        assert self.sock is not None
+        sock = self._socket()
         dtype = DTYPES[meta.dtype]
         shape = (meta.num_layers, 2, meta.capacity, meta.num_kv_heads, meta.head_dim)
         row = meta.num_kv_heads * meta.head_dim * dtype.itemsize
@@ -202,7 +247,7 @@ class _Pull:
             buf = torch.empty(shape, dtype=dtype)
             flat = buf.view(-1).view(torch.uint8).numpy().data
         while True:
-            msg, payload = await wire.recv_from_server(self.sock)
+            msg, payload = await wire.recv_from_server(sock)
             if isinstance(msg, wire.Data):
                 if payload != 2 * msg.ntok * row:
                     raise wire.ProtocolError("a Data frame that does not fit")
@@ -210,7 +255,7 @@ class _Pull:
                 for kv in (0, 1):
                     # K's (or V's) rows of these tokens: one run of bytes in the buffer
                     at = ((msg.layer * 2 + kv) * meta.capacity + msg.start - meta.first_token) * row
-                    await wire.recv_into(self.sock, flat[at : at + msg.ntok * row])
+                    await wire.recv_into(sock, flat[at : at + msg.ntok * row])
                 self.nbytes += payload
             elif isinstance(msg, wire.Written):
                 for layer, start, ntok in msg.ranges:

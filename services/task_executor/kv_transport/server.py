@@ -13,6 +13,10 @@ reason)``, which is where the TE frees the task's KV blocks:
 - ``withdraw``'s reason: the TE dropped it;
 - ``"closed"``: the server closed.
 
+A connection may carry one pull after another (``connections.py``): after a release the
+server answers ``Ok`` and waits up to ``IDLE_S`` for the next ``Pull``, remembering whether
+the connection's probe found /dev/shm shared. Any other end of a pull closes it.
+
 One puller per key: a second pull is refused, and so is a pull of a key whose lease has
 ended (it is remembered for ``ENDED_MEMORY_S``, to answer with what happened rather than
 "unknown"). A puller may arrive before the offer (control messages race): it waits up to
@@ -44,6 +48,7 @@ log = get_logger(__name__)
 
 GRACE_S = 2.0  # how long a pull of an unknown key waits for its offer
 HELLO_TIMEOUT_S = 10.0  # a connection's first frame
+IDLE_S = 120.0  # a kept connection's wait for its next pull (pullers keep them less long)
 ENDED_MEMORY_S = 60.0
 ENDED_MEMORY_KEYS = 4096
 PRUNE_S = 10.0  # how often kept mappings of pullers' segments are checked (mapped.py)
@@ -55,6 +60,7 @@ class _Lease:
     timer: asyncio.TimerHandle | None = None
     taken: bool = False  # a puller came (one per key)
     session: Session | None = None
+    reason: str | None = None  # why it ended
 
 
 class KvServer:
@@ -76,6 +82,7 @@ class KvServer:
         self._ended: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
         self._offered = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
+        self._idle: set[asyncio.Task[None]] = set()  # handlers waiting on a kept connection
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +155,8 @@ class KvServer:
             self._listener.close()
         for lease in list(self._leases.values()):
             self._end(lease, "closed", "the prefill side is shutting down")
+        for task in self._idle:
+            task.cancel()
         if self._handlers:
             await asyncio.wait(self._handlers, timeout=2.0)
         for task in list(self._handlers):
@@ -191,6 +200,7 @@ class KvServer:
         if self._leases.get(key) is not lease:
             return
         del self._leases[key]
+        lease.reason = reason
         if lease.timer is not None:
             lease.timer.cancel()
         self._remember(key, error or f"the KV is gone ({reason})")
@@ -259,15 +269,35 @@ class KvServer:
             task.add_done_callback(self._handlers.discard)
 
     async def _handle(self, sock: socket.socket) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        same_host = False  # what this connection's last probe found
+        timeout = HELLO_TIMEOUT_S
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT_S):
-                hello = await wire.recv_from_client(sock)
-            if isinstance(hello, wire.Pull):
-                await self._pull(sock, hello)
-            elif isinstance(hello, wire.Reject):
-                await self._reject(sock, hello)
-            else:
-                await wire.send(sock, wire.Error(f"a {type(hello).__name__} before any pull"))
+            while not self._closed:
+                if timeout == IDLE_S:
+                    self._idle.add(task)
+                try:
+                    async with asyncio.timeout(timeout):
+                        hello = await wire.recv_from_client(sock)
+                finally:
+                    self._idle.discard(task)
+                if isinstance(hello, wire.Pull):
+                    path, data = hello.probe_path, hello.probe
+                    probed = path is not None and data is not None
+                    if path is not None and data is not None:
+                        same_host = shm.probe_matches(path, data)
+                    use_shm = same_host and (probed or hello.same_host_as_before)
+                    if not await self._pull(sock, hello, use_shm):
+                        return
+                    await wire.send(sock, wire.Ok())  # released: the next pull may follow
+                    timeout = IDLE_S
+                elif isinstance(hello, wire.Reject):
+                    await self._reject(sock, hello)
+                    return
+                else:
+                    await wire.send(sock, wire.Error(f"a {type(hello).__name__} before any pull"))
+                    return
         except (OSError, TimeoutError, wire.ProtocolError) as e:
             log.debug("KV server connection failed", error=str(e))
         finally:
@@ -281,25 +311,21 @@ class KvServer:
         self._end(found, f"rejected: {msg.reason}", f"rejected by the decode side: {msg.reason}")
         await wire.send(sock, wire.Ok())
 
-    async def _pull(self, sock: socket.socket, msg: wire.Pull) -> None:
+    async def _pull(self, sock: socket.socket, msg: wire.Pull, use_shm: bool) -> bool:
+        """Serve one pull; whether it ended released (the connection may carry another)."""
         found = await self._find(msg.key)
         if isinstance(found, str):
             await wire.send(sock, wire.Error(found))
-            return
+            return False
         lease = found
         if lease.taken:
             await wire.send(sock, wire.Error(f"KV {msg.key!r} is already being pulled"))
-            return
+            return False
         lease.taken = True
         outbox = lease.outbox
         first = min(max(msg.skip_tokens, 0), outbox.num_prompt_tokens)
         nbytes = outbox.num_layers * 2 * (outbox.num_prompt_tokens - first) * outbox.row_bytes
-        same_host = (
-            msg.probe_path is not None
-            and msg.probe is not None
-            and shm.probe_matches(msg.probe_path, msg.probe)
-        )
-        transport = "shm" if nbytes and same_host else "tcp"
+        transport = "shm" if nbytes and use_shm else "tcp"
         self._renew(lease)
         try:
             await wire.send(sock, Session.meta(outbox, first, transport))
@@ -313,7 +339,7 @@ class KvServer:
                     segment = self._mapped.get(named.path, nbytes)
                 except OSError as e:
                     await wire.send(sock, wire.Error(f"the puller's segment: {e}"))
-                    return
+                    return False
                 self._prune_later()
             session = Session(
                 sock,
@@ -326,8 +352,9 @@ class KvServer:
             )
             if self._leases.get(msg.key) is not lease:  # it ended meanwhile
                 await wire.send(sock, wire.Error(self._ended.get(msg.key, ("gone", 0.0))[0]))
-                return
+                return False
             lease.session = session
             await session.run()
         finally:
             self._end(lease, "disconnected", None)
+        return lease.reason == "released" and session.clean

@@ -12,7 +12,9 @@ KV will come: over this connection or through shared memory) or ``Error``; over 
 memory the puller names its segment (``UseSegment``); then ``Data`` (TCP) or ``Written``
 (shared memory) frames as the prefill computes, and ``Done`` once every layer's range has
 been sent; the puller sends ``Renew`` while it waits and
-``Release`` once it holds everything. An ``Error`` frame ends a pull at any point.
+``Release`` once it holds everything. An ``Error`` frame ends a pull at any point, and
+the connection with it. After a ``Release`` the server answers ``Ok`` and the connection
+may carry the puller's next ``Pull`` (``connections.py``).
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ class ConnectionClosed(ProtocolError):
 class Pull(msgspec.Struct, tag="pull"):
     """Send me ``key``'s KV from token ``skip_tokens`` on. ``probe_path``/``probe``: a file
     the puller wrote in /dev/shm and its bytes: shared memory is used if the server reads the
-    same bytes there (same host, or /dev/shm shared across network namespaces)."""
+    same bytes there (same host, or /dev/shm shared across network namespaces).
+    ``same_host_as_before``: no probe, use shared memory if an earlier pull's probe on this
+    connection found it shared. Neither: over this connection."""
 
     key: str
     skip_tokens: int
     probe_path: str | None = None
     probe: bytes | None = None
+    same_host_as_before: bool = False
 
 
 class Reject(msgspec.Struct, tag="reject"):
