@@ -6,8 +6,9 @@ TE over shared memory and over loopback TCP, next to a plain memory copy of the 
 The KV is that of one prompt of ``--tokens`` tokens in the Qwen2-0.5B shape (24 layers, 2 KV
 heads, head dim 64, bf16: 12 KiB a token), offered in chunks of ``--chunk`` tokens per layer
 as a chunked prefill writes it. The server (``KvServer``) and the puller are processes of
-their own, each on its own event loop (uvloop, as a TE runs), and the puller's process sets
-the allocator up as a TE does (``host_malloc``: large tensors from a warm heap). The whole KV
+their own, each on its own event loop (uvloop, as a TE runs), and both set the allocator up
+as a TE does (``host_malloc``: large tensors, the outbox's arena among them, from a warm
+heap). The whole KV
 is offered before the pull starts, so a pull's time (``Pulled.seconds``, from the call to its
 return, connection included) is the transfer alone; its bytes are checked against the
 source's after each pull.
@@ -69,9 +70,11 @@ def _install_uvloop() -> None:
 def _server(max_tokens: int, chunk: int) -> int:
     import torch
 
+    from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
     from services.task_executor.kv_transport.outbox import Outbox
     from services.task_executor.kv_transport.server import KvServer
 
+    keep_large_allocations()  # as in a prefill TE: its outboxes' arenas from a warm heap
     _install_uvloop()
     g = torch.Generator().manual_seed(0)
     src = torch.randn(LAYERS, 2, max_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
@@ -161,6 +164,7 @@ def _client() -> int:
                     deadline_s=60,
                     renew_s=1.0,
                     shm=command["shm"],
+                    expect_bytes=command["expect"],
                 )
                 digest = _digest(p.kv)
                 _reply(
@@ -332,9 +336,8 @@ def _pull_once(server: Proc, client: Proc, address: dict[str, Any], key: str, n:
     """One offer and its pull, checked (bytes, transport, lease); the pull's seconds."""
     digest = server.ask({"op": "offer", "key": key, "tokens": n})["digest"]
     transport = key.partition("-")[0]
-    got = client.ask(
-        {"op": "pull", "address": address["address"], "key": key, "shm": transport == "shm"}
-    )
+    pull = {"op": "pull", "address": address["address"], "key": key, "shm": transport == "shm"}
+    got = client.ask(pull | {"expect": n * TOKEN_BYTES})  # a decode TE knows its layout
     if got["digest"] != digest or got["nbytes"] != n * TOKEN_BYTES:
         raise RuntimeError(f"{key}: the pulled KV is not the source's")
     if got["transport"] != transport:

@@ -116,6 +116,8 @@ async def pull_prompt(
         deadline_s=te.pd_transfer_timeout.total_seconds(),
         renew_s=te.pd_lease.total_seconds() / 3,
         pool=default_pool(te.kv_segment_pool_bytes),
+        # The same model's KV on the prefill side: its segment can be named at once.
+        expect_bytes=importer.kv_layout.token_bytes * max(len(prompt) - held, 0),
     )
     if pulled.token_ids[: pulled.num_prompt_tokens] != list(prompt):
         raise TransferFailed("the prefill TE computed another prompt")

@@ -133,7 +133,7 @@ def row_bytes(dtype: torch.dtype) -> int:
 
 
 async def pull_from(
-    server: KvServer | str, key: str, transport: str = "shm", **kw: float
+    server: KvServer | str, key: str, transport: str = "shm", **kw: float | int
 ) -> Pulled:
     args = {"skip_tokens": 0, "deadline_s": 5.0, "renew_s": 0.1} | kw
     address = server if isinstance(server, str) else server.address
@@ -603,3 +603,44 @@ async def test_closing_the_server_does_not_wait_for_kept_connections(ends):
     t = time.monotonic()
     await srv.close()
     assert time.monotonic() - t < 1.0
+
+
+@pytest.mark.parametrize(
+    ("expect", "segments"),
+    [
+        (1.0, 1),  # the puller's reckoning: the segment named in the pull is written
+        (2.0, 1),  # larger: taken too (the result is the KV's size)
+        (0.4, 2),  # too small: not taken; another is named once the size is known
+    ],
+)
+async def test_a_segment_named_in_the_pull(server, ends, pool, monkeypatch, expect, segments):
+    named_after = []
+    send = wire.send
+
+    async def counting(sock: socket.socket, msg: wire.ToServer | wire.ToClient) -> None:
+        if isinstance(msg, wire.UseSegment):
+            named_after.append(msg.path)
+        await send(sock, msg)
+
+    monkeypatch.setattr(wire, "send", counting)
+    src = source(tokens=4096)  # 2 MiB of KV: segments are powers of two from 1 MiB
+    await offered(server, "n", src)
+    nbytes = int(LAYERS * 2 * (4096 - 20) * row_bytes(src.dtype) * expect)
+    p = await pull_from(server, "n", skip_tokens=20, expect_bytes=nbytes)
+    assert p.transport == "shm" and same_bytes(p.kv, src[:, :, 20:])
+    assert await ends.wait("n") == "released"
+    assert pool.created == segments and len(named_after) == segments - 1
+
+
+async def test_a_segment_named_for_a_server_elsewhere_goes_back_unwritten(
+    server, ends, pool, monkeypatch
+):
+    monkeypatch.setattr(shm, "probe_matches", lambda path, data: False)  # another /dev/shm
+    src = source()
+    await offered(server, "far", src)
+    p = await pull_from(server, "far", expect_bytes=LAYERS * 2 * TOKENS * row_bytes(src.dtype))
+    assert p.transport == "tcp" and same_bytes(p.kv, src)
+    assert pool.created == 1 and pool.idle_bytes == 0  # lent, never written: unused
+    await offered(server, "far2", src)
+    await pull_from(server, "far2", expect_bytes=1000)
+    assert pool.created == 1  # the connection knows: no segment named again

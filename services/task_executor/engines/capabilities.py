@@ -92,6 +92,11 @@ class KvImporter(Protocol):
         """Leading tokens whose KV it holds already (an import brings only the rest)."""
         ...
 
+    @property
+    def kv_layout(self) -> KvLayout:
+        """One token's KV here: what a pull of the rest of a prompt brings, per token."""
+        ...
+
 
 @runtime_checkable
 class PrefixPinning(Protocol):

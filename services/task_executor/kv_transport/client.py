@@ -73,13 +73,16 @@ async def pull(
     shm: bool = True,
     pool: SegmentPool | None = None,
     connections: Connections | None = None,
+    expect_bytes: int = 0,
 ) -> Pulled:
     """``key``'s KV from the server at ``address`` ("host:port"), from token ``skip_tokens``
     on (the tokens before are held here already; none of their KV is sent). ``shm``: use
     shared memory if the server is on this host, with segments of ``pool`` (this process's
     ``default_pool()`` unless given); over a kept connection of ``connections`` (the event
-    loop's ``default_connections()`` unless given) or a new one. ``TransferFailed`` on any
-    failure."""
+    loop's ``default_connections()`` unless given) or a new one. ``expect_bytes``: the KV's
+    size as this side reckons it (the layout and the tokens past ``skip_tokens``): a segment
+    of that size is named in the request, so the server starts writing at once (0: it is
+    named once the server has said the size). ``TransferFailed`` on any failure."""
     if skip_tokens < 0:
         raise ValueError("skip_tokens must not be negative")
     started = time.perf_counter()
@@ -87,7 +90,9 @@ async def pull(
     conns = connections or default_connections()
     try:
         async with asyncio.timeout(deadline_s):
-            return await _Pull(address, key, skip_tokens, renew_s, segments, conns, started).run()
+            return await _Pull(
+                address, key, skip_tokens, renew_s, segments, conns, expect_bytes, started
+            ).run()
     except TimeoutError as e:
         raise TransferFailed(f"no complete KV from {address} within {deadline_s} s") from e
 
@@ -120,11 +125,13 @@ class _Pull:
         renew_s: float,
         pool: SegmentPool | None,
         connections: Connections,
+        expect_bytes: int,
         started: float,
     ) -> None:
         self.address, self.key, self.skip = address, key, skip_tokens
         self.renew_s, self.pool, self.started = renew_s, pool, started
-        self.connections = connections
+        self.connections, self.expect_bytes = connections, expect_bytes
+        self.meta_received = False
         self.conn: Connection | None = None
         self.sock: socket.socket | None = None
         self.segment: Lent | None = None
@@ -188,24 +195,34 @@ class _Pull:
             try:
                 return await self._ask(self.conn)
             except (OSError, wire.ConnectionClosed):
-                if not self.conn.reused or self.segment is not None:
+                if not self.conn.reused or self.meta_received:
                     raise
                 self.conn.close()  # no Meta came: the server had not taken the pull
+                if self.segment is not None:
+                    self.segment.discard()
+                    self.segment = None
 
     async def _ask(self, conn: Connection) -> wire.Meta:
         sock = self._socket()
         probe = None
         if self.pool is not None and conn.same_host is None:
             probe = shm_files.make_probe()
+        if self.pool is not None and conn.same_host is not False and self.expect_bytes > 0:
+            self.segment = self.pool.lend(self.expect_bytes)
         try:
             path, data = (str(probe[0]), probe[1]) if probe is not None else (None, None)
             again = self.pool is not None and conn.same_host is True
-            await wire.send(sock, wire.Pull(self.key, self.skip, path, data, again))
+            named = self.segment.path if self.segment is not None else None
+            await wire.send(sock, wire.Pull(self.key, self.skip, path, data, again, named))
             msg, _ = await wire.recv_from_server(sock)
         finally:
             if probe is not None:
                 shm_files.remove(probe[0])
+        self.meta_received = isinstance(msg, wire.Meta)
         if isinstance(msg, wire.Error):
+            if self.segment is not None:  # refused before anything was taken
+                self.segment.unused()
+                self.segment = None
             raise TransferFailed(msg.reason)
         if not isinstance(msg, wire.Meta):
             raise wire.ProtocolError(f"a {type(msg).__name__} where Meta was due")
@@ -217,12 +234,27 @@ class _Pull:
             raise wire.ProtocolError(f"KV from token {msg.first_token}, asked from {self.skip}")
         if probe is not None and msg.capacity > 0:  # (with nothing to send, tcp says nothing)
             conn.same_host = msg.transport == "shm"
-        if msg.transport == "shm":
-            if self.pool is None:
-                raise wire.ProtocolError("shared memory, not asked for")
-            row = msg.num_kv_heads * msg.head_dim * DTYPES[msg.dtype].itemsize
-            self.segment = self.pool.lend(2 * msg.num_layers * msg.capacity * row)
-            await wire.send(sock, wire.UseSegment(self.segment.path))
+        if msg.transport != "shm":
+            if self.segment is not None:  # named, not taken: nobody wrote it
+                self.segment.unused()
+                self.segment = None
+            return msg
+        if self.pool is None:
+            raise wire.ProtocolError("shared memory, not asked for")
+        row = msg.num_kv_heads * msg.head_dim * DTYPES[msg.dtype].itemsize
+        nbytes = 2 * msg.num_layers * msg.capacity * row
+        if msg.segment_taken:
+            if self.segment is None:
+                raise wire.ProtocolError("a segment taken that was not named")
+            try:
+                self.segment.fit(nbytes)
+            except ValueError as e:
+                raise wire.ProtocolError(str(e)) from e
+            return msg
+        if self.segment is not None:
+            self.segment.unused()
+        self.segment = self.pool.lend(nbytes)
+        await wire.send(sock, wire.UseSegment(self.segment.path))
         return msg
 
     async def _renew(self, stop: asyncio.Event) -> None:

@@ -79,6 +79,7 @@ class Lent:
         self.path = str(segment.path)
         self.nbytes = nbytes
         self._array: np.ndarray | None = np.frombuffer(segment.mm, dtype=np.uint8, count=nbytes)
+        self._used_before = segment.used
         segment.used = max(segment.used, nbytes)
 
     def buffer(self) -> memoryview:
@@ -92,6 +93,23 @@ class Lent:
         assert array is not None
         weakref.finalize(array, self._pool._give_back, self._segment)
         return torch.from_numpy(array)
+
+    def fit(self, nbytes: int) -> None:
+        """The pull's KV is ``nbytes`` (at most the segment's size), not what it was lent
+        for."""
+        if nbytes > self._segment.size:
+            raise ValueError(f"{nbytes} bytes in a segment of {self._segment.size}")
+        assert self._segment.mm is not None
+        self.nbytes = nbytes
+        self._segment.used = max(self._used_before, nbytes)
+        self._array = np.frombuffer(self._segment.mm, dtype=np.uint8, count=nbytes)
+
+    def unused(self) -> None:
+        """Nobody wrote it (the server did not take it): back to the pool as it was."""
+        if self._array is not None:
+            self._array = None
+            self._segment.used = self._used_before
+            self._pool._give_back(self._segment)
 
     def discard(self) -> None:
         if self._array is not None:

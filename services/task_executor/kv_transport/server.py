@@ -328,9 +328,12 @@ class KvServer:
         transport = "shm" if nbytes and use_shm else "tcp"
         self._renew(lease)
         try:
-            await wire.send(sock, Session.meta(outbox, first, transport))
             segment = None
-            if transport == "shm":
+            if transport == "shm" and msg.segment is not None:
+                with contextlib.suppress(OSError):  # not one of its segments, or too small
+                    segment = self._mapped.get(msg.segment, nbytes)
+            await wire.send(sock, Session.meta(outbox, first, transport, segment is not None))
+            if transport == "shm" and segment is None:
                 async with asyncio.timeout(HELLO_TIMEOUT_S):
                     named = await wire.recv_from_client(sock)
                 if not isinstance(named, wire.UseSegment):
@@ -340,6 +343,7 @@ class KvServer:
                 except OSError as e:
                     await wire.send(sock, wire.Error(f"the puller's segment: {e}"))
                     return False
+            if segment is not None:
                 self._prune_later()
             session = Session(
                 sock,

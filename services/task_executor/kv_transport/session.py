@@ -75,7 +75,7 @@ class Session:
             self._wake.set()
 
     @staticmethod
-    def meta(outbox: Outbox, first: int, transport: str) -> wire.Meta:
+    def meta(outbox: Outbox, first: int, transport: str, segment_taken: bool) -> wire.Meta:
         o = outbox
         return wire.Meta(
             transport=transport,
@@ -86,6 +86,7 @@ class Session:
             num_prompt_tokens=o.num_prompt_tokens,
             first_token=first,
             capacity=o.num_prompt_tokens - first,
+            segment_taken=segment_taken,
         )
 
     async def run(self) -> None:

@@ -9,7 +9,7 @@ the receiver ``recv_into``s the slice of its result tensor the header names.
 
 The exchange: the puller sends ``Pull`` (or ``Reject``), the server answers ``Meta`` (how the
 KV will come: over this connection or through shared memory) or ``Error``; over shared
-memory the puller names its segment (``UseSegment``); then ``Data`` (TCP) or ``Written``
+memory the puller names its segment (in the ``Pull``, or ``UseSegment`` after ``Meta``); then ``Data`` (TCP) or ``Written``
 (shared memory) frames as the prefill computes, and ``Done`` once every layer's range has
 been sent; the puller sends ``Renew`` while it waits and
 ``Release`` once it holds everything. An ``Error`` frame ends a pull at any point, and
@@ -55,13 +55,16 @@ class Pull(msgspec.Struct, tag="pull"):
     the puller wrote in /dev/shm and its bytes: shared memory is used if the server reads the
     same bytes there (same host, or /dev/shm shared across network namespaces).
     ``same_host_as_before``: no probe, use shared memory if an earlier pull's probe on this
-    connection found it shared. Neither: over this connection."""
+    connection found it shared. Neither: over this connection. ``segment``: where to write
+    the KV over shared memory, named up front by a puller that knows its size (the server
+    takes it if it is large enough; else the puller names one after ``Meta``)."""
 
     key: str
     skip_tokens: int
     probe_path: str | None = None
     probe: bytes | None = None
     same_host_as_before: bool = False
+    segment: str | None = None
 
 
 class Reject(msgspec.Struct, tag="reject"):
@@ -89,8 +92,8 @@ class Release(msgspec.Struct, tag="release"):
 class Meta(msgspec.Struct, tag="meta"):
     """How the KV comes. The result buffer is ``[num_layers, 2, capacity, num_kv_heads,
     head_dim]`` holding tokens ``[first_token, first_token + capacity)``; over shared memory
-    (``transport == "shm"``) it is a segment of the puller's, which it names next
-    (``UseSegment``), laid out the same way."""
+    (``transport == "shm"``) it is a segment of the puller's, laid out the same way: the
+    one the ``Pull`` named (``segment_taken``) or one it names next (``UseSegment``)."""
 
     transport: str  # "shm" or "tcp"
     num_layers: int
@@ -100,6 +103,7 @@ class Meta(msgspec.Struct, tag="meta"):
     num_prompt_tokens: int
     first_token: int
     capacity: int
+    segment_taken: bool = False
 
 
 class Data(msgspec.Struct, tag="data"):
