@@ -599,6 +599,13 @@ class TaskExecutorSettings(Section):
         description="With MESHSERVE_KV_SIZING: how long a KV pool stays well above its demand "
         "before it shrinks (a pool grows at once).",
     )
+    kv_room_wait: Duration = Field(
+        default=timedelta(seconds=30),
+        description="With MESHSERVE_DEVICE_KV_BYTES: how long a model load waits for room "
+        "for its KV pool's floor (1.25 times one request of its context) on the device, the "
+        "other TEs told to shrink to their demand meanwhile, before the load fails, saying "
+        "so (the scaler backs off and tries again).",
+    )
     shadow_admission: bool = Field(
         default=False,
         description="Where a pool's TEs take turns and a model has a performance model, a TE "

@@ -109,6 +109,10 @@ KV_SQUEEZES = Counter(
 )
 
 
+class NoKvRoom(RuntimeError):
+    """A model load found no room for its KV pool in the device's books in time."""
+
+
 # A TE's stretch: a moving mean over about its last 1 / STRETCH_WEIGHT turns, bounded.
 STRETCH_WEIGHT = 0.1
 STRETCH_MIN, STRETCH_MAX = 0.5, 20.0
@@ -370,11 +374,16 @@ class TurnClient:
         self._room = math.inf
         self._needs: int | None = None
         self._squeezed = False
+        self._room_changed = asyncio.Event()
         self.on_squeeze: Callable[[], None] | None = None  # told to shrink (on the loop)
 
     @property
     def active(self) -> bool:
         return not self._off
+
+    @property
+    def _talking(self) -> bool:
+        return self._writer is not None and self._reading is not None and not self._reading.done()
 
     async def _connected(self, device: str) -> asyncio.StreamWriter:
         if self._writer is None:
@@ -395,6 +404,7 @@ class TurnClient:
                     self._go.set_result(None)
                 elif word == "room" and self._needs is not None:  # else: from before a hold
                     self._room = float(arg)
+                    self._room_changed.set()
                 elif word == "squeeze":
                     self._squeezed = True
                     if self.on_squeeze is not None:
@@ -406,6 +416,7 @@ class TurnClient:
                         future.set_result(msgspec.json.decode(body, type=Verdict))
         except (OSError, ValueError, msgspec.DecodeError):
             pass
+        self._room_changed.set()  # a reservation waiting gives up: no books any more
         gone = ConnectionError("the device arbiter went away")
         if self._go is not None and not self._go.done():
             self._go.set_exception(gone)
@@ -442,6 +453,33 @@ class TurnClient:
         self._needs = nbytes
         urgency = deadline if math.isfinite(deadline) else 1e18
         self._send(f"need {nbytes} {urgency!r}\n")
+
+    async def kv_reserve(self, nbytes: int, device: str, deadline: float, wait_s: float) -> bool:
+        """Room for ``nbytes`` of KV before a model loads (it holds none yet): asked as a
+        grow from nothing, the device's other TEs told to shrink while it waits. True once
+        granted (or with no arbiter to ask); False after ``wait_s`` without it (the ask is
+        withdrawn). The load's first ``kv_hold`` turns the reservation into what it holds."""
+        if self._off:
+            return True
+        try:
+            await self._connected(device)
+        except (OSError, ConnectionError) as e:
+            self._give_up(e)
+            return True
+        self.kv_hold(0)
+        self._room = 0
+        self.kv_need(nbytes, deadline)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while self._room < nbytes and self._talking:
+                    self._room_changed.clear()
+                    await self._room_changed.wait()
+        if not self._talking:  # the arbiter went away: no books to keep
+            return True
+        if self._room >= nbytes:
+            return True
+        self.kv_hold(0)  # withdrawn
+        return False
 
     def take_squeeze(self) -> bool:
         """Whether it was told to shrink since it last asked."""

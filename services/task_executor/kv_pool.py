@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 
 from services.task_executor.engines.capabilities import KvResizer
-from services.task_executor.kv_sizing import KvSizing, demand_tokens, next_size
+from services.task_executor.kv_sizing import KvSizing, demand_tokens, floor_tokens, next_size
 
 MEAN_WEIGHT = 0.1  # of each finished request's output in the running mean
 DEFAULT_OUTPUT = 256  # tokens, before any request finished (the scaler's default too)
@@ -43,10 +43,7 @@ class KvPool:
         default_output: int = DEFAULT_OUTPUT,
     ) -> None:
         self.engine = engine
-        block = engine.block_size
-        self.sizing = KvSizing(
-            min_tokens=max_model_len, granularity=block, shrink_after_s=shrink_after_s
-        )
+        self.sizing = pool_sizing(max_model_len, engine.block_size, shrink_after_s)
         # An idle TE looks at its pool this often (the shrink is lazy, but not forgotten).
         self.idle_tick_s = min(IDLE_TICK_S, shrink_after_s / 2)
         self._over_since: float | None = None
@@ -89,3 +86,15 @@ class KvPool:
     def resize(self, blocks: int) -> int:
         """On the engine's thread, between iterations."""
         return self.engine.resize_kv(blocks)
+
+
+def pool_sizing(max_model_len: int, block_size: int, shrink_after_s: float = 30.0) -> KvSizing:
+    """How a pool of a model admitting ``max_model_len`` tokens is sized (``KvPool``)."""
+    return KvSizing(min_tokens=max_model_len, granularity=block_size, shrink_after_s=shrink_after_s)
+
+
+def floor_blocks(max_model_len: int, block_size: int, most_blocks: int) -> int:
+    """The blocks a pool holding no request keeps (what a load enters the device's books
+    at): ``kv_sizing.floor_tokens``, at most the cache its engine allocated."""
+    tokens = floor_tokens(pool_sizing(max_model_len, block_size))
+    return min(-(-tokens // block_size), most_blocks)

@@ -50,6 +50,12 @@ def _rounded(tokens: float, granularity: int) -> int:
     return max(g, math.ceil(tokens / g) * g)
 
 
+def floor_tokens(sizing: KvSizing) -> int:
+    """What a pool holding no request grows to (its demand is the floor ``L_min``): the
+    size a model load's pool enters the device's books at."""
+    return _rounded(demand_tokens((), 0.0, sizing) * (1 + sizing.grow_slack), sizing.granularity)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Resize:
     tokens: int  # the pool's size from now (the current one when it holds)

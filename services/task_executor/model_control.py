@@ -79,11 +79,13 @@ class ModelControl:
         drain: Callable[[float], Awaitable[None]],
         changed: Callable[[], None],
         loaded: Callable[[], None],
+        before_load: Callable[[LoadModel], Awaitable[None]] | None = None,
     ) -> None:
         """``step_lock``: held while an engine iteration runs (an unload takes the engine
         only between iterations); ``drain(grace)``: let the running tasks finish, hand the
         rest back; ``changed``: the state moved (heartbeat now); ``loaded``: an engine is
-        ready for work."""
+        ready for work; ``before_load``: what a load waits for first (room for its KV on
+        the device), failing the load if it raises."""
         self._settings = settings
         self._te_id = te_id
         self._factory = engine_factory
@@ -95,6 +97,7 @@ class ModelControl:
         self._drain = drain
         self._changed = changed
         self._loaded = loaded
+        self._before_load = before_load
         self.state = TEState.IDLE
         self.model: str | None = None
         self.engine: Engine | None = None
@@ -202,8 +205,13 @@ class ModelControl:
         steps: dict[str, float] = {}
         self.load_steps, self.ready_at = steps, 0.0
         try:
+            queued = t0
+            if self._before_load is not None:
+                await self._before_load(cmd)
+                queued = time.monotonic()
+                steps["te_kv_room"] = queued - t0
             engine, features, self.capacity = await self._thread.run(
-                self._build_engine, cmd, t0, steps
+                self._build_engine, cmd, queued, steps
             )
         except Exception as e:
             log.exception("model load failed", model=cmd.model)

@@ -16,16 +16,18 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 from opentelemetry import context as otel_context
 
 from services.task_executor import task_spans
-from services.task_executor.device_arbiter import Instance, TurnClient
+from services.task_executor.device_arbiter import Instance, NoKvRoom, TurnClient
 from services.task_executor.disaggregation import PrefillSide, prefill_request, pull_prompt
 from services.task_executor.engine_thread import EngineThread
 from services.task_executor.engines.base import Engine, EngineOutput, EngineRequest
 from services.task_executor.engines.capabilities import LoraServing
+from services.task_executor.engines.factory import kv_floor_bytes
 from services.task_executor.engines.process import EngineProcessDied
 from services.task_executor.engines.torch_engine.kv_transfer import KvExport
 from services.task_executor.kv_pool import KvPool
@@ -49,6 +51,7 @@ from shared.headroom import RequestView, earliest_deadline, request_view
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
+from shared.messages.scaling import LoadModel
 from shared.messages.tasks import (
     CancelTask,
     ChatTask,
@@ -165,6 +168,7 @@ class TaskLoop:
         )
         self._turns.on_squeeze = self._squeezed
         self._squeezing: asyncio.Task[None] | None = None
+        self._reserved = False  # room in the device's books for a load's KV, not yet held
         self._slo = settings.scaler.slo()
         # Shadow validation of each colocated task on the device before it is taken.
         self._shadow = settings.task_executor.shadow_admission and self._turns.active
@@ -489,6 +493,7 @@ class TaskLoop:
             blocks = await self._thread.run(pool.resize, plan.blocks)
         if budgeted and (plan.blocks is not None or loaded):
             self._turns.kv_hold(blocks * resizer.kv_block_bytes)
+            self._reserved = False
         if budgeted and plan.need_bytes is not None:
             self._turns.kv_need(plan.need_bytes, self._earliest_deadline())
 
@@ -504,8 +509,34 @@ class TaskLoop:
                 self._kv_pool = None
                 if self._settings.task_executor.device_kv_bytes > 0 and self._turns.active:
                     self._turns.kv_hold(0)
+            elif self._reserved and control.state == TEState.IDLE:  # the load failed
+                self._reserved = False
+                self._turns.kv_hold(0)
         elif self._kv_pool is None and self._settings.task_executor.kv_sizing:
             self._squeezed()  # sizes the pool now, whether idle or not
+
+    async def reserve_kv(self, cmd: LoadModel) -> None:
+        """Before a model loads (``ModelControl``'s ``before_load``), where KV pools are sized
+        by demand under a device budget: room in the device's books for the new pool's
+        floor (``factory.kv_floor_bytes``), the device's other TEs told to shrink to their
+        demand while it waits, for up to ``MESHSERVE_KV_ROOM_WAIT``; ``NoKvRoom`` (the load
+        fails, and says why) when none came. A load that fails later gives the room back
+        (``engine_changed``); one that succeeds holds its pool in its place."""
+        te = self._settings.task_executor
+        if not (te.kv_sizing and te.device_kv_bytes > 0 and self._turns.active):
+            return
+        floor = kv_floor_bytes(cmd.model, Path(cmd.path), self._settings)
+        if floor is None:  # an engine that cannot resize its KV: it keeps no books
+            return
+        wait_s = te.kv_room_wait.total_seconds()
+        self._reserved = True
+        if not await self._turns.kv_reserve(floor, "cpu", time.monotonic(), wait_s):
+            self._reserved = False
+            raise NoKvRoom(
+                f"no room on the device for {cmd.model}'s KV ({floor} bytes, its floor) "
+                f"within {wait_s:g} s: the device's TEs hold the rest of "
+                f"MESHSERVE_DEVICE_KV_BYTES={te.device_kv_bytes}"
+            )
 
     def _squeezed(self) -> None:
         """The device arbiter asks this TE's KV pool to shrink to its demand (another waits

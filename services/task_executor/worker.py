@@ -101,6 +101,7 @@ class TaskExecutor:
             drain=lambda grace: self.tasks.drain(grace),
             changed=self._control_changed,
             loaded=lambda: self.tasks.wake(),
+            before_load=lambda cmd: self.tasks.reserve_kv(cmd),
         )
         self.tasks = TaskLoop(
             te_id=te_id,

@@ -3,7 +3,8 @@ the torch engine on CPU, its pool shrinking once idle a while (to 1.25 times one
 the model's whole context) and growing at once for a burst of long requests, as its
 heartbeats report it; greedy output the same at every size. Two TEs of one pool under a
 device KV budget (``MESHSERVE_DEVICE_KV_BYTES``): one grows only after the other shrank to
-make room, and together they never hold more than the budget."""
+make room, a load waits for room for its pool's floor the same way, and together they never
+hold more than the budget."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from services.cluster_manager.service import ClusterManager
 from services.task_executor.device_arbiter import KV_SQUEEZES
+from services.task_executor.engines.factory import kv_floor_bytes
 from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.pool import NodePool
@@ -178,19 +180,31 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
 
         # An unload gives the TE's KV back to the device's books at once (not when the TE
         # next looks at its pool, seconds later); a load enters them at its floor as soon as
-        # it is ready (before any request), never at the size its engine allocated.
+        # it is ready (before any request), never at the size its engine allocated. Meanwhile
+        # a larger burst grows the second TE's pool past what leaves room for that floor
+        # (its lazy shrink is a minute away), so the load first waits for room: the second
+        # is told to shrink, and the books stay within the budget throughout.
+        assert kv_floor_bytes("demo", tmp_path / "demo", settings) == floor * block_bytes
         ack = await client.tes.control(tes[0], UnloadModel(reason="test"))
         assert ack.ok, ack
         unloaded = time.monotonic()
         while books().get(tes[0]) != 0:
             assert time.monotonic() - unloaded < 3, books()
             await asyncio.sleep(0.02)
+        third = await asyncio.gather(*(client.run_on(tes[1], prompt, 400) for _ in range(32)))
+        assert all(tokens == alone[0] for tokens, _ in third)
+        assert books()[tes[1]] * block_bytes > budget - floor * block_bytes, books()
+        unloaded = time.monotonic()
         seen: list[int] = []
+        totals: list[int] = []
+        squeezes = KV_SQUEEZES.labels("cpu")._value.get()
         watching = True
 
         async def watch_load() -> None:
             while watching:
-                seen.append(books().get(tes[0], 0))
+                held = books()
+                seen.append(held.get(tes[0], 0))
+                totals.append(sum(held.values()))
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.create_task(watch_load())
@@ -204,6 +218,10 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
         watching = False
         await watcher
         assert max(seen) <= floor + 1 and 0 < books()[tes[0]] <= floor + 1, (max(seen), books())
+        assert max(totals) * block_bytes <= budget, (max(totals), budget // block_bytes)
+        assert KV_SQUEEZES.labels("cpu")._value.get() > squeezes  # the second was told
+        assert books()[tes[1]] <= floor + 1, books()  # and shrank: the room the load took
+        assert time.monotonic() - unloaded < 45  # within the load's wait, not the lazy shrink
         assert (await client.run_on(tes[0], prompt, 400))[0] == alone[0]
     finally:
         await run.stop()

@@ -2,8 +2,8 @@
 socket: one turn at a time per device, the next to the earliest deadline among the TEs
 waiting, a TE between iterations holds nothing, a TE that leaves gives its turn back,
 devices are independent, late turns are counted; turns are served only where one
-iteration fills the device; under a KV budget, a grow waits for the shrink that makes its
-room."""
+iteration fills the device; under a KV budget, a grow (and a load's first pool) waits for
+the shrink that makes its room."""
 
 from __future__ import annotations
 
@@ -250,3 +250,47 @@ async def test_without_a_budget_a_grow_has_room_at_once(arbiter: DeviceArbiter) 
     assert await _until(lambda: a.kv_room == 2 * 10**12)
     a.close()
     assert TurnClient("", "off").kv_room == math.inf  # no arbiter: no bound
+
+
+def _books(arbiter: DeviceArbiter, name: str) -> int:
+    """What the arbiter's books count for ``name``: held and granted."""
+    client = arbiter._devices["cpu"].clients[name]
+    return client.holds + client.reserved
+
+
+async def test_a_load_reserves_its_kv_after_the_shrink_that_makes_room(
+    budgeted: DeviceArbiter,
+) -> None:
+    """900 of 1,000 bytes held: a new TE's load (holding nothing) waits for the 400 bytes of
+    its pool's floor; the other TE is told to shrink, and once it holds 500 the load's room
+    is in the books before its engine exists."""
+    a = await _te(budgeted, "a", 900)
+    a.on_squeeze = lambda: a.kv_hold(500)  # it shrinks to its demand when told
+    b = TurnClient(str(budgeted.path), "b")
+    assert await b.kv_reserve(400, "cpu", deadline=1.0, wait_s=2.0)
+    assert _books(budgeted, "a") == 500 and _books(budgeted, "b") == 400
+    b.kv_hold(380)  # the load's pool, as it first sized itself: the reservation's place
+    assert await _until(lambda: _books(budgeted, "b") == 380)
+    a.close()
+    b.close()
+
+
+async def test_a_load_that_finds_no_room_in_time_withdraws_its_ask(
+    budgeted: DeviceArbiter,
+) -> None:
+    a = await _te(budgeted, "a", 900)  # busy: it does not shrink when told
+    b = TurnClient(str(budgeted.path), "b")
+    t = time.monotonic()
+    assert not await b.kv_reserve(400, "cpu", deadline=1.0, wait_s=0.3)
+    assert 0.3 <= time.monotonic() - t < 2.0
+    assert a.take_squeeze()  # it was told
+    assert await _until(lambda: budgeted._devices["cpu"].clients["b"].need is None)
+    assert _books(budgeted, "b") == 0
+    a.close()
+    b.close()
+
+
+async def test_without_an_arbiter_a_load_reserves_nothing(tmp_path: Path) -> None:
+    assert await TurnClient("", "off").kv_reserve(400, "cpu", deadline=1.0, wait_s=0.1)
+    gone = TurnClient(str(tmp_path / "nobody"), "x")  # an arbiter that is not there
+    assert await gone.kv_reserve(400, "cpu", deadline=1.0, wait_s=0.1)

@@ -177,6 +177,49 @@ def create_engine(
     raise ValueError(f"unknown engine {kind!r}")
 
 
+def kv_floor_bytes(model: str, model_path: Path, settings: Settings) -> int | None:
+    """The KV a load of ``model`` here holds before its first request where its pool is
+    sized by demand (``kv_pool.floor_blocks``: 1.25 of its context, at most its cache),
+    worked out before the load from its config, as the engine will size it; None where the
+    engine chosen cannot resize its KV (``kv_resize``: the torch engine on a CPU)."""
+    if choose_engine(settings, model, model_path) != "torch":
+        return None
+    from services.task_executor.engines.torch_engine.build import (
+        kv_cache_size,
+        resolve_device,
+        resolve_dtype,
+    )
+    from services.task_executor.engines.torch_engine.config import load_model_config
+    from services.task_executor.engines.torch_engine.engine import BLOCK_SIZE
+    from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
+    from services.task_executor.kv_pool import floor_blocks
+
+    te = settings.task_executor
+    device = resolve_device(te.device)
+    if device.type != "cpu":
+        return None
+    cfg = load_model_config(model_path)
+    dtype = resolve_dtype(te.dtype, cfg, device)
+    blocks, max_len = kv_cache_size(
+        cfg,
+        device=device,
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=te.max_num_seqs,
+        max_model_len=None,
+        num_kv_blocks=None,
+        kv_cache_bytes=te.kv_cache_bytes,
+    )
+    block_bytes = PagedKVCache.bytes_per_block(
+        num_layers=cfg.num_layers,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=dtype,
+    )
+    return floor_blocks(max_len, BLOCK_SIZE, blocks) * block_bytes
+
+
 def preload(
     model: str, model_path: Path, settings: Settings, *, weights_from: str | None = None
 ) -> LoadReport:

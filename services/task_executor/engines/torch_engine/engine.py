@@ -80,6 +80,8 @@ from shared.messages.kv import KvEvent
 from shared.messages.scaling import InstanceCapacity
 from shared.native import Toolchain
 
+BLOCK_SIZE = 16  # tokens a KV block holds, unless the engine is given another
+
 
 class TorchEngine:
     name = "torch"
@@ -90,7 +92,7 @@ class TorchEngine:
         *,
         device: str = "auto",
         dtype: str = "auto",
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         num_kv_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         max_num_seqs: int = 32,
