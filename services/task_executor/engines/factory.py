@@ -185,13 +185,13 @@ def kv_floor_bytes(model: str, model_path: Path, settings: Settings) -> int | No
     if choose_engine(settings, model, model_path) != "torch":
         return None
     from services.task_executor.engines.torch_engine.build import (
+        kv_block_bytes,
         kv_cache_size,
         resolve_device,
         resolve_dtype,
     )
     from services.task_executor.engines.torch_engine.config import load_model_config
     from services.task_executor.engines.torch_engine.engine import BLOCK_SIZE
-    from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
     from services.task_executor.kv_pool import floor_blocks
 
     te = settings.task_executor
@@ -210,14 +210,7 @@ def kv_floor_bytes(model: str, model_path: Path, settings: Settings) -> int | No
         num_kv_blocks=None,
         kv_cache_bytes=te.kv_cache_bytes,
     )
-    block_bytes = PagedKVCache.bytes_per_block(
-        num_layers=cfg.num_layers,
-        block_size=BLOCK_SIZE,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        dtype=dtype,
-    )
-    return floor_blocks(max_len, BLOCK_SIZE, blocks) * block_bytes
+    return floor_blocks(max_len, BLOCK_SIZE, blocks) * kv_block_bytes(cfg, BLOCK_SIZE, dtype)
 
 
 def preload(

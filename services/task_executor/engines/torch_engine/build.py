@@ -79,6 +79,17 @@ def prefill_tokens(max_prefill_tokens: int | None, device: torch.device) -> int:
     return max_prefill_tokens
 
 
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """One KV cache block of the model: K and V of ``block_size`` tokens in every layer."""
+    return PagedKVCache.bytes_per_block(
+        num_layers=config.num_layers,
+        block_size=block_size,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
+
+
 def kv_cache_size(
     config: ModelConfig,
     *,
@@ -99,13 +110,7 @@ def kv_cache_size(
         raise ValueError(
             f"max_model_len {wanted_len} exceeds the model's {config.max_position_embeddings}"
         )
-    block_bytes = PagedKVCache.bytes_per_block(
-        num_layers=config.num_layers,
-        block_size=block_size,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        dtype=dtype,
-    )
+    block_bytes = kv_block_bytes(config, block_size, dtype)
     if num_kv_blocks is None:
         if kv_cache_bytes is None:
             wanted = max_num_seqs * blocks_for(wanted_len, block_size) * block_bytes
