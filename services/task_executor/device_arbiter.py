@@ -43,7 +43,9 @@ size it wants); the arbiter grants room (``room <bytes>``: the most it may hold 
 ``kv_sizing.order_ops`` orders the waiting grows over what is free: a grow only into memory
 a finished shrink gave back, the most urgent first, none overtaking one that waits. While
 one waits, the device's other TEs are told to shrink to their demand at once
-(``squeeze``); what they give back comes as their next ``hold``.
+(``squeeze``); what they give back comes as their next ``hold``. A TE about to load a model
+holds nothing and asks the same way for its new pool's floor (``kv_reserve``), so a load
+waits for room like a grow.
 
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
 runs its iterations unarbitrated, and takes every request, as before."""
