@@ -53,7 +53,12 @@ def _rounded(tokens: float, granularity: int) -> int:
 def floor_tokens(sizing: KvSizing) -> int:
     """What a pool holding no request grows to (its demand is the floor ``L_min``): the
     size a model load's pool enters the device's books at."""
-    return _rounded(demand_tokens((), 0.0, sizing) * (1 + sizing.grow_slack), sizing.granularity)
+    return _grown(demand_tokens((), 0.0, sizing), sizing)
+
+
+def _grown(demand: float, sizing: KvSizing) -> int:
+    """The size a pool grows (or shrinks) to for ``demand``: ``demand × (1 + w)``, rounded."""
+    return _rounded(demand * (1 + sizing.grow_slack), sizing.granularity)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +74,7 @@ def next_size(
     ``w / 2``; shrunk to that once it has stayed above ``(1 + h)`` times it for
     ``shrink_after_s``; else as it is. ``over_since`` carries the shrink timer between
     calls."""
-    target = _rounded(demand * (1 + sizing.grow_slack), sizing.granularity)
+    target = _grown(demand, sizing)
     if current < demand * (1 + sizing.grow_slack / 2):
         return Resize(max(target, current), None)
     if current > target * (1 + sizing.shrink_slack):

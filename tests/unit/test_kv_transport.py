@@ -216,7 +216,8 @@ def test_the_outbox_copies_what_it_is_given():
     box.layer(1, 0, k, v)
     k.zero_()  # the caller's tensor is its own again
     (piece,) = box.take()
-    assert same_bytes(piece.k.view(src.dtype).view(10, HEADS, HEAD_DIM), src[1, 0, :10])
+    k_rows = torch.frombuffer(piece.k_bytes, dtype=torch.uint8)
+    assert same_bytes(k_rows.view(src.dtype).view(10, HEADS, HEAD_DIM), src[1, 0, :10])
     assert box.arena is not None and box.arena.shape == (LAYERS, 2, TOKENS, row_bytes(src.dtype))
     box.discard()
     assert box.arena is None

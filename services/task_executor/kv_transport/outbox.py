@@ -30,23 +30,19 @@ from services.task_executor.dtypes import DTYPES
 
 @dataclasses.dataclass(slots=True)
 class Piece:
-    """Tokens ``[start, end)`` of ``layer``: K's rows and V's in the arena, as flat uint8
-    tensors and as buffers over the same memory (for ``sendmsg``)."""
+    """Tokens ``[start, end)`` of ``layer``: K's rows and V's, as buffers over the arena's
+    memory (for ``sendmsg``; a copy into shared memory reads the arena itself)."""
 
     layer: int
     start: int
     end: int
-    k: torch.Tensor
-    v: torch.Tensor
     k_bytes: memoryview
     v_bytes: memoryview
 
     def cut(self, first: int, row_bytes: int) -> Piece:
         """The tokens at or past ``first`` (which lies inside the piece)."""
         n = (first - self.start) * row_bytes
-        return Piece(
-            self.layer, first, self.end, self.k[n:], self.v[n:], self.k_bytes[n:], self.v_bytes[n:]
-        )
+        return Piece(self.layer, first, self.end, self.k_bytes[n:], self.v_bytes[n:])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,7 +120,7 @@ class Outbox:
         # The byte views are made here, on the engine's thread: a few microseconds each that
         # the event loop does not spend.
         kb, vb = dk.reshape(-1).view(torch.uint8), dv.reshape(-1).view(torch.uint8)
-        piece = Piece(layer, start, end, kb, vb, kb.numpy().data, vb.numpy().data)
+        piece = Piece(layer, start, end, kb.numpy().data, vb.numpy().data)
         with self._lock:
             if self._discarded:
                 return

@@ -283,11 +283,11 @@ class KvServer:
                 finally:
                     self._idle.discard(task)
                 if isinstance(hello, wire.Pull):
-                    path, data = hello.probe_path, hello.probe
-                    probed = path is not None and data is not None
-                    if path is not None and data is not None:
-                        same_host = shm.probe_matches(path, data)
-                    use_shm = same_host and (probed or hello.same_host_as_before)
+                    if hello.probe_path is not None and hello.probe is not None:
+                        same_host = shm.probe_matches(hello.probe_path, hello.probe)
+                        use_shm = same_host
+                    else:
+                        use_shm = same_host and hello.same_host_as_before
                     if not await self._pull(sock, hello, use_shm):
                         return
                     await wire.send(sock, wire.Ok())  # released: the next pull may follow

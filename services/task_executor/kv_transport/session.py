@@ -60,8 +60,7 @@ class Session:
         self._wake = asyncio.Event()
         self._stopped = False
         self._error: str | None = None
-        self._released = False
-        # It ended at the puller's release with both tasks done and nothing half-sent: the
+        # Its sender ended within the grace, nothing half-sent: after a release, the
         # connection may carry another pull.
         self.clean = False
 
@@ -100,7 +99,7 @@ class Session:
                 self._on_end("disconnected", None)
             if not sender.done():
                 await asyncio.wait({sender}, timeout=STOP_GRACE_S)
-            self.clean = self._released and self._error is None and sender.done()
+            self.clean = sender.done()
         finally:
             for task in (sender, reader):
                 task.cancel()
@@ -115,7 +114,6 @@ class Session:
                 if isinstance(msg, wire.Renew):
                     self._on_renew()
                 elif isinstance(msg, wire.Release):
-                    self._released = True
                     self._on_end("released", None)
                 elif isinstance(msg, wire.Reject):
                     self._on_end(f"rejected: {msg.reason}", None)
