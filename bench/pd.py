@@ -41,12 +41,16 @@ from shared.slo import SLO, parse_slo
 
 PROFILES = ROOT / "loadgen" / "profiles"
 TRACES = ROOT / "traces"
-# (name, trace, rate scale by profile device, requests): a window long enough for the scaler
-# to settle, at a rate that loads the fleet without drowning it.
+# (name, trace, rate scale by profile device): a rate that loads the fleet without drowning it.
 WINDOWS = {
     "mooncake": ("mooncake_conversation.jsonl", {"cpu": 0.05, "cuda": 4.0}),
     "azure": ("azure_llm_2023_conv.csv", {"cpu": 0.25, "cuda": 8.0}),
 }
+# Requests per window by profile device: minutes of traffic, several of the scaler's stable
+# windows (60 s), so the fleet settles. On the CPU profiles 600 requests span the trace's
+# hour; a GPU fleet serves 600 of Mooncake's at 4x in 54 s, less than one stable window
+# (the scaler still growing the fleet when the window ends), 3,000 in 4 minutes.
+REQUESTS = {"cpu": 600, "cuda": 3000}
 
 
 def run(
@@ -80,7 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{PROFILES / 'bench-qwen2-0.5b-torch-h100.json'}",
     )
     ap.add_argument("--windows", default="mooncake,azure")
-    ap.add_argument("--requests", type=int, default=600, help="the first N of each window")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="the first N of each window (default: 600 on CPU profiles, 3,000 on GPU ones)",
+    )
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=2, help="most prefill instances")
     ap.add_argument("--kv-bandwidth", type=float, default=1.25e9, help="bytes/s (10 Gb/s)")
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                 trace, scales = WINDOWS[window]
                 reqs = read_trace(args.traces / trace)
                 reqs = transforms.scale_rate(reqs, scales[kind], 0)
-                reqs = transforms.limit(reqs, max_requests=args.requests)
+                reqs = transforms.limit(reqs, max_requests=args.requests or REQUESTS[kind])
                 planned = plan(reqs, model=model, max_context={model: profile.max_model_len})
                 n, k = args.devices, args.prefill
                 base = SimConfig(
@@ -141,13 +150,15 @@ def main(argv: list[str] | None = None) -> None:
                     configs["auto + heat map"] = dataclasses.replace(
                         shared, pd=PdConfig(mode="auto", heatmaps={model: hm})
                     )
+                span = planned[-1].arrival_s - planned[0].arrival_s if planned else 0.0
                 print(
-                    f"\n{path.name} ({device}), {window}: first {len(planned)} requests at "
-                    f"{scales[kind]:g}x the trace's rate, {n} devices, SLO {slo.describe()}"
+                    f"\n{path.name} ({device}), {window}: first {len(planned)} requests "
+                    f"({span:.0f} s) at {scales[kind]:g}x the trace's rate, {n} devices, "
+                    f"SLO {slo.describe()}"
                 )
                 print(
                     f"{'run':<16} {'SLO att':>8} {'TTFT p50/p90 ms':>18} {'TPOT p50/p90 ms':>16} "
-                    f"{'PD reqs':>8} {'KV GB':>7} {'prompt tok':>11} {'output tok':>11}"
+                    f"{'PD reqs':>8} {'KV GB':>7} {'inst-s':>7} {'prompt tok':>11} {'output tok':>11}"
                 )
                 for name, cfg in configs.items():
                     r = run(planned, {model: profile}, cfg, slo)
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{name:<16} {100 * (r['slo_attainment'] or 0):7.1f}% "
                         f"{ttft.get('p50', 0):>8.0f} / {ttft.get('p90', 0):<7.0f} "
                         f"{tpot.get('p50', 0):>6.1f} / {tpot.get('p90', 0):<7.1f} "
-                        f"{r['disaggregated']:>8} {r['kv_gb']:>7.1f} "
+                        f"{r['disaggregated']:>8} {r['kv_gb']:>7.1f} {r['instance_seconds']:>7.0f} "
                         f"{r['prompt_tokens']:>11} {r['output_tokens']:>11}"
                     )
     write_result(args.out, {"rows": rows, "argv": argv, "wall_s": time.perf_counter() - t0})
