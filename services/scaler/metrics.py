@@ -1,5 +1,5 @@
 """What the scaler serves at its ``/metrics``: each model's replicas as its rule sees them
-(current, ready, wanted; prefill instances) and its inputs (the stable window's load in
+(current, ready, wanted, peak; prefill instances) and its inputs (the stable window's load in
 instances' worth, the SLO attainment it read), and the scale-ups that started from zero (a
 cold start: a request waits for the load). Scale events themselves, with their steps, are
 counted by every frontend (``frontend/accounting.py``), which hears each one."""
@@ -19,7 +19,9 @@ LEADER = Gauge(
 REPLICAS = Gauge(
     "meshserve:replicas",
     "A model's instances as the scaler counts them: current (ready and loading, not "
-    "draining), ready, wanted (its rule's target), prefill_current, prefill_wanted",
+    "draining), ready, wanted (its rule's target), peak (after SLO misses, the most its "
+    "panic window asked for within the stable window: scale-in keeps at least these; 0 "
+    "otherwise), prefill_current, prefill_wanted",
     ["model_name", "kind"],
 )
 LOAD = Gauge(
@@ -45,6 +47,7 @@ def observe_targets(targets: Mapping[str, Target]) -> None:
             ("current", t.current),
             ("ready", t.ready),
             ("wanted", t.wanted),
+            ("peak", t.peak),
             ("prefill_current", t.prefill_current),
             ("prefill_wanted", t.prefill_wanted),
         ):

@@ -9,7 +9,9 @@ target:
 
 - Scale out at once, onto idle pre-warmed TEs (placement: ``placement_order``), except
   during a model's load-failure backoff. Scale in only after the wanted count stayed below
-  the current one for the whole stable window, and never while panicking or loading; the
+  the current one for the whole stable window, never while panicking or loading, and,
+  after SLO misses, never below the peak the panic window asked for within the stable
+  window (``target``); the
   removed instance is the least busy one and drains before it unloads. A model that got no
   request for its keep-alive drops to ``min_replicas`` with its instances idle for as long.
   Scale-up and idle scale-down read the same clock (the newest arrival), so an instance
@@ -34,7 +36,13 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
 from services.scaler.pools import fork_source, placement_order
-from services.scaler.state import ModelMemory, PendingLoad, ScalerConfig, ScalerState
+from services.scaler.state import (
+    ModelMemory,
+    PendingLoad,
+    ScalerConfig,
+    ScalerState,
+    note_peak,
+)
 from services.scaler.target import Target, target
 from services.views import TEView
 from shared.messages.cluster import TEState
@@ -84,13 +92,14 @@ def load_backoff(failures: int, cfg: ScalerConfig) -> float:
 
 
 def _victims(instances: Sequence[TEView], n: int, *, idle_since: float | None) -> list[TEView]:
-    """The ``n`` instances to drain: the least busy, the most recently active last.
-    ``idle_since``: only instances with nothing to do and no activity since then."""
+    """The ``n`` instances to drain (none for ``n`` <= 0): the least busy, the most recently
+    active last. ``idle_since``: only instances with nothing to do and no activity since
+    then."""
     ready = [te for te in instances if te.state == TEState.READY]
     if idle_since is not None:
         ready = [te for te in ready if te.load == 0 and te.last_active <= idle_since]
     ready.sort(key=lambda te: (te.load, te.last_active, te.te_id))
-    return ready[:n]
+    return ready[: max(n, 0)]
 
 
 def _loading(view: Sequence[TEView], te_id: str, model: str) -> list[TEView]:
@@ -234,6 +243,9 @@ def decide(
         )
         current = t.current
         targets[model] = t
+        mem = note_peak(mem, now, t.burst, cfg.stable_window_s)
+        if t.slo_attainment is not None and t.slo_attainment < cfg.slo_target:
+            mem = dataclasses.replace(mem, missed_at=now)  # (target's SLO memory)
         if t.wanted > current and model in known:  # a model gone from the registry: no loads
             mem = _not_below(mem)
             if now - mem.failed_at < load_backoff(mem.failures, cfg):
@@ -262,7 +274,8 @@ def decide(
                 since = now if mem.below_since is None else mem.below_since
                 mem = dataclasses.replace(mem, below_since=since)
                 due = now - since >= cfg.stable_window_s
-                victims = _victims(instances, t.ready - t.wanted, idle_since=None) if due else []
+                keep = max(t.wanted, t.peak)  # a burst of the window may come back
+                victims = _victims(instances, t.ready - keep, idle_since=None) if due else []
                 reason = "load fell"
                 if victims:
                     mem = dataclasses.replace(mem, below_since=None)

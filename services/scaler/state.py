@@ -48,6 +48,9 @@ class ScalerConfig:
     tolerance: float = 0.1  # wanted/current within 1 ± this: no change (hysteresis)
     slo_window_s: float = 30.0
     slo_target: float = 0.95
+    # After the SLO window's attainment was last below the target, for this long scale-in
+    # keeps the peak of the stable window (target.py).
+    slo_memory_s: float = 300.0
     slo_min_samples: int = 8
     backlog_drain_s: float = 2.0
     default_output_tokens: int = 256  # per request, before any finished
@@ -123,6 +126,11 @@ class ModelMemory:
     # whole-request instances: none is loaded again for a stable window (no ping-pong).
     prefill_yielded_at: float = -math.inf
     capacity: InstanceCapacity | None = None
+    # The instances its panic window asked for (``Target.burst``) at the ticks of the last
+    # stable window, as (when, count), each count above every later one: the first is the
+    # window's peak (``peak``), which scale-in does not go below.
+    peaks: tuple[tuple[float, int], ...] = ()
+    missed_at: float = -math.inf  # when the SLO window's attainment was last below target
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -304,6 +312,18 @@ def observe_view(
 
 
 # -- reading a window --------------------------------------------------------------------------
+
+
+def note_peak(mem: ModelMemory, now: float, count: int, window_s: float) -> ModelMemory:
+    """``count`` instances asked for now, remembered for ``window_s`` (``peak``): what is
+    older, or no more than it, is dropped (it can never be the peak again)."""
+    kept = tuple((at, n) for at, n in mem.peaks if now - at < window_s and n > count)
+    return dataclasses.replace(mem, peaks=(*kept, (now, count)))
+
+
+def peak(mem: ModelMemory, now: float, window_s: float) -> int:
+    """The most instances asked for (``note_peak``) within the last ``window_s``."""
+    return max((n for at, n in mem.peaks if now - at < window_s), default=0)
 
 
 def window(mem: ModelMemory, now: float, window_s: float) -> Bucket:

@@ -8,6 +8,7 @@ import dataclasses
 import random
 
 import msgspec
+import pytest
 
 from services.scaler.policy import Load, Unload, decide, load_backoff
 from services.scaler.pools import (
@@ -166,6 +167,56 @@ def test_scale_in_waits_for_the_stable_window_and_drains_the_least_busy() -> Non
     assert unloads(d) == [Unload("r2", "m", "load fell"), Unload("r3", "m", "load fell")]
     # Draining TEs are no longer counted: nothing more goes.
     assert decide(d.state, tes, models=["m"], now=now + 61, cfg=CFG).actions == []
+
+
+@pytest.mark.parametrize("missed", [True, False])
+def test_after_slo_misses_scale_in_keeps_the_burst_the_stable_window_saw(missed: bool) -> None:
+    """Knative's scale-down delay, after SLO misses: scale-in keeps the most instances the
+    panic window asked for within the stable window, so a burst that comes back finds them
+    loaded. Where every request met its SLO, the mean's fleet is enough."""
+    s = with_traffic(fresh(), seconds=60, rps=1)  # 0.2 instances of work: 1 at 50%
+    tes = [te("r1"), te("r2"), te("r3"), te("r4", running=1)]
+    now = T0 + 60
+    d = decide(s, tes, models=["m"], now=now, cfg=CFG)
+    assert d.targets["m"].wanted == 1 and d.targets["m"].peak == 0
+    s = d.state
+    # A burst: 20 req/s for 6 s, 4 instances of work in the panic window, 8 at 50%; where
+    # ``missed``, its first tokens come late.
+    for t in range(6):
+        s = with_traffic(s, seconds=1, rps=20, start=now + t)
+        if missed:
+            late = ModelOutcomes(model="m", finished=20, slo_met=0, output_tokens=200)
+            s = observe_outcomes(s, [late], now=now + t + 1, cfg=CFG)
+        d = decide(s, tes, models=["m"], now=now + t + 1, cfg=CFG)
+        assert not unloads(d)
+        s = d.state
+    now += 6
+    assert d.targets["m"].burst == 8 and d.targets["m"].peak == (8 if missed else 0)
+    ready, gone = 4, []
+    for t in range(1, 200):
+        s = with_traffic(s, seconds=1, rps=1, start=now + t - 1)
+        d = decide(s, tes, models=["m"], now=now + t, cfg=CFG)
+        s = d.state
+        tgt = d.targets["m"]
+        assert tgt.wanted <= 2  # the burst's arrivals in the stable window, then 1
+        if unloads(d):
+            ready -= len(unloads(d))
+            assert ready >= tgt.peak  # never below the peak
+            gone.append((t, sorted(u.te_id for u in unloads(d))))
+            tes = [x for x in tes if x.te_id not in gone[-1][1]]
+        # The panic window (6 s) keeps an ever smaller part of the burst in sight for 6 s
+        # after it; the stable window remembers each of those for 60 s.
+        assert len(s.models["m"].peaks) <= 8
+    if not missed:  # down to the load's one instance once it stayed low a stable window
+        assert gone == [(61, ["r1", "r2", "r3"])], gone
+        return
+    # The load fell after the burst and stayed low for the stable window, but the burst's
+    # asks stay in the peak until 60 s after the panic window saw them: the first instance
+    # goes once the peak is under 4 (the least busy first), the rest once the load has
+    # stayed low for another stable window (each scale-in restarts it).
+    (first, one), (second, two) = gone
+    assert 61 <= first <= 67 and second == first + 61, gone
+    assert one == ["r1"] and two == ["r2", "r3"]
 
 
 def test_min_and_max_replicas() -> None:
