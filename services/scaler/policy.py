@@ -11,11 +11,11 @@ target:
   during a model's load-failure backoff. Scale in only after the wanted count stayed below
   the current one for the whole stable window, never while panicking or loading, and,
   after SLO misses, never below the peak the panic window asked for within the stable
-  window (``target``); the
-  removed instance is the least busy one and drains before it unloads. A model that got no
-  request for its keep-alive drops to ``min_replicas`` with its instances idle for as long.
-  Scale-up and idle scale-down read the same clock (the newest arrival), so an instance
-  unloaded at keep-alive is never reloaded without a new request.
+  window (``target``); the removed instance is the least busy one and drains before it
+  unloads. A model that got no request for its keep-alive drops to ``min_replicas`` with
+  its instances idle for as long. Scale-up and idle scale-down read the same clock (the
+  newest arrival), so an instance unloaded at keep-alive is never reloaded without a new
+  request.
 - When no TE is idle, a model that wants more instances takes them from models with more
   than they want (``reclaim``): their surplus drains now instead of after the stable
   window, and the freed TE is reserved for the model it was taken for. A model with requests
@@ -244,7 +244,7 @@ def decide(
         current = t.current
         targets[model] = t
         mem = note_peak(mem, now, t.burst, cfg.stable_window_s)
-        if t.slo_attainment is not None and t.slo_attainment < cfg.slo_target:
+        if t.missing:
             mem = dataclasses.replace(mem, missed_at=now)  # (target's SLO memory)
         if t.wanted > current and model in known:  # a model gone from the registry: no loads
             mem = _not_below(mem)

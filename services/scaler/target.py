@@ -70,6 +70,7 @@ class Target:
     # (else 0): scale-in goes no lower.
     burst: int = 0
     peak: int = 0
+    missing: bool = False  # the SLO window's attainment is below the target now
 
 
 def _instances_of_work(
@@ -230,4 +231,5 @@ def target(
         prefill_load=prefill_load,
         burst=burst,
         peak=max(peak(mem, now, cfg.stable_window_s), burst) if missed else 0,
+        missing=missing,
     )
