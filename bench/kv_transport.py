@@ -8,20 +8,30 @@ heads, head dim 64, bf16: 12 KiB a token), offered in chunks of ``--chunk`` toke
 as a chunked prefill writes it. The server (``KvServer``) and the puller are processes of
 their own, each on its own event loop (uvloop, as a TE runs), and both set the allocator up
 as a TE does (``host_malloc``: large tensors, the outbox's arena among them, from a warm
-heap). The whole KV
-is offered before the pull starts, so a pull's time (``Pulled.seconds``, from the call to its
-return, connection included) is the transfer alone; its bytes are checked against the
-source's after each pull.
+heap), and the server's outboxes write into arenas in /dev/shm as a prefill TE's do
+(``pool.ArenaPool``). The whole KV is offered before the pull starts, so a pull's time is
+the transfer alone; its bytes are checked against the source's after each pull.
 
-The baselines run in the puller's process on buffers made the same way as the pull's result
-(``torch.empty``): ``memcpy`` copies into one, ``socket`` receives into one (with the socket
-buffers the transport sets, ``wire.SOCKET_BUFFER``, over one connection kept for all runs;
-a pull connects anew, as each pull does). Each size starts with an untimed round, after
-which a shared-memory pull lands in a segment the pool made in that round (as in a decode TE
-that has pulled before): ``shm 1st`` is that first pull, into new pages, and ``fresh`` a copy
-into fresh anonymous pages, what new memory costs on the host.
+A time is until the KV lies in memory of the puller's own, as the transports compare with
+their baselines: over TCP the pull itself (the payloads are received into its result); over
+shared memory the pull (which hands back a view of the prefill's arena, no copy) and then
+the one copy out of it, into a new tensor, that a decode TE's import makes into its KV
+cache. The lease is released once that copy is made and the view dropped (not timed).
 
-    scripts/bench-kv-transfer [--tokens 1024,2048,4096,8192,16384] [--repeats 5] [--chunk 512]
+The baselines run in the puller's process on buffers made the same way as the transports':
+``memcpy`` copies into a warm buffer as the import's copy does (a decode TE copies into its
+KV cache, which is there already; a new ``torch.empty`` of the size would come from fresh
+pages or from the heap by the allocator's whim, 8 ms or 0.8 ms at 1k tokens on host B),
+``socket`` receives into a new ``torch.empty`` as a TCP pull does (with the socket buffers
+the transport sets, ``wire.SOCKET_BUFFER``, over one connection kept for all runs; a pull
+reuses its kept connection too). Each size starts with ``WARMUP`` untimed rounds (the
+heap of both processes grows to the new size in them: a copy into pages the heap has not
+used yet runs at a fraction of the memory's speed), after which a shared-memory pull reads
+an arena made (and mapped by the puller) in the first, as in TEs that have pulled before:
+``shm 1st`` is that first pull, through a new mapping, and ``fresh`` a copy into fresh
+anonymous pages, what new memory costs on the host.
+
+    scripts/bench-kv-transfer [--tokens 1024,2048,4096,8192,16384] [--repeats 9] [--chunk 512]
 
 Writes bench-results/kv-transfer.json.
 """
@@ -45,6 +55,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, KV_HEADS, HEAD_DIM = 24, 2, 64
 TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # bf16
+# Each step (the server's writing of an offer, each of the puller's pulls and baselines)
+# starts this long after the one before: a torch copy leaves its process's OpenMP team
+# spinning for about 10 ms of CPU (libgomp's default GOMP_SPINCOUNT), and on two cores a
+# step in that time would share them with the spinning of the step before.
+SETTLE_S = 0.02
+WARMUP = 3  # untimed rounds per size
 
 
 def _reply(body: dict[str, Any]) -> None:
@@ -72,14 +88,16 @@ def _server(max_tokens: int, chunk: int) -> int:
 
     from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
     from services.task_executor.kv_transport.outbox import Outbox
+    from services.task_executor.kv_transport.pool import ArenaPool
     from services.task_executor.kv_transport.server import KvServer
 
-    keep_large_allocations()  # as in a prefill TE: its outboxes' arenas from a warm heap
+    keep_large_allocations()  # as in a prefill TE
     _install_uvloop()
     g = torch.Generator().manual_seed(0)
     src = torch.randn(LAYERS, 2, max_tokens, KV_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
     raw = src.reshape(-1).view(torch.uint8).numpy()
     ended: dict[str, str] = {}
+    arenas = ArenaPool()
     plain = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_plain_sender, args=(plain, memoryview(raw)), daemon=True).start()
 
@@ -103,6 +121,7 @@ def _server(max_tokens: int, chunk: int) -> int:
                     dtype=torch.bfloat16,
                     num_prompt_tokens=n,
                     lease_s=30.0,
+                    arenas=arenas,
                 )
                 for s in range(0, n, chunk):
                     for layer in range(LAYERS):
@@ -110,12 +129,14 @@ def _server(max_tokens: int, chunk: int) -> int:
                         box.layer(layer, s, src[layer, 0, s:e].clone(), src[layer, 1, s:e].clone())
                 box.done([*range(n), 1], n, None)
                 server.offer(box)
+                await asyncio.sleep(SETTLE_S)  # its OpenMP threads stop spinning
                 _reply({"digest": _digest(src[:, :, :n])})
             elif command["op"] == "ended":
                 _reply({"reason": ended.get(command["key"])})
         await server.close()
 
     asyncio.run(main())
+    arenas.close()
     return 0
 
 
@@ -138,6 +159,7 @@ def _plain_sender(listener: socket.socket, raw: memoryview) -> None:
 
 def _client() -> int:
     # A TE's process: the engine imported, large allocations from a warm heap.
+
     import services.task_executor.engines.torch_engine.engine  # noqa: F401
     from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
     from services.task_executor.kv_transport.client import pull
@@ -156,7 +178,9 @@ def _client() -> int:
                 return
             command = json.loads(line)
             op = command["op"]
+            await asyncio.sleep(SETTLE_S)  # no OpenMP team of ours spins from the last step
             if op == "pull":
+                t = time.perf_counter()
                 p = await pull(
                     command["address"],
                     command["key"],
@@ -164,18 +188,17 @@ def _client() -> int:
                     deadline_s=60,
                     renew_s=1.0,
                     shm=command["shm"],
-                    expect_bytes=command["expect"],
                 )
-                digest = _digest(p.kv)
-                _reply(
-                    {
-                        "seconds": p.seconds,
-                        "nbytes": p.nbytes,
-                        "transport": p.transport,
-                        "digest": digest,
-                    }
-                )
-                del p
+                kv = p.kv
+                if p.transport == "shm":  # the import's copy, out of the prefill's arena
+                    dest = _warm(p.nbytes, "import")  # as a decode TE's KV cache: there
+                    kv = dest.view(p.kv.dtype).view(p.kv.shape).copy_(p.kv)
+                seconds = time.perf_counter() - t
+                answer: dict[str, Any] = {"seconds": seconds, "pull_seconds": p.seconds}
+                answer |= {"nbytes": p.nbytes, "transport": p.transport}
+                del p  # (in place: the lease is released now)
+                _reply(answer | {"digest": _digest(kv)})
+                del kv
             elif op == "socket":
                 if plain is None:  # buffers as the transport's (wire.SOCKET_BUFFER)
                     host, _, port = command["address"].rpartition(":")
@@ -205,13 +228,29 @@ def _plain_receive(conn: socket.socket, n: int) -> float:
     return time.perf_counter() - t
 
 
+_WARM: dict[tuple[int, str], Any] = {}
+
+
+def _warm(n: int, use: str) -> Any:
+    """A buffer of ``n`` bytes for ``use``, written before (made and touched the first time):
+    where a copy lands that a process makes again and again, as a TE's KV cache."""
+    import torch
+
+    buf = _WARM.get((n, use))
+    if buf is None:
+        buf = _WARM[n, use] = torch.zeros(n, dtype=torch.uint8)
+    return buf
+
+
 def _memcpy(n: int) -> dict[str, float]:
-    """``n`` bytes copied into a new tensor (``seconds``) and into fresh pages (``fresh``)."""
+    """``n`` bytes copied into a warm buffer (``seconds``) and into fresh pages
+    (``fresh``)."""
     import torch
 
     src = torch.ones(n, dtype=torch.uint8)
+    dest = _warm(n, "memcpy")
     t = time.perf_counter()
-    torch.empty(n, dtype=torch.uint8).copy_(src)
+    dest.copy_(src)
     warm = time.perf_counter() - t
     mm = mmap.mmap(-1, n)
     t = time.perf_counter()
@@ -272,6 +311,7 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
             Col("shm_gbps", "shm GB/s", ".2f"),
             Col("memcpy_gbps", "memcpy GB/s", ".2f"),
             Col("shm_vs_memcpy", "shm/memcpy", ".0%"),
+            Col("shm_pull_ms", "shm pull ms", ".2f"),
             Col("tcp_gbps", "tcp GB/s", ".2f"),
             Col("socket_gbps", "socket GB/s", ".2f"),
             Col("tcp_vs_socket", "tcp/socket", ".0%"),
@@ -291,19 +331,24 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
             nbytes = n * TOKEN_BYTES
             times: dict[str, list[float]] = {k: [] for k in ("shm", "tcp", "socket", "memcpy")}
             firsts: dict[str, float] = {}
+            pulls: dict[str, list[float]] = {"shm": [], "tcp": []}  # the pull alone
             fresh: list[float] = []
             neighbours.wait_quiet(max_wait_s=max_wait_s)
             start = neighbours.sample()
-            for rep in range(repeats + 1):  # the first round is untimed (but for shm 1st)
+            for rep in range(WARMUP + repeats):  # untimed first (but for shm 1st)
+                timed = rep >= WARMUP
                 for transport in ("shm", "tcp"):
-                    seconds = _pull_once(server, client, address, f"{transport}-{next(keys)}", n)
-                    if rep:
+                    seconds, pull_s = _pull_once(
+                        server, client, address, f"{transport}-{next(keys)}", n
+                    )
+                    if timed:
                         times[transport].append(seconds)
-                    else:
+                        pulls[transport].append(pull_s)
+                    elif rep == 0:
                         firsts[transport] = seconds
                 sock = client.ask({"op": "socket", "address": address["plain"], "bytes": nbytes})
                 copy = client.ask({"op": "memcpy", "bytes": nbytes})
-                if rep:
+                if timed:
                     times["socket"].append(sock["seconds"])
                     times["memcpy"].append(copy["seconds"])
                     fresh.append(copy["fresh_seconds"])
@@ -315,12 +360,14 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
                     "shm_gbps": rate["shm"],
                     "memcpy_gbps": rate["memcpy"],
                     "shm_vs_memcpy": rate["shm"] / rate["memcpy"],
+                    "shm_pull_ms": statistics.median(pulls["shm"]) * 1e3,
                     "tcp_gbps": rate["tcp"],
                     "socket_gbps": rate["socket"],
                     "tcp_vs_socket": rate["tcp"] / rate["socket"],
                     "shm_first_gbps": nbytes / firsts["shm"] / 1e9,
                     "fresh_gbps": _gbps(nbytes, fresh),
                     "seconds": times,
+                    "pull_seconds": pulls,
                     "fresh_seconds": fresh,
                     "neighbour_cores": neighbours.cores_used(start),
                 }
@@ -332,12 +379,15 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
     return rows
 
 
-def _pull_once(server: Proc, client: Proc, address: dict[str, Any], key: str, n: int) -> float:
-    """One offer and its pull, checked (bytes, transport, lease); the pull's seconds."""
+def _pull_once(
+    server: Proc, client: Proc, address: dict[str, Any], key: str, n: int
+) -> tuple[float, float]:
+    """One offer and its pull, checked (bytes, transport, lease); the seconds until the KV
+    was in the puller's memory, and those of the pull alone."""
     digest = server.ask({"op": "offer", "key": key, "tokens": n})["digest"]
     transport = key.partition("-")[0]
     pull = {"op": "pull", "address": address["address"], "key": key, "shm": transport == "shm"}
-    got = client.ask(pull | {"expect": n * TOKEN_BYTES})  # a decode TE knows its layout
+    got = client.ask(pull)
     if got["digest"] != digest or got["nbytes"] != n * TOKEN_BYTES:
         raise RuntimeError(f"{key}: the pulled KV is not the source's")
     if got["transport"] != transport:
@@ -349,8 +399,7 @@ def _pull_once(server: Proc, client: Proc, address: dict[str, Any], key: str, n:
         time.sleep(0.01)
     if ended != "released":
         raise RuntimeError(f"{key}: the lease ended {ended!r}")
-    seconds: float = got["seconds"]
-    return seconds
+    return float(got["seconds"]), float(got["pull_seconds"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tokens", default="1024,2048,4096,8192,16384", help="prompt lengths")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per size (median)")
+    ap.add_argument("--repeats", type=int, default=9, help="timed runs per size (median)")
     ap.add_argument("--chunk", type=int, default=512, help="tokens per layer write")
     ap.add_argument(
         "--quiet-wait", type=float, default=20.0, help="seconds to wait for a quiet host per size"

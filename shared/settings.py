@@ -620,12 +620,13 @@ class TaskExecutorSettings(Section):
         description="The Unix socket of the node pool's device arbiter; set by the pool for "
         "its TEs (empty: no arbiter).",
     )
-    kv_segment_pool_bytes: int = Field(
+    kv_arena_pool_bytes: int = Field(
         default=1 << 30,
         ge=0,
-        description="Idle shared-memory segments a decode TE keeps for its next KV pulls "
-        "(bytes it has written, in /dev/shm). A pull into pages written before is several "
-        "times faster than into fresh ones on a VM; 0: keep none.",
+        description="Idle shared-memory arenas a prefill TE keeps for the next prompts' KV "
+        "(in /dev/shm; decode TEs on the host read the KV there in place). A write into pages "
+        "written before is several times faster than into fresh ones on a VM, and a decode TE "
+        "that mapped the arena reads it again without page faults; 0: keep none.",
     )
 
 

@@ -54,6 +54,7 @@ class PrefillSide:
             on_end(key, reason)
 
         self._server = KvServer(host=te.kv_host, on_end=ended)
+        self._arenas = default_pool(te.kv_arena_pool_bytes)
         self._started = False
 
     @property
@@ -76,6 +77,7 @@ class PrefillSide:
             dtype=layout.dtype,
             num_prompt_tokens=prompt_tokens,
             lease_s=self._lease_s,
+            arenas=self._arenas,
         )
         self._server.offer(outbox)
         return outbox
@@ -91,7 +93,9 @@ class PrefillSide:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Imported:
     """A decode task's prompt KV, pulled: what the engine imports, and the tokens the prefill
-    TE produced (they go to the client first)."""
+    TE produced (they go to the client first). From a prefill TE on this host, the KV is
+    read in place in its arena, under a lease that ends once the engine has copied it into
+    its cache and dropped every view of it (``kv_transport.client``)."""
 
     export: KvExport
     head: list[int]  # tokens past the prompt, produced by the prefill TE
@@ -115,9 +119,6 @@ async def pull_prompt(
         skip_tokens=held,
         deadline_s=te.pd_transfer_timeout.total_seconds(),
         renew_s=te.pd_lease.total_seconds() / 3,
-        pool=default_pool(te.kv_segment_pool_bytes),
-        # The same model's KV on the prefill side: its segment can be named at once.
-        expect_bytes=importer.kv_layout.token_bytes * max(len(prompt) - held, 0),
     )
     if pulled.token_ids[: pulled.num_prompt_tokens] != list(prompt):
         raise TransferFailed("the prefill TE computed another prompt")

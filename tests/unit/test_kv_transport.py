@@ -4,6 +4,7 @@ loopback TCP and /dev/shm, the KV checked byte for byte, and every way a lease e
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import socket
 import threading
@@ -18,11 +19,10 @@ from services.task_executor.kv_transport import server as server_module
 from services.task_executor.kv_transport import shm, wire
 from services.task_executor.kv_transport.client import Pulled, TransferFailed, pull, reject
 from services.task_executor.kv_transport.connections import Connections, default_connections
-from services.task_executor.kv_transport.mapped import MappedSegments
-from services.task_executor.kv_transport.outbox import Outbox
-from services.task_executor.kv_transport.pool import SegmentPool
+from services.task_executor.kv_transport.mapped import MappedArenas
+from services.task_executor.kv_transport.outbox import Outbox, _cover
+from services.task_executor.kv_transport.pool import ArenaPool
 from services.task_executor.kv_transport.server import KvServer
-from services.task_executor.kv_transport.session import merge_ranges
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 200
 TRANSPORTS = ["tcp", "shm"]
@@ -32,19 +32,19 @@ def _ours() -> set[str]:
     return {
         p.name
         for p in shm.SHM_DIR.iterdir()
-        if p.name.startswith((shm.PROBE_PREFIX, shm.SEGMENT_PREFIX))
+        if p.name.startswith((shm.PROBE_PREFIX, shm.ARENA_PREFIX))
     }
 
 
-POOL: SegmentPool | None = None  # the current test's segment pool
+POOL: ArenaPool | None = None  # the current test's arena pool (the prefill side's)
 
 
 @pytest.fixture(autouse=True)
-def pool() -> Iterator[SegmentPool]:
-    """The test's segment pool; once it is closed, no file of ours may be left in /dev/shm."""
+def pool() -> Iterator[ArenaPool]:
+    """The test's arena pool; once it is closed, no file of ours may be left in /dev/shm."""
     global POOL
     before = _ours()
-    POOL = SegmentPool()
+    POOL = ArenaPool()
     yield POOL
     POOL.close()
     deadline = time.monotonic() + 1.0
@@ -104,6 +104,7 @@ def outbox(key: str, src: torch.Tensor, lease_s: float = 1.0) -> Outbox:
         dtype=src.dtype,
         num_prompt_tokens=src.shape[2],
         lease_s=lease_s,
+        arenas=POOL,
     )
 
 
@@ -137,7 +138,7 @@ async def pull_from(
 ) -> Pulled:
     args = {"skip_tokens": 0, "deadline_s": 5.0, "renew_s": 0.1} | kw
     address = server if isinstance(server, str) else server.address
-    return await pull(address, key, shm=transport == "shm", pool=POOL, **args)  # type: ignore[arg-type]
+    return await pull(address, key, shm=transport == "shm", **args)  # type: ignore[arg-type]
 
 
 # --- the bytes ------------------------------------------------------------------------------
@@ -158,6 +159,7 @@ async def test_a_pull_holds_the_source_kv_byte_for_byte(server, ends, transport,
     assert (p.num_prompt_tokens, p.num_computed_tokens) == (TOKENS, TOKENS)
     assert p.token_ids == [*range(TOKENS), 7] and p.finish_reason is None
     assert p.nbytes == LAYERS * 2 * TOKENS * row_bytes(dtype) and p.seconds > 0
+    del p  # (in place, the lease is held until the result is gone)
     assert await ends.wait("a") == "released"
 
 
@@ -172,6 +174,7 @@ async def test_skipped_tokens_are_not_sent(server, ends, transport):
     assert p.first_token == 37 and p.finish_reason == "stop"
     assert p.nbytes == LAYERS * 2 * (TOKENS - 37) * row_bytes(torch.bfloat16)
     assert same_bytes(p.kv, src[:, :, 37:])
+    del p
     assert await ends.wait("s") == "released"
 
 
@@ -184,6 +187,7 @@ async def test_skipping_every_computed_token_sends_nothing(server, ends):
     p = await pull_from(server, "all", "shm", skip_tokens=TOKENS)
     assert p.nbytes == 0 and p.kv.shape == (LAYERS, 2, 0, HEADS, HEAD_DIM)
     assert (p.first_token, p.num_computed_tokens) == (150, 150)
+    assert p.transport == "tcp"  # nothing to read in place: released at once
     assert await ends.wait("all") == "released"
 
 
@@ -204,8 +208,12 @@ async def test_layers_written_from_another_thread_while_the_puller_waits(server,
     await asyncio.to_thread(thread.join)
     finish(box, src)
     p = await puller
+    del puller  # (a task holds its result)
     assert same_bytes(p.kv, src)
-    assert p.nbytes == (LAYERS * TOKENS + 50) * 2 * row_bytes(torch.bfloat16)
+    # over TCP a range sent twice counts twice; in place the KV is read once
+    twice = 50 if transport == "tcp" else 0
+    assert p.nbytes == (LAYERS * TOKENS + twice) * 2 * row_bytes(torch.bfloat16)
+    del p
     assert await ends.wait("o") == "released"
 
 
@@ -218,29 +226,25 @@ def test_the_outbox_copies_what_it_is_given():
     (piece,) = box.take()
     k_rows = torch.frombuffer(piece.k_bytes, dtype=torch.uint8)
     assert same_bytes(k_rows.view(src.dtype).view(10, HEADS, HEAD_DIM), src[1, 0, :10])
-    assert box.arena is not None and box.arena.shape == (LAYERS, 2, TOKENS, row_bytes(src.dtype))
+    assert box.shared_path is not None
     box.discard()
-    assert box.arena is None
+    assert box.shared_path is None
     box.layer(1, 10, k, v)  # after the lease: nothing kept
     assert box.take() == []
 
 
-def test_written_ranges_merge_into_few_rectangles():
-    chunked = [(layer, a, a + 64) for a in range(0, 256, 64) for layer in range(LAYERS)]
-    assert merge_ranges(chunked) == [(0, LAYERS, 0, 256)]
-    # a chunk whose last layers are not written yet, and a range written twice
-    ranges = [(0, 0, 64), (1, 0, 64), (2, 0, 64), (0, 64, 128), (1, 64, 128), (1, 64, 128)]
-    assert merge_ranges(ranges) == [(0, 2, 64, 128), (0, 3, 0, 64)]
-    # cells covered exactly once each, out of order
-    cells = {(layer, t) for layer, a, b in ranges for t in range(a, b)}
-    covered = [
-        (layer, t)
-        for lo, hi, a, b in merge_ranges(ranges)
-        for layer in range(lo, hi)
-        for t in range(a, b)
-    ]
-    assert sorted(covered) == sorted(cells)
-    assert merge_ranges([]) == []
+def test_written_ranges_are_kept_as_disjoint_intervals():
+    rng = random.Random(0)
+    for _ in range(500):
+        intervals: list[list[int]] = []
+        cells: set[int] = set()
+        for _ in range(rng.randint(0, 8)):
+            a = rng.randint(0, 30)
+            b = a + rng.randint(1, 6)
+            _cover(intervals, a, b)
+            cells |= set(range(a, b))
+        assert {t for a, b in intervals for t in range(a, b)} == cells
+        assert all(x[1] < y[0] for x, y in itertools.pairwise(intervals))
 
 
 async def test_an_incomplete_kv_fails_the_pull(server, ends):
@@ -292,6 +296,8 @@ async def test_a_second_puller_is_refused(server, ends):
     write(box, src)
     finish(box, src)
     assert same_bytes((await first).kv, src)
+    del first  # (a task holds its result)
+    assert await ends.wait("two") == "released"
     with pytest.raises(TransferFailed, match="released"):  # and once it ended, too
         await pull_from(server, "two", "tcp")
 
@@ -307,11 +313,12 @@ async def test_a_connection_that_cannot_be_made_fails(server):
 # --- leases ---------------------------------------------------------------------------------
 
 
-async def test_an_offer_nobody_pulls_expires(server, ends):
+async def test_an_offer_nobody_pulls_expires(server, ends, pool):
     t = time.monotonic()
     server.offer(outbox("idle", source(), lease_s=0.3))
     assert await ends.wait("idle") == "expired"
     assert 0.25 < time.monotonic() - t < 1.5
+    assert pool.idle_bytes > 0  # nobody read its arena: it is written again
     with pytest.raises(TransferFailed, match="expired"):
         await pull_from(server, "idle", "tcp")
 
@@ -327,6 +334,7 @@ async def test_renewals_keep_a_slow_prefill_alive(server, ends, transport):
     write(box, src)
     finish(box, src)
     assert same_bytes((await puller).kv, src)
+    del puller  # (a task holds its result)
     assert await ends.wait("slow") == "released"
 
 
@@ -428,103 +436,147 @@ async def test_closing_the_server_ends_every_lease(ends):
         await puller
 
 
-# --- shared-memory segments -----------------------------------------------------------------
+# --- shared-memory arenas -------------------------------------------------------------------
 
 
-async def test_a_segment_is_reused_once_its_result_is_gone(server, pool):
+async def test_a_kv_read_in_place_keeps_its_lease_until_its_result_is_gone(server, ends, pool):
+    src = source()
+    box = outbox("held", src, lease_s=0.3)
+    server.offer(box)
+    write(box, src)
+    finish(box, src)
+    p = await pull_from(server, "held", renew_s=0.1, skip_tokens=10)
+    assert p.transport == "shm" and not p.kv.is_contiguous()  # the arena itself, no copy
+    kept = p.kv[1]
+    del p
+    await asyncio.sleep(0.6)  # two leases: renewed while a view of the result lives
+    assert "held" not in ends.of and pool.idle_bytes == 0
+    assert same_bytes(kept, src[1, :, 10:])
+    del kept
+    assert await ends.wait("held") == "released"
+    assert pool.idle_bytes > 0  # back in the pool, to be written again
+
+
+async def test_an_arena_is_written_again_only_after_a_release(server, ends, pool):
     src = source()
 
     async def one(key: str) -> Pulled:
-        box = outbox(key, src)
-        server.offer(box)
-        write(box, src)
-        finish(box, src)
+        await offered(server, key, src)
         p = await pull_from(server, key)
         assert same_bytes(p.kv, src)
         return p
 
-    kept = (await one("r1")).kv[1]  # a view of the result holds its segment
-    await one("r2")  # so this one needs another
+    kept = (await one("r1")).kv[1]  # a view of the result holds the lease, and the arena
+    await one("r2")  # so this prompt needs another arena
     assert (pool.created, pool.reused) == (2, 0)
-    assert same_bytes(kept, src[1])
+    assert await ends.wait("r2") == "released"
     del kept
+    assert await ends.wait("r1") == "released"
     await one("r3")
     assert (pool.created, pool.reused) == (2, 1)
 
 
-async def test_a_pool_keeping_no_idle_bytes_drops_each_segment_once_its_result_is_gone(
-    server, pool
+async def test_an_arena_whose_lease_ended_unreleased_is_dropped_and_reads_stay_intact(
+    server, ends, pool
 ):
-    """``MESHSERVE_KV_SEGMENT_POOL_BYTES=0``: every pull writes a new segment, and none
-    stays in /dev/shm once its result is gone."""
+    """A puller that holds its result past its deadline stops renewing; the lease expires
+    and the prefill side drops the arena instead of writing it again, so the result still
+    reads the prompt's KV while other prompts come."""
+    src, other = source(), source(tokens=TOKENS + 1)[:, :, :TOKENS]
+    box = outbox("late", src, lease_s=0.2)
+    server.offer(box)
+    write(box, src)
+    finish(box, src)
+    p = await pull_from(server, "late", deadline_s=0.1, renew_s=0.05)
+    path = box.shared_path
+    assert path is not None
+    assert await ends.wait("late") == "expired"
+    assert pool.idle_bytes == 0 and not shm.SHM_DIR.joinpath(path).exists()
+    for key in ("o1", "o2"):
+        await offered(server, key, other)
+        assert same_bytes((await pull_from(server, key)).kv, other)
+        assert await ends.wait(key) == "released"
+    assert (pool.created, pool.reused) == (2, 1)  # the dropped arena was not one of them
+    assert same_bytes(p.kv, src)
+
+
+async def test_a_pool_keeping_no_idle_bytes_drops_each_arena_once_released(server, ends):
+    """``MESHSERVE_KV_ARENA_POOL_BYTES=0``: every prompt gets a new arena, and none stays
+    in /dev/shm once its puller released it."""
     global POOL
-    POOL = SegmentPool(idle_bytes=0)
+    before = _ours()
+    saved, POOL = POOL, ArenaPool(idle_bytes=0)
     try:
         src = source()
         for key in ("n1", "n2"):
-            box = outbox(key, src)
-            server.offer(box)
-            write(box, src)
-            finish(box, src)
+            await offered(server, key, src)
             p = await pull_from(server, key)
-            assert same_bytes(p.kv, src)
+            assert p.transport == "shm" and same_bytes(p.kv, src)
             del p
+            assert await ends.wait(key) == "released"
         assert (POOL.created, POOL.reused) == (2, 0)
-        assert POOL.idle_bytes == 0
+        assert POOL.idle_bytes == 0 and _ours() - before == set()
     finally:
         POOL.close()
-        POOL = pool
+        POOL = saved
 
 
-async def test_a_failed_pull_does_not_return_its_segment(server, pool):
-    server.offer(outbox("x", source()))
-    puller = asyncio.create_task(pull_from(server, "x"))
-    await asyncio.sleep(0.1)
-    server.withdraw("x", "gone")
-    with pytest.raises(TransferFailed):
-        await puller
-    assert pool.created == 1 and pool.idle_bytes == 0  # the server may still be writing it
+async def test_an_outbox_without_room_in_dev_shm_goes_over_tcp(server, ends, pool, monkeypatch):
+    def full(nbytes: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pool, "lend", full)
+    src = source()
+    box = outbox("heap", src)
+    assert box.shared_path is None
+    server.offer(box)
+    write(box, src)
+    finish(box, src)
+    p = await pull_from(server, "heap", "shm")
+    assert p.transport == "tcp" and same_bytes(p.kv, src)
+    assert await ends.wait("heap") == "released"
 
 
 def test_sweep_removes_only_what_dead_processes_left(monkeypatch):
     monkeypatch.setattr(shm, "SWEEP_MIN_AGE_S", -1.0)
-    live = SegmentPool()
-    lent = live.lend(100)
-    orphan = shm.new_name(shm.SEGMENT_PREFIX)
+    live = ArenaPool()
+    arena = live.lend(100)
+    orphan = shm.new_name(shm.ARENA_PREFIX)
     orphan.write_bytes(b"left by a process that died")
     try:
         shm.sweep()
         assert not orphan.exists()
-        assert shm.SHM_DIR.joinpath(lent.path).exists()
+        assert arena.path.exists()
     finally:
-        lent.discard()
+        live.give_back(arena, reuse=False)
         live.close()
         shm.remove(orphan)
 
 
-def test_the_server_drops_its_mapping_of_a_segment_its_owner_unlinked(pool):
-    mapped = MappedSegments()
-    lent = pool.lend(4096)
-    mapped.get(lent.path, 4096)[:3].copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
-    assert bytes(lent.buffer()[:3]) == b"\x01\x02\x03"
-    assert mapped.mapped_bytes == shm.SHM_DIR.joinpath(lent.path).stat().st_size
-    lent.discard()
+async def test_the_puller_drops_its_mapping_of_an_arena_its_owner_unlinked(pool):
+    mapped = MappedArenas()
+    arena = pool.lend(4096)
+    assert arena.tensor is not None
+    arena.tensor[:3].copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    view = mapped.get(str(arena.path), 4096)
+    assert bytes(view[:3]) == b"\x01\x02\x03" and not view.flags.writeable
+    assert mapped.mapped_bytes == arena.path.stat().st_size
+    pool.give_back(arena, reuse=False)
     mapped.prune()
     assert mapped.mapped_bytes == 0
-    with pytest.raises(OSError, match="not a KV segment"):
+    assert bytes(view[:3]) == b"\x01\x02\x03"  # a view held keeps the pages
+    with pytest.raises(OSError, match="not a KV arena"):
         mapped.get("/etc/passwd", 10)
+    mapped.clear()
 
 
-async def test_a_puller_that_does_not_share_dev_shm_gets_tcp(server, pool, monkeypatch):
+async def test_a_puller_that_does_not_share_dev_shm_gets_tcp(server, ends, monkeypatch):
     monkeypatch.setattr(shm, "probe_matches", lambda path, data: False)  # another /dev/shm
     src = source()
-    box = outbox("far", src)
-    server.offer(box)
-    write(box, src)
-    finish(box, src)
+    await offered(server, "far", src)
     p = await pull_from(server, "far", "shm")
     assert p.transport == "tcp" and same_bytes(p.kv, src)
-    assert pool.created == 0
+    assert await ends.wait("far") == "released"
 
 
 # --- kept connections -----------------------------------------------------------------------
@@ -555,6 +607,7 @@ async def test_pulls_in_a_row_share_one_connection_and_one_probe(server, ends, m
         await offered(server, f"k{i}", src)
         p = await pull_from(server, f"k{i}", transport)
         assert p.transport == transport and same_bytes(p.kv, src)
+        del p
         assert await ends.wait(f"k{i}") == "released"
         await settled(conns, 1)
     assert (conns.opened, conns.reused) == (1, 3)
@@ -589,8 +642,8 @@ async def test_a_kept_connection_the_server_closed_is_replaced(server, ends, mon
     await settled(conns, 1)
     await asyncio.sleep(0.3)  # the server closed its end
     await offered(server, "b", src)
-    p = await pull_from(server, "b")
-    assert same_bytes(p.kv, src) and await ends.wait("b") == "released"
+    assert same_bytes((await pull_from(server, "b")).kv, src)
+    assert await ends.wait("b") == "released"
     assert conns.opened == 2
 
 
@@ -604,44 +657,3 @@ async def test_closing_the_server_does_not_wait_for_kept_connections(ends):
     t = time.monotonic()
     await srv.close()
     assert time.monotonic() - t < 1.0
-
-
-@pytest.mark.parametrize(
-    ("expect", "segments"),
-    [
-        (1.0, 1),  # the puller's reckoning: the segment named in the pull is written
-        (2.0, 1),  # larger: taken too (the result is the KV's size)
-        (0.4, 2),  # too small: not taken; another is named once the size is known
-    ],
-)
-async def test_a_segment_named_in_the_pull(server, ends, pool, monkeypatch, expect, segments):
-    named_after = []
-    send = wire.send
-
-    async def counting(sock: socket.socket, msg: wire.ToServer | wire.ToClient) -> None:
-        if isinstance(msg, wire.UseSegment):
-            named_after.append(msg.path)
-        await send(sock, msg)
-
-    monkeypatch.setattr(wire, "send", counting)
-    src = source(tokens=4096)  # 2 MiB of KV: segments are powers of two from 1 MiB
-    await offered(server, "n", src)
-    nbytes = int(LAYERS * 2 * (4096 - 20) * row_bytes(src.dtype) * expect)
-    p = await pull_from(server, "n", skip_tokens=20, expect_bytes=nbytes)
-    assert p.transport == "shm" and same_bytes(p.kv, src[:, :, 20:])
-    assert await ends.wait("n") == "released"
-    assert pool.created == segments and len(named_after) == segments - 1
-
-
-async def test_a_segment_named_for_a_server_elsewhere_goes_back_unwritten(
-    server, ends, pool, monkeypatch
-):
-    monkeypatch.setattr(shm, "probe_matches", lambda path, data: False)  # another /dev/shm
-    src = source()
-    await offered(server, "far", src)
-    p = await pull_from(server, "far", expect_bytes=LAYERS * 2 * TOKENS * row_bytes(src.dtype))
-    assert p.transport == "tcp" and same_bytes(p.kv, src)
-    assert pool.created == 1 and pool.idle_bytes == 0  # lent, never written: unused
-    await offered(server, "far2", src)
-    await pull_from(server, "far2", expect_bytes=1000)
-    assert pool.created == 1  # the connection knows: no segment named again

@@ -10,11 +10,14 @@ connection, which ends the lease on the prefill side: the KV there is freed eith
 pull that completed keeps its connection for the next pull to the same TE
 (``connections.py``).
 
-Over TCP the payloads are received straight into the result tensor's memory. Over shared
-memory the server writes into a segment of this process's (``pool.py``) and the result is a
-tensor over it: no copy on this side at all. The segment goes back to the pool when the
-result and every view of it are gone, so a caller copies what it needs into its KV cache and
-drops the result (holding it holds the segment: the pool then makes new ones).
+Over TCP the payloads are received straight into the result tensor's memory, and the lease
+is released before ``pull`` returns. Over shared memory the result is a read-only view of the
+prefill TE's arena (``mapped.py``): no copy at all until the caller's own (its import into
+its KV cache). The lease is then held, and renewed, until the result and every view of it
+are gone: the prefill side writes the arena again only after that release, so what the
+caller reads is never overwritten under it. A caller copies what it needs and drops the
+result; one that holds it past ``deadline_s`` stops renewing, and the prefill side, its lease
+expired, drops the arena instead of reusing it (the pages stay, intact, for this mapping).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import contextlib
 import dataclasses
 import socket
 import time
+import warnings
+import weakref
 
 import torch
 
@@ -35,7 +40,11 @@ from services.task_executor.kv_transport.connections import (
     Connections,
     default_connections,
 )
-from services.task_executor.kv_transport.pool import Lent, SegmentPool, default_pool
+from services.task_executor.kv_transport.mapped import MappedArenas, default_mapped
+
+# Releases sent once a shared-memory result is gone (kept here: a task nobody holds may be
+# collected before it runs).
+_RELEASES: set[asyncio.Task[None]] = set()
 
 
 class TransferFailed(Exception):
@@ -49,7 +58,8 @@ class TransferFailed(Exception):
 @dataclasses.dataclass(slots=True, eq=False)
 class Pulled:
     """A pulled KV: ``kv`` is ``[num_layers, 2, num_computed_tokens - first_token,
-    num_kv_heads, head_dim]``, the tokens ``[first_token, num_computed_tokens)``."""
+    num_kv_heads, head_dim]``, the tokens ``[first_token, num_computed_tokens)``; over shared
+    memory, a read-only view of the prefill TE's arena whose lease ends when it is gone."""
 
     token_ids: list[int]
     num_prompt_tokens: int
@@ -71,28 +81,24 @@ async def pull(
     deadline_s: float,
     renew_s: float,
     shm: bool = True,
-    pool: SegmentPool | None = None,
+    mapped: MappedArenas | None = None,
     connections: Connections | None = None,
-    expect_bytes: int = 0,
 ) -> Pulled:
     """``key``'s KV from the server at ``address`` ("host:port"), from token ``skip_tokens``
-    on (the tokens before are held here already; none of their KV is sent). ``shm``: use
-    shared memory if the server is on this host, with segments of ``pool`` (this process's
-    ``default_pool()`` unless given); over a kept connection of ``connections`` (the event
-    loop's ``default_connections()`` unless given) or a new one. ``expect_bytes``: the KV's
-    size as this side reckons it (the layout and the tokens past ``skip_tokens``): a segment
-    of that size is named in the request, so the server starts writing at once (0: it is
-    named once the server has said the size). ``TransferFailed`` on any failure."""
+    on (the tokens before are held here already; none of their KV is sent). ``shm``: read it
+    in place if the server is on this host, through ``mapped`` (the event loop's
+    ``default_mapped()`` unless given); over a kept connection of ``connections`` (the
+    event loop's ``default_connections()`` unless given) or a new one. ``TransferFailed`` on
+    any failure."""
     if skip_tokens < 0:
         raise ValueError("skip_tokens must not be negative")
     started = time.perf_counter()
-    segments = (pool or default_pool()) if shm else None
+    arenas = (mapped or default_mapped()) if shm else None
     conns = connections or default_connections()
+    job = _Pull(address, key, skip_tokens, renew_s, arenas, conns, started + deadline_s)
     try:
         async with asyncio.timeout(deadline_s):
-            return await _Pull(
-                address, key, skip_tokens, renew_s, segments, conns, expect_bytes, started
-            ).run()
+            return await job.run(started)
     except TimeoutError as e:
         raise TransferFailed(f"no complete KV from {address} within {deadline_s} s") from e
 
@@ -123,47 +129,41 @@ class _Pull:
         key: str,
         skip_tokens: int,
         renew_s: float,
-        pool: SegmentPool | None,
+        mapped: MappedArenas | None,
         connections: Connections,
-        expect_bytes: int,
-        started: float,
+        renew_until: float,
     ) -> None:
         self.address, self.key, self.skip = address, key, skip_tokens
-        self.renew_s, self.pool, self.started = renew_s, pool, started
-        self.connections, self.expect_bytes = connections, expect_bytes
+        self.renew_s, self.mapped, self.renew_until = renew_s, mapped, renew_until
+        self.connections = connections
         self.meta_received = False
         self.conn: Connection | None = None
         self.sock: socket.socket | None = None
-        self.segment: Lent | None = None
         self.nbytes = 0
+        self._stop_renewing = asyncio.Event()
+        self._renewer: asyncio.Task[None] | None = None
 
-    async def run(self) -> Pulled:
-        renewer: asyncio.Task[None] | None = None
-        kept = False
+    async def run(self, started: float) -> Pulled:
+        held = False  # the result reads the arena in place: the lease ends when it is gone
         try:
             meta = await self._open()
-            stop_renewing = asyncio.Event()
-            renewer = asyncio.create_task(self._renew(stop_renewing), name=f"kv-renew-{self.key}")
-            kv, done = await self._receive(meta)
-            stop_renewing.set()  # (a renewal being sent is finished first: no half frame)
-            await renewer
-            try:
-                await wire.send(self._socket(), wire.Release())
-            except OSError:  # everything is here: the release is a courtesy
-                pass
+            self._renewer = asyncio.create_task(self._renew(), name=f"kv-renew-{self.key}")
+            if meta.arena is not None:
+                kv, done = await self._in_place(meta)
+                held = True
             else:
-                assert self.conn is not None
-                self.connections.released(self.conn)
-                kept = True
+                kv, done = await self._receive(meta)
+                with contextlib.suppress(OSError):  # everything is here: a courtesy
+                    await self._release()
         except (OSError, wire.ProtocolError) as e:
             raise TransferFailed(f"KV {self.key!r} from {self.address}: {e}") from e
         finally:
-            if renewer is not None:
-                renewer.cancel()
-            if self.conn is not None and not kept:
-                self.conn.close()
-            if self.segment is not None:
-                self.segment.discard()  # (after the result was taken, a no-op)
+            if not held:
+                self._stop_renewing.set()
+                if self._renewer is not None:
+                    self._renewer.cancel()
+                if self.conn is not None:
+                    self.conn.close()  # (one handed back after its release is kept)
         n = done.num_computed_tokens
         first = min(meta.first_token, n)
         return Pulled(
@@ -176,7 +176,7 @@ class _Pull:
             kv=kv[:, :, : n - first],
             transport=meta.transport,
             nbytes=self.nbytes,
-            seconds=time.perf_counter() - self.started,
+            seconds=time.perf_counter() - started,
         )
 
     def _socket(self) -> socket.socket:
@@ -198,31 +198,22 @@ class _Pull:
                 if not self.conn.reused or self.meta_received:
                     raise
                 self.conn.close()  # no Meta came: the server had not taken the pull
-                if self.segment is not None:
-                    self.segment.discard()
-                    self.segment = None
 
     async def _ask(self, conn: Connection) -> wire.Meta:
         sock = self._socket()
         probe = None
-        if self.pool is not None and conn.same_host is None:
+        if self.mapped is not None and conn.same_host is None:
             probe = shm_files.make_probe()
-        if self.pool is not None and conn.same_host is not False and self.expect_bytes > 0:
-            self.segment = self.pool.lend(self.expect_bytes)
         try:
             path, data = (str(probe[0]), probe[1]) if probe is not None else (None, None)
-            again = self.pool is not None and conn.same_host is True
-            named = self.segment.path if self.segment is not None else None
-            await wire.send(sock, wire.Pull(self.key, self.skip, path, data, again, named))
+            again = self.mapped is not None and conn.same_host is True
+            await wire.send(sock, wire.Pull(self.key, self.skip, path, data, again))
             msg, _ = await wire.recv_from_server(sock)
         finally:
             if probe is not None:
                 shm_files.remove(probe[0])
         self.meta_received = isinstance(msg, wire.Meta)
         if isinstance(msg, wire.Error):
-            if self.segment is not None:  # refused before anything was taken
-                self.segment.unused()
-                self.segment = None
             raise TransferFailed(msg.reason)
         if not isinstance(msg, wire.Meta):
             raise wire.ProtocolError(f"a {type(msg).__name__} where Meta was due")
@@ -232,52 +223,89 @@ class _Pull:
             raise wire.ProtocolError("a KV of no shape")
         if msg.first_token != min(self.skip, msg.num_prompt_tokens):
             raise wire.ProtocolError(f"KV from token {msg.first_token}, asked from {self.skip}")
+        if (msg.transport == "shm") != (msg.arena is not None):
+            raise wire.ProtocolError("shared memory without an arena, or the other way")
+        if msg.arena is not None and self.mapped is None:
+            raise wire.ProtocolError("shared memory, not asked for")
         if probe is not None and msg.capacity > 0:  # (with nothing to send, tcp says nothing)
             conn.same_host = msg.transport == "shm"
-        if msg.transport != "shm":
-            if self.segment is not None:  # named, not taken: nobody wrote it
-                self.segment.unused()
-                self.segment = None
-            return msg
-        if self.pool is None:
-            raise wire.ProtocolError("shared memory, not asked for")
-        row = msg.num_kv_heads * msg.head_dim * DTYPES[msg.dtype].itemsize
-        nbytes = 2 * msg.num_layers * msg.capacity * row
-        if msg.segment_taken:
-            if self.segment is None:
-                raise wire.ProtocolError("a segment taken that was not named")
-            try:
-                self.segment.fit(nbytes)
-            except ValueError as e:
-                raise wire.ProtocolError(str(e)) from e
-            return msg
-        if self.segment is not None:
-            self.segment.unused()
-        self.segment = self.pool.lend(nbytes)
-        await wire.send(sock, wire.UseSegment(self.segment.path))
         return msg
 
-    async def _renew(self, stop: asyncio.Event) -> None:
+    async def _renew(self) -> None:
+        """A renewal every ``renew_s`` until told to stop (or the pull's deadline passed)."""
         sock = self._socket()
+        stop = self._stop_renewing
         with contextlib.suppress(OSError):  # the receiving side sees the connection fail
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.renew_s)
-                if not stop.is_set():
-                    await wire.send(sock, wire.Renew())
+                if stop.is_set() or time.perf_counter() > self.renew_until:
+                    return
+                await wire.send(sock, wire.Renew())
+
+    async def _release(self) -> None:
+        """Stop renewing, release the lease, hand the connection back (``OSError`` if the
+        release could not be sent: the connection is closed then)."""
+        self._stop_renewing.set()
+        if self._renewer is not None:
+            await self._renewer  # (a renewal being sent is finished first: no half frame)
+        conn, self.conn = self.conn, None
+        assert conn is not None
+        try:
+            await wire.send(conn.sock, wire.Release())
+        except OSError:
+            conn.close()
+            raise
+        self.connections.released(conn)
+
+    def _result_gone(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The last view of an in-place result died (any thread): release on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the connection too
+            loop.call_soon_threadsafe(self._release_soon)
+
+    def _release_soon(self) -> None:
+        async def release() -> None:
+            with contextlib.suppress(OSError):  # (the lease then ends as disconnected)
+                await self._release()
+
+        task = asyncio.create_task(release(), name=f"kv-release-{self.key}")
+        _RELEASES.add(task)
+        task.add_done_callback(_RELEASES.discard)
+
+    async def _in_place(self, meta: wire.Meta) -> tuple[torch.Tensor, wire.Done]:
+        """The KV in the prefill's arena (``[L, 2, capacity, kvh, hd]``, read-only) once
+        ``Done`` says it is all there, and ``Done``."""
+        assert self.mapped is not None and meta.arena is not None
+        dtype = DTYPES[meta.dtype]
+        row = meta.num_kv_heads * meta.head_dim * dtype.itemsize
+        arena_bytes = 2 * meta.num_layers * meta.num_prompt_tokens * row
+        whole = self.mapped.get(meta.arena, arena_bytes)  # OSError: not readable here
+        msg, _ = await wire.recv_from_server(self._socket())
+        if isinstance(msg, wire.Error):
+            raise TransferFailed(msg.reason)
+        if not isinstance(msg, wire.Done):
+            raise wire.ProtocolError(f"a {type(msg).__name__} mid-pull")
+        if not 0 <= msg.num_computed_tokens <= meta.num_prompt_tokens:
+            raise wire.ProtocolError(f"{msg.num_computed_tokens} computed tokens")
+        self.nbytes = 2 * meta.num_layers * meta.capacity * row
+        view = whole[:arena_bytes]  # an array of its own: its death is the result's
+        weakref.finalize(view, self._result_gone, asyncio.get_running_loop())
+        with warnings.catch_warnings():  # read-only: the result is never written
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(view)
+        shape = (meta.num_layers, 2, meta.num_prompt_tokens, meta.num_kv_heads, meta.head_dim)
+        first = meta.first_token
+        return t.view(dtype).view(shape)[:, :, first : first + meta.capacity], msg
 
     async def _receive(self, meta: wire.Meta) -> tuple[torch.Tensor, wire.Done]:
-        """The KV buffer (``[L, 2, capacity, kvh, hd]``) once complete, and ``Done``."""
+        """The KV received into a buffer of this side's (``[L, 2, capacity, kvh, hd]``)
+        once complete, and ``Done``."""
         sock = self._socket()
         dtype = DTYPES[meta.dtype]
         shape = (meta.num_layers, 2, meta.capacity, meta.num_kv_heads, meta.head_dim)
         row = meta.num_kv_heads * meta.head_dim * dtype.itemsize
-        buf: torch.Tensor | None = None
-        if self.segment is not None:
-            flat = self.segment.buffer()
-        else:
-            buf = torch.empty(shape, dtype=dtype)
-            flat = buf.view(-1).view(torch.uint8).numpy().data
+        buf = torch.empty(shape, dtype=dtype)
+        flat = buf.view(-1).view(torch.uint8).numpy().data
         while True:
             msg, payload = await wire.recv_from_server(sock)
             if isinstance(msg, wire.Data):
@@ -289,10 +317,6 @@ class _Pull:
                     at = ((msg.layer * 2 + kv) * meta.capacity + msg.start - meta.first_token) * row
                     await wire.recv_into(sock, flat[at : at + msg.ntok * row])
                 self.nbytes += payload
-            elif isinstance(msg, wire.Written):
-                for layer, start, ntok in msg.ranges:
-                    _check_range(meta, layer, start, ntok)
-                    self.nbytes += 2 * ntok * row
             elif isinstance(msg, wire.Done):
                 break
             elif isinstance(msg, wire.Error):
@@ -301,10 +325,6 @@ class _Pull:
                 raise wire.ProtocolError(f"a {type(msg).__name__} mid-pull")
         if not 0 <= msg.num_computed_tokens <= meta.num_prompt_tokens:
             raise wire.ProtocolError(f"{msg.num_computed_tokens} computed tokens")
-        del flat  # a view of the segment's memory would keep it from the pool
-        if buf is None:
-            assert self.segment is not None
-            buf = self.segment.result().view(dtype).view(shape)
         return buf, msg
 
 

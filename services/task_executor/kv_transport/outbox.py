@@ -8,17 +8,21 @@ lock for a list append and, at most once per loop iteration, wakes the server's 
 ``KvServer.offer`` (not at construction), so it can be made and written on any thread before
 it is offered; writes made before that are kept and sent once a puller connects.
 
-The arena is one host tensor ``[num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim]``,
-the segment layout a puller on this host asks for, so written ranges go into its segment as
-a few strided copies (one when the whole KV is there) instead of one copy per range: a copy
-per range runs at half the memory's speed or less, one strided ``copy_`` at its full speed.
-It is freed when the lease ends; only the bounds of sent ranges stay, to check at the end
-that every layer's range was covered.
+The arena is one host tensor ``[num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim]``
+in a file in /dev/shm (``pool.ArenaPool``) where the TE has a pool: a puller on this host
+maps it and reads the KV in place (no copy of the transport's own). Without a pool, or
+without room in /dev/shm, it is on the heap and every puller gets it over TCP. When the lease
+ends the arena goes back to the pool, to be written again only where nobody may still read
+it (``KvServer`` decides: a puller in place that released, or none in place at all); only
+the bounds of written ranges stay, to check at the end that every layer's range was covered.
+A new arena costs its pages once (made and mapped up front, tens of milliseconds for 200 MB
+on this project's VMs); the pool's are reused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -26,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from services.task_executor.dtypes import DTYPES
+from services.task_executor.kv_transport.pool import Arena, ArenaPool, try_lend
 
 
 @dataclasses.dataclass(slots=True)
@@ -65,7 +70,10 @@ class Outbox:
         dtype: torch.dtype,
         num_prompt_tokens: int,
         lease_s: float,
+        arenas: ArenaPool | None = None,
     ) -> None:
+        """``arenas``: where the KV is written, so that pullers on this host read it in
+        place (None: on the heap, for TCP pullers only)."""
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported KV dtype {dtype}")
         if min(num_layers, num_kv_heads, head_dim) <= 0 or num_prompt_tokens < 0:
@@ -78,12 +86,21 @@ class Outbox:
         self.num_prompt_tokens = num_prompt_tokens
         self.lease_s = lease_s
         self.row_bytes = num_kv_heads * head_dim * dtype.itemsize  # one token of K (or V)
-        self._arena: torch.Tensor | None = torch.empty(
-            num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim, dtype=dtype
-        )
+        shape = (num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim)
+        nbytes = num_layers * 2 * num_prompt_tokens * self.row_bytes
+        self._pool = arenas
+        self._shared: Arena | None = try_lend(arenas, nbytes)
+        if self._shared is not None:
+            assert self._shared.tensor is not None
+            self._arena: torch.Tensor | None = self._shared.tensor[:nbytes].view(dtype).view(shape)
+        else:
+            self._arena = torch.empty(shape, dtype=dtype)
         self._lock = threading.Lock()
+        self._writers = 0  # layer() calls copying into the arena now
         self._pending: list[Piece] = []  # written, not yet taken by the sender
-        self._ranges: list[tuple[int, int, int]] = []  # (layer, start, end) of every write
+        # Per layer, the tokens written: disjoint [start, end) intervals in order (a write
+        # usually extends the last one: a prefill computes its chunks in order).
+        self._covered: list[list[list[int]]] = [[] for _ in range(num_layers)]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._notify: Callable[[], None] | None = None
         self._wake_scheduled = False
@@ -111,21 +128,34 @@ class Outbox:
             raise ValueError(
                 f"tokens [{start}, {end}) outside the prompt's {self.num_prompt_tokens}"
             )
-        arena = self._arena
-        if k.shape[0] == 0 or arena is None:
+        if k.shape[0] == 0:
             return
-        dk, dv = arena[layer, 0, start:end], arena[layer, 1, start:end]
-        dk.copy_(k)
-        dv.copy_(v)
-        # The byte views are made here, on the engine's thread: a few microseconds each that
-        # the event loop does not spend.
-        kb, vb = dk.reshape(-1).view(torch.uint8), dv.reshape(-1).view(torch.uint8)
-        piece = Piece(layer, start, end, kb.numpy().data, vb.numpy().data)
+        with self._lock:  # the arena stays ours until this write is over
+            arena = self._arena
+            if arena is None:
+                return
+            self._writers += 1
+        try:
+            dk, dv = arena[layer, 0, start:end], arena[layer, 1, start:end]
+            dk.copy_(k)
+            dv.copy_(v)
+            # The byte views are made here, on the engine's thread: a few microseconds each
+            # that the event loop does not spend.
+            kb, vb = dk.reshape(-1).view(torch.uint8), dv.reshape(-1).view(torch.uint8)
+            piece = Piece(layer, start, end, kb.numpy().data, vb.numpy().data)
+        finally:
+            with self._lock:
+                self._writers -= 1
+                discarded, last = self._discarded, self._writers == 0
+        if discarded:  # the lease ended under this write: the arena is never reused
+            if last:
+                self._give_back(reuse=False)
+            return
         with self._lock:
             if self._discarded:
                 return
             self._pending.append(piece)
-            self._ranges.append((layer, start, end))
+            _cover(self._covered[layer], start, end)
         self._signal()
 
     def done(
@@ -162,15 +192,9 @@ class Outbox:
         self._signal()
 
     @property
-    def arena(self) -> torch.Tensor | None:
-        """The arena as bytes, ``[num_layers, 2, num_prompt_tokens, row_bytes]`` (None once
-        the lease ended)."""
-        arena = self._arena
-        if arena is None:
-            return None
-        return arena.view(torch.uint8).view(
-            self.num_layers, 2, self.num_prompt_tokens, self.row_bytes
-        )
+    def shared_path(self) -> str | None:
+        """The arena's file in /dev/shm (None: the KV is on the heap)."""
+        return str(self._shared.path) if self._shared is not None else None
 
     def take(self) -> list[Piece]:
         """The writes since the last ``take``, in order; the outbox forgets their tensors."""
@@ -182,28 +206,38 @@ class Outbox:
         """``(layer, a, b)``: tokens ``[a, b)`` of ``layer`` within ``[first, end)`` that no
         write covered; None when every layer is covered."""
         with self._lock:
-            ranges = sorted(self._ranges)
-        by_layer: dict[int, list[tuple[int, int]]] = {}
-        for layer, a, b in ranges:
-            by_layer.setdefault(layer, []).append((a, b))
-        for layer in range(self.num_layers):
+            by_layer = [[(a, b) for a, b in intervals] for intervals in self._covered]
+        for layer, intervals in enumerate(by_layer):
             covered = first
-            for a, b in by_layer.get(layer, []):
+            for a, b in intervals:
                 if a > covered:
                     break
                 covered = max(covered, b)
             if covered < end:
-                nxt = [a for a, _ in by_layer.get(layer, []) if a > covered]
+                nxt = [a for a, _ in intervals if a > covered]
                 return layer, covered, min([end, *nxt])
         return None
 
-    def discard(self) -> None:
-        """The lease ended: drop the KV (and any written later) and stop notifying."""
+    def discard(self, *, reuse: bool = False) -> None:
+        """The lease ended: drop the KV (and any written later) and stop notifying. The
+        arena goes back to its pool, to be written again only if ``reuse`` (nobody reads it
+        any more) and no write was in flight."""
         with self._lock:
+            if self._discarded:
+                return
             self._discarded = True
             self._pending = []
             self._notify = None
             self._arena = None
+            writing = self._writers > 0
+        if not writing:  # else the last write gives it back, never to be reused
+            self._give_back(reuse=reuse)
+
+    def _give_back(self, *, reuse: bool) -> None:
+        with self._lock:
+            shared, self._shared = self._shared, None
+        if shared is not None and self._pool is not None:
+            self._pool.give_back(shared, reuse=reuse)
 
     def _signal(self) -> None:
         with self._lock:
@@ -222,3 +256,19 @@ class Outbox:
             notify = self._notify
         if notify is not None:
             notify()
+
+
+def _cover(intervals: list[list[int]], start: int, end: int) -> None:
+    """Add ``[start, end)`` to ``intervals`` (disjoint, in order), merging what touches."""
+    if intervals and intervals[-1][0] <= start:  # the usual case: at or past the last one
+        if start <= intervals[-1][1]:
+            intervals[-1][1] = max(intervals[-1][1], end)
+        else:
+            intervals.append([start, end])
+        return
+    i = bisect.bisect_left(intervals, start, key=lambda iv: iv[1])  # first ending at/after
+    j = i
+    while j < len(intervals) and intervals[j][0] <= end:
+        start, end = min(start, intervals[j][0]), max(end, intervals[j][1])
+        j += 1
+    intervals[i:j] = [[start, end]]

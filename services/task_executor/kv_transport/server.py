@@ -24,22 +24,20 @@ ended (it is remembered for ``ENDED_MEMORY_S``, to answer with what happened rat
 
 Everything here runs on the event loop the server was started on; ``offer``, ``withdraw``
 and ``close`` must be called there. The KV goes out over the puller's connection from that
-loop or, to a puller on this host, is copied into the puller's shared-memory segment
-(``pool.py``, mapped here by ``mapped.py``) by worker threads (two pulls at a time).
+loop or, to a puller on this host, is read by it in place, in the outbox's arena in /dev/shm
+(``pool.py``): the arena is written again only after a lease that ended released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import socket
 from collections.abc import Callable
 
 from services.task_executor.kv_transport import shm, wire
-from services.task_executor.kv_transport.mapped import MappedSegments
 from services.task_executor.kv_transport.outbox import Outbox
 from services.task_executor.kv_transport.session import Session
 from shared.logging import get_logger
@@ -51,7 +49,6 @@ HELLO_TIMEOUT_S = 10.0  # a connection's first frame
 IDLE_S = 120.0  # a kept connection's wait for its next pull (pullers keep them less long)
 ENDED_MEMORY_S = 60.0
 ENDED_MEMORY_KEYS = 4096
-PRUNE_S = 10.0  # how often kept mappings of pullers' segments are checked (mapped.py)
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +57,7 @@ class _Lease:
     timer: asyncio.TimerHandle | None = None
     taken: bool = False  # a puller came (one per key)
     session: Session | None = None
+    in_place: bool = False  # a puller read (or reads) the arena itself
     reason: str | None = None  # why it ended
 
 
@@ -86,11 +84,6 @@ class KvServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Copies into pullers' segments, off the loop: a batch is one job of strided copies
-        # (each with torch's own threads), two pulls' batches at a time.
-        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kv-shm")
-        self._mapped = MappedSegments()
-        self._pruning: asyncio.TimerHandle | None = None
         self._closed = False
 
     async def start(self) -> None:
@@ -162,10 +155,6 @@ class KvServer:
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._pruning is not None:
-            self._pruning.cancel()
-        self._mapped.clear()
 
     # --- leases ---------------------------------------------------------------------------
 
@@ -204,7 +193,9 @@ class KvServer:
         if lease.timer is not None:
             lease.timer.cancel()
         self._remember(key, error or f"the KV is gone ({reason})")
-        lease.outbox.discard()
+        # The arena is written again only where nobody may still read it: a puller in place
+        # that released has read all it will read; a TCP puller's reads were this side's.
+        lease.outbox.discard(reuse=reason == "released" or not lease.in_place)
         if lease.session is not None:
             lease.session.stop(error)
         try:
@@ -237,18 +228,6 @@ class KvServer:
                 return f"no KV under key {key!r} here"
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._offered.wait(), remaining)
-
-    def _prune_later(self) -> None:
-        """Check the kept mappings every ``PRUNE_S`` while there are any: a puller that
-        dropped a segment must get its memory back even if no pull comes here again."""
-        if self._pruning is None and not self._closed:
-            self._pruning = self._running_loop().call_later(PRUNE_S, self._prune)
-
-    def _prune(self) -> None:
-        self._pruning = None
-        self._mapped.prune()
-        if self._mapped.mapped_bytes:
-            self._prune_later()
 
     # --- connections ----------------------------------------------------------------------
 
@@ -324,39 +303,18 @@ class KvServer:
         lease.taken = True
         outbox = lease.outbox
         first = min(max(msg.skip_tokens, 0), outbox.num_prompt_tokens)
-        nbytes = outbox.num_layers * 2 * (outbox.num_prompt_tokens - first) * outbox.row_bytes
-        transport = "shm" if nbytes and use_shm else "tcp"
+        arena = outbox.shared_path if use_shm and first < outbox.num_prompt_tokens else None
         self._renew(lease)
         try:
-            segment = None
-            if transport == "shm" and msg.segment is not None:
-                with contextlib.suppress(OSError):  # not one of its segments, or too small
-                    segment = self._mapped.get(msg.segment, nbytes)
-            await wire.send(sock, Session.meta(outbox, first, transport, segment is not None))
-            if transport == "shm" and segment is None:
-                async with asyncio.timeout(HELLO_TIMEOUT_S):
-                    named = await wire.recv_from_client(sock)
-                if not isinstance(named, wire.UseSegment):
-                    raise wire.ProtocolError(f"a {type(named).__name__} where a segment was due")
-                try:
-                    segment = self._mapped.get(named.path, nbytes)
-                except OSError as e:
-                    await wire.send(sock, wire.Error(f"the puller's segment: {e}"))
-                    return False
-            if segment is not None:
-                self._prune_later()
             session = Session(
                 sock,
                 outbox,
                 skip_tokens=first,
-                segment=segment,
-                executor=self._executor,
+                arena=arena,
                 on_renew=lambda: self._renew(lease),
                 on_end=lambda reason, error: self._end(lease, reason, error),
             )
-            if self._leases.get(msg.key) is not lease:  # it ended meanwhile
-                await wire.send(sock, wire.Error(self._ended.get(msg.key, ("gone", 0.0))[0]))
-                return False
+            lease.in_place = arena is not None
             lease.session = session
             await session.run()
         finally:

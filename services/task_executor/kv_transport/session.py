@@ -1,8 +1,7 @@
 """One puller's connection on the prefill side, once it has been matched to an outbox: the
-KV goes out as the outbox fills (over the connection, or into the puller's shared-memory
-segment), then ``Done``; the puller's renewals, release or rejection come back.
-
-Nothing is written after ``Done``: the puller reuses its segment once it holds the result.
+KV goes out over the connection as the outbox fills, then ``Done``; the puller's renewals,
+release or rejection come back. A puller on this host reads the KV in place, in the outbox's
+arena (``Meta`` named it): to it only ``Done`` goes, once the whole KV is there.
 
 Two tasks share the socket: the sender is its only writer and the reader its only reader. A
 lease that ends (``stop``) tells the sender, which sends the error frame, if any, between two
@@ -13,12 +12,9 @@ cancelled after ``STOP_GRACE_S``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import socket
 from collections.abc import Callable
-
-import torch
 
 from services.task_executor.dtypes import dtype_name
 from services.task_executor.kv_transport import wire
@@ -28,17 +24,15 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 STOP_GRACE_S = 1.0
-# The most one batch holds (the sender looks for a stop between two): the frames of one
-# sendmsg loop, or the copies into a segment between two ``Written`` frames (a batch's
-# ranges are merged into a few strided copies, so these are larger).
+# The most one batch of frames holds (the sender looks for a stop between two).
 BATCH_BYTES = 32 << 20
-SHM_BATCH_BYTES = 256 << 20
 
 
 class Session:
-    """Sends ``outbox`` from token ``skip_tokens`` on over ``sock``, or into ``segment`` (the
-    puller's, mapped here: uint8, laid out as ``Meta`` says) by copies on ``executor``
-    (``torch.copy_``, each with torch's own threads)."""
+    """Sends ``Meta``, then ``outbox`` from token ``skip_tokens`` on over ``sock`` or, with
+    ``arena`` (the outbox's, which the puller reads in place), only ``Done`` once the KV is
+    all there. A KV complete when the pull comes goes in one write: ``Meta`` and ``Done``
+    together, one wake-up of the puller."""
 
     def __init__(
         self,
@@ -46,17 +40,15 @@ class Session:
         outbox: Outbox,
         *,
         skip_tokens: int,
-        segment: torch.Tensor | None,
-        executor: concurrent.futures.Executor,
+        arena: str | None,
         on_renew: Callable[[], None],
         on_end: Callable[[str, str | None], None],
     ) -> None:
-        self._sock, self._outbox, self._segment = sock, outbox, segment
-        self._arena = outbox.arena  # held here: a copy in flight outlives the lease's end
-        self._executor = executor
+        self._sock, self._outbox, self._in_place = sock, outbox, arena is not None
         self._on_renew, self._on_end = on_renew, on_end
         self.first = min(skip_tokens, outbox.num_prompt_tokens)
         self.capacity = outbox.num_prompt_tokens - self.first
+        self._head = [wire.frame_head(self.meta(outbox, self.first, arena))]  # not sent yet
         self._wake = asyncio.Event()
         self._stopped = False
         self._error: str | None = None
@@ -74,10 +66,11 @@ class Session:
             self._wake.set()
 
     @staticmethod
-    def meta(outbox: Outbox, first: int, transport: str, segment_taken: bool) -> wire.Meta:
+    def meta(outbox: Outbox, first: int, arena: str | None) -> wire.Meta:
+        """Over shared memory (``arena``: the outbox's) or, without one, TCP."""
         o = outbox
         return wire.Meta(
-            transport=transport,
+            transport="shm" if arena is not None else "tcp",
             num_layers=o.num_layers,
             num_kv_heads=o.num_kv_heads,
             head_dim=o.head_dim,
@@ -85,7 +78,7 @@ class Session:
             num_prompt_tokens=o.num_prompt_tokens,
             first_token=first,
             capacity=o.num_prompt_tokens - first,
-            segment_taken=segment_taken,
+            arena=arena,
         )
 
     async def run(self) -> None:
@@ -141,7 +134,7 @@ class Session:
         while not self._stopped:
             self._wake.clear()
             pieces = [p for p in map(self._clip, outbox.take()) if p is not None]
-            if pieces:
+            if pieces and not self._in_place:
                 await self._send_pieces(pieces)
                 continue
             finished = outbox.finished
@@ -156,8 +149,10 @@ class Session:
                     )
                     return
                 done = wire.Done(finished.token_ids, end, finished.finish_reason)
-                await wire.send(self._sock, done)
+                await self._send([wire.frame_head(done)])
                 break
+            if self._head:  # nothing to send yet: the puller may get ready meanwhile
+                await self._send([])
             await self._wake.wait()
         while not self._stopped:  # Done is out: wait for the release (or the lease's end)
             self._wake.clear()
@@ -173,14 +168,12 @@ class Session:
 
     async def _send_pieces(self, pieces: list[Piece]) -> None:
         row = self._outbox.row_bytes
-        tcp = self._segment is None
-        limit = BATCH_BYTES if tcp else SHM_BATCH_BYTES
         batch: list[Piece] = []
         size = 0
         for p in pieces:
             batch.append(p)
             size += 2 * (p.end - p.start) * row
-            if size >= limit or (tcp and len(batch) * 3 >= wire.MAX_BUFFERS):
+            if size >= BATCH_BYTES or len(batch) * 3 >= wire.MAX_BUFFERS:
                 await self._send_batch(batch)
                 batch, size = [], 0
                 if self._stopped:
@@ -189,49 +182,15 @@ class Session:
             await self._send_batch(batch)
 
     async def _send_batch(self, batch: list[Piece]) -> None:
-        if self._segment is None:
-            buffers: list[memoryview | bytes] = []
-            for p in batch:
-                ntok = p.end - p.start
-                buffers.append(
-                    wire.frame_head(
-                        wire.Data(p.layer, p.start, ntok), 2 * ntok * self._outbox.row_bytes
-                    )
-                )
-                buffers += [p.k_bytes, p.v_bytes]
-            await wire.send_buffers(self._sock, buffers)
-            return
-        arena = self._arena
-        assert arena is not None  # a piece came, so the lease had not ended when we began
-        o = self._outbox
-        segment = self._segment.view(o.num_layers, 2, self.capacity, o.row_bytes)
-        regions = merge_ranges([(p.layer, p.start, p.end) for p in batch])
-        first = self.first
+        buffers: list[memoryview | bytes] = []
+        for p in batch:
+            ntok = p.end - p.start
+            head = wire.Data(p.layer, p.start, ntok)
+            buffers.append(wire.frame_head(head, 2 * ntok * self._outbox.row_bytes))
+            buffers += [p.k_bytes, p.v_bytes]
+        await self._send(buffers)
 
-        def copy() -> None:
-            for lo, hi, a, b in regions:
-                segment[lo:hi, :, a - first : b - first].copy_(arena[lo:hi, :, a:b])
-
-        await asyncio.get_running_loop().run_in_executor(self._executor, copy)
-        ranges = [(p.layer, p.start, p.end - p.start) for p in batch]
-        await wire.send(self._sock, wire.Written(ranges))
-
-
-def merge_ranges(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
-    """``(layer, start, end)`` ranges as ``(first_layer, last_layer + 1, start, end)``
-    rectangles that cover the same (layer, token) cells: consecutive layers with the same
-    tokens merge, then rectangles of the same layers whose tokens follow on."""
-    by_tokens: list[tuple[int, int, int, int]] = []
-    for layer, a, b in sorted(set(ranges), key=lambda r: (r[1], r[2], r[0])):
-        if by_tokens and by_tokens[-1][2:] == (a, b) and by_tokens[-1][1] == layer:
-            lo = by_tokens[-1][0]
-            by_tokens[-1] = (lo, layer + 1, a, b)
-        else:
-            by_tokens.append((layer, layer + 1, a, b))
-    merged: list[tuple[int, int, int, int]] = []
-    for lo, hi, a, b in sorted(by_tokens):
-        if merged and merged[-1][:2] == (lo, hi) and merged[-1][3] == a:
-            merged[-1] = (lo, hi, merged[-1][2], b)
-        else:
-            merged.append((lo, hi, a, b))
-    return merged
+    async def _send(self, buffers: list[memoryview | bytes]) -> None:
+        """``buffers``, after ``Meta`` if it has not gone yet."""
+        head, self._head = self._head, []
+        await wire.send_buffers(self._sock, [*head, *buffers])

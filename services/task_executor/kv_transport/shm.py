@@ -1,20 +1,21 @@
 """Shared memory between a prefill TE and a decode TE on one host: the probe that tells the
-two share /dev/shm, and the rules for the segment files the KV is written into.
+two share /dev/shm, and the rules for the arena files the KV is written into.
 
 Same-host detection asks the file system itself, so it holds whatever the network looks like
 (two TEs in network namespaces that share /dev/shm, or ones that do not): the puller writes
 a probe file of random bytes and sends its name and bytes; the server uses shared memory only
 if it reads the same bytes under that name.
 
-Segments belong to the puller (``pool.SegmentPool``), which reuses them: a tmpfs page is new
-memory the first time it is written, and on this project's VMs that costs more than the copy
-itself (fresh pages take a 200 MB KV at ~2 GB/s, pages written before at memcpy speed). The
-server maps a puller's segment and writes into it (``mapped.MappedSegments``).
+Arenas belong to the prefill side (``pool.ArenaPool``), which writes each outbox's KV into
+one and reuses them: a tmpfs page is new memory the first time it is written, and on this
+project's VMs that costs more than the copy itself (fresh pages take a 200 MB KV at ~2 GB/s,
+pages written before at memcpy speed). A puller maps the arena read-only and reads the KV
+where it lies (``mapped.MappedArenas``).
 
 Names only ever come from these prefixes, and each side only opens names that match them:
-a peer cannot make this side read or write any other file. A pool holds a shared ``flock``
-on each of its segments for as long as it lives, so a segment whose owner died (the lock is
-free) can be told from one in use and removed (``sweep``).
+a peer cannot make this side read any other file. A pool holds a shared ``flock`` on each of
+its arenas for as long as it lives, so an arena whose owner died (the lock is free) can be
+told from one in use and removed (``sweep``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PROBE_PREFIX = "meshserve-kvprobe-"
-SEGMENT_PREFIX = "meshserve-kvseg-"
+ARENA_PREFIX = "meshserve-kvarena-"
 _PROBE_BYTES = 16
 _NAME = re.compile(r"[0-9a-f]{32}")
 # A file younger than this is never swept: its owner may not have locked it yet.
@@ -96,7 +97,7 @@ def probe_matches(path: str, data: bytes) -> bool:
 
 
 def sweep() -> int:
-    """Remove segments whose owner died (nobody holds their lock) and stray probes, if older
+    """Remove arenas whose owner died (nobody holds their lock) and stray probes, if older
     than ``SWEEP_MIN_AGE_S``; how many went."""
     removed = 0
     now = time.time()
@@ -107,12 +108,12 @@ def sweep() -> int:
                     if now - p.stat().st_ctime > SWEEP_MIN_AGE_S:
                         remove(p)
                         removed += 1
-            elif p.name.startswith(SEGMENT_PREFIX) and checked_path(str(p), SEGMENT_PREFIX):
-                removed += _sweep_segment(p, now)
+            elif p.name.startswith(ARENA_PREFIX) and checked_path(str(p), ARENA_PREFIX):
+                removed += _sweep_arena(p, now)
     return removed
 
 
-def _sweep_segment(p: Path, now: float) -> int:
+def _sweep_arena(p: Path, now: float) -> int:
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:

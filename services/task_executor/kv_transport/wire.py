@@ -8,13 +8,13 @@ decoded or copied by this module: the sender hands the tensors' memory to ``send
 the receiver ``recv_into``s the slice of its result tensor the header names.
 
 The exchange: the puller sends ``Pull`` (or ``Reject``), the server answers ``Meta`` (how the
-KV will come: over this connection or through shared memory) or ``Error``; over shared
-memory the puller names its segment (in the ``Pull``, or ``UseSegment`` after ``Meta``); then ``Data`` (TCP) or ``Written``
-(shared memory) frames as the prefill computes, and ``Done`` once every layer's range has
-been sent; the puller sends ``Renew`` while it waits and
-``Release`` once it holds everything. An ``Error`` frame ends a pull at any point, and
-the connection with it. After a ``Release`` the server answers ``Ok`` and the connection
-may carry the puller's next ``Pull`` (``connections.py``).
+KV will come: over this connection, or in place in the server's arena in /dev/shm, which
+``Meta`` names) or ``Error``; then, over TCP, ``Data`` frames as the prefill computes; and
+``Done`` once every layer's range has been sent (or written into the arena). The puller
+sends ``Renew`` while it waits and ``Release`` once it holds everything (over shared memory:
+once it has read all it will read of the arena). An ``Error`` frame ends a pull at any
+point, and the connection with it. After a ``Release`` the server answers ``Ok`` and the
+connection may carry the puller's next ``Pull`` (``connections.py``).
 """
 
 from __future__ import annotations
@@ -55,27 +55,18 @@ class Pull(msgspec.Struct, tag="pull"):
     the puller wrote in /dev/shm and its bytes: shared memory is used if the server reads the
     same bytes there (same host, or /dev/shm shared across network namespaces).
     ``same_host_as_before``: no probe, use shared memory if an earlier pull's probe on this
-    connection found it shared. Neither: over this connection. ``segment``: where to write
-    the KV over shared memory, named up front by a puller that knows its size (the server
-    takes it if it is large enough; else the puller names one after ``Meta``)."""
+    connection found it shared. Neither: over this connection."""
 
     key: str
     skip_tokens: int
     probe_path: str | None = None
     probe: bytes | None = None
     same_host_as_before: bool = False
-    segment: str | None = None
 
 
 class Reject(msgspec.Struct, tag="reject"):
     key: str
     reason: str
-
-
-class UseSegment(msgspec.Struct, tag="segment"):
-    """Write the KV into this segment of mine (after a ``Meta`` that said ``shm``)."""
-
-    path: str
 
 
 class Renew(msgspec.Struct, tag="renew"):
@@ -90,10 +81,11 @@ class Release(msgspec.Struct, tag="release"):
 
 
 class Meta(msgspec.Struct, tag="meta"):
-    """How the KV comes. The result buffer is ``[num_layers, 2, capacity, num_kv_heads,
-    head_dim]`` holding tokens ``[first_token, first_token + capacity)``; over shared memory
-    (``transport == "shm"``) it is a segment of the puller's, laid out the same way: the
-    one the ``Pull`` named (``segment_taken``) or one it names next (``UseSegment``)."""
+    """How the KV comes. The result is ``[num_layers, 2, capacity, num_kv_heads, head_dim]``
+    holding tokens ``[first_token, first_token + capacity)``. Over shared memory
+    (``transport == "shm"``) the KV lies in the file ``arena``, laid out ``[num_layers, 2,
+    num_prompt_tokens, num_kv_heads, head_dim]`` from its first byte; the puller reads the
+    tokens it asked for there, once ``Done`` has come."""
 
     transport: str  # "shm" or "tcp"
     num_layers: int
@@ -103,7 +95,7 @@ class Meta(msgspec.Struct, tag="meta"):
     num_prompt_tokens: int
     first_token: int
     capacity: int
-    segment_taken: bool = False
+    arena: str | None = None
 
 
 class Data(msgspec.Struct, tag="data"):
@@ -112,12 +104,6 @@ class Data(msgspec.Struct, tag="data"):
     layer: int
     start: int
     ntok: int
-
-
-class Written(msgspec.Struct, tag="written"):
-    """These ``(layer, start, ntok)`` ranges are in the segment now."""
-
-    ranges: list[tuple[int, int, int]]
 
 
 class Done(msgspec.Struct, tag="done"):
@@ -134,8 +120,8 @@ class Ok(msgspec.Struct, tag="ok"):
     pass
 
 
-ToServer = Pull | Reject | UseSegment | Renew | Release
-ToClient = Meta | Data | Written | Done | Error | Ok
+ToServer = Pull | Reject | Renew | Release
+ToClient = Meta | Data | Done | Error | Ok
 
 _encoder = msgspec.msgpack.Encoder()
 _to_server = msgspec.msgpack.Decoder(ToServer)
