@@ -158,7 +158,9 @@ async def test_a_fine_tuning_job_with_the_official_client(
                     "hyperparameters": {
                         "n_epochs": EPOCHS,
                         "batch_size": 4,
-                        "learning_rate_multiplier": 50,
+                        # 50 overshot in float32 (AVX2 hosts: the loss stalled at 1.4-1.7
+                        # and the answer stopped at "The zorb"); 20 converges in both.
+                        "learning_rate_multiplier": 20,
                     }
                 },
             },
