@@ -57,7 +57,6 @@ class _Lease:
     timer: asyncio.TimerHandle | None = None
     taken: bool = False  # a puller came (one per key)
     session: Session | None = None
-    in_place: bool = False  # a puller read (or reads) the arena itself
     reason: str | None = None  # why it ended
 
 
@@ -195,7 +194,8 @@ class KvServer:
         self._remember(key, error or f"the KV is gone ({reason})")
         # The arena is written again only where nobody may still read it: a puller in place
         # that released has read all it will read; a TCP puller's reads were this side's.
-        lease.outbox.discard(reuse=reason == "released" or not lease.in_place)
+        in_place = lease.session is not None and lease.session.in_place
+        lease.outbox.discard(reuse=reason == "released" or not in_place)
         if lease.session is not None:
             lease.session.stop(error)
         try:
@@ -314,7 +314,6 @@ class KvServer:
                 on_renew=lambda: self._renew(lease),
                 on_end=lambda reason, error: self._end(lease, reason, error),
             )
-            lease.in_place = arena is not None
             lease.session = session
             await session.run()
         finally:

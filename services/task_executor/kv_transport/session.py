@@ -44,7 +44,8 @@ class Session:
         on_renew: Callable[[], None],
         on_end: Callable[[str, str | None], None],
     ) -> None:
-        self._sock, self._outbox, self._in_place = sock, outbox, arena is not None
+        self._sock, self._outbox = sock, outbox
+        self.in_place = arena is not None  # the puller reads the outbox's arena itself
         self._on_renew, self._on_end = on_renew, on_end
         self.first = min(skip_tokens, outbox.num_prompt_tokens)
         self.capacity = outbox.num_prompt_tokens - self.first
@@ -133,8 +134,9 @@ class Session:
         outbox = self._outbox
         while not self._stopped:
             self._wake.clear()
-            pieces = [p for p in map(self._clip, outbox.take()) if p is not None]
-            if pieces and not self._in_place:
+            taken = outbox.take()  # (in place, the puller reads what they wrote directly)
+            pieces = [] if self.in_place else [p for p in map(self._clip, taken) if p is not None]
+            if pieces:
                 await self._send_pieces(pieces)
                 continue
             finished = outbox.finished
