@@ -31,6 +31,13 @@ an arena made (and mapped by the puller) in the first, as in TEs that have pulle
 ``shm 1st`` is that first pull, through a new mapping, and ``fresh`` a copy into fresh
 anonymous pages, what new memory costs on the host.
 
+``piped`` is the same over shared memory as a decode TE pulls: asked for while the prefill
+still computes (the layers are written, the pull waits for ``Done``), timed from the
+prefill's end (``Outbox.done``, in the server's process) until the KV lies in the puller's
+memory (``Done``'s way over, the result, the import's copy); the server answers the parent
+only after the release, so nothing else runs meanwhile. What the standalone pull adds on top
+is the request's round trip, which a TE's pull makes while the prefill computes.
+
     scripts/bench-kv-transfer [--tokens 1024,2048,4096,8192,16384] [--repeats 9] [--chunk 512]
 
 Writes bench-results/kv-transfer.json.
@@ -102,7 +109,13 @@ def _server(max_tokens: int, chunk: int) -> int:
     threading.Thread(target=_plain_sender, args=(plain, memoryview(raw)), daemon=True).start()
 
     async def main() -> None:
-        server = KvServer(on_end=lambda key, reason: ended.__setitem__(key, reason))
+        lease_ended = asyncio.Event()
+
+        def on_end(key: str, reason: str) -> None:
+            ended[key] = reason
+            lease_ended.set()
+
+        server = KvServer(on_end=on_end)
         await server.start()
         _reply({"address": server.address, "plain": f"127.0.0.1:{plain.getsockname()[1]}"})
         loop = asyncio.get_running_loop()
@@ -113,6 +126,7 @@ def _server(max_tokens: int, chunk: int) -> int:
             command = json.loads(line)
             if command["op"] == "offer":
                 n = int(command["tokens"])
+                piped = bool(command.get("piped"))
                 box = Outbox(
                     command["key"],
                     num_layers=LAYERS,
@@ -127,10 +141,25 @@ def _server(max_tokens: int, chunk: int) -> int:
                     for layer in range(LAYERS):
                         e = min(s + chunk, n)
                         box.layer(layer, s, src[layer, 0, s:e].clone(), src[layer, 1, s:e].clone())
-                box.done([*range(n), 1], n, None)
-                server.offer(box)
-                await asyncio.sleep(SETTLE_S)  # its OpenMP threads stop spinning
-                _reply({"digest": _digest(src[:, :, :n])})
+                digest = _digest(src[:, :, :n])  # (now: it holds the loop for milliseconds)
+                if piped:  # the puller is waiting: it is told once the prefill is done
+                    server.offer(box)
+                    await asyncio.sleep(SETTLE_S)  # its OpenMP threads stop spinning
+                    lease_ended.clear()
+                    done_at = time.perf_counter()
+                    box.done([*range(n), 1], n, None)
+                    # The answer waits for the puller's release: nothing of the parent's
+                    # (which then asks the puller for its times) runs while it pulls.
+                    async with asyncio.timeout(30):
+                        while command["key"] not in ended:
+                            await lease_ended.wait()
+                            lease_ended.clear()
+                else:
+                    box.done([*range(n), 1], n, None)
+                    server.offer(box)
+                    done_at = 0.0
+                    await asyncio.sleep(SETTLE_S)
+                _reply({"digest": digest, "done_at": done_at})
             elif command["op"] == "ended":
                 _reply({"reason": ended.get(command["key"])})
         await server.close()
@@ -162,7 +191,6 @@ def _client() -> int:
 
     import services.task_executor.engines.torch_engine.engine  # noqa: F401
     from services.task_executor.engines.torch_engine.host_malloc import keep_large_allocations
-    from services.task_executor.kv_transport.client import pull
     from services.task_executor.kv_transport.wire import SOCKET_BUFFER
 
     keep_large_allocations()
@@ -171,6 +199,7 @@ def _client() -> int:
 
     async def main() -> None:  # one loop for every pull, as in a TE
         nonlocal plain
+        pulling: asyncio.Task[Any] | None = None
         loop = asyncio.get_running_loop()
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -178,25 +207,22 @@ def _client() -> int:
                 return
             command = json.loads(line)
             op = command["op"]
+            if op == "pull-finish":  # (no settling: the pull ends when the Done comes)
+                assert pulling is not None
+                answer, kv = await pulling
+                pulling = None
+                _reply(answer | {"digest": _digest(kv)})
+                del kv
+                continue
             await asyncio.sleep(SETTLE_S)  # no OpenMP team of ours spins from the last step
-            if op == "pull":
-                t = time.perf_counter()
-                p = await pull(
-                    command["address"],
-                    command["key"],
-                    skip_tokens=0,
-                    deadline_s=60,
-                    renew_s=1.0,
-                    shm=command["shm"],
-                )
-                kv = p.kv
-                if p.transport == "shm":  # the import's copy, out of the prefill's arena
-                    dest = _warm(p.nbytes, "import")  # as a decode TE's KV cache: there
-                    kv = dest.view(p.kv.dtype).view(p.kv.shape).copy_(p.kv)
-                seconds = time.perf_counter() - t
-                answer: dict[str, Any] = {"seconds": seconds, "pull_seconds": p.seconds}
-                answer |= {"nbytes": p.nbytes, "transport": p.transport}
-                del p  # (in place: the lease is released now)
+            if op in ("pull", "pull-start"):
+                pulling = asyncio.create_task(_pull_and_import(command))
+                if op == "pull-start":  # the offer comes next: the pull waits for its Done
+                    await asyncio.sleep(SETTLE_S)  # (it has reached the server)
+                    _reply({"started": True})
+                    continue
+                answer, kv = await pulling
+                pulling = None
                 _reply(answer | {"digest": _digest(kv)})
                 del kv
             elif op == "socket":
@@ -212,6 +238,30 @@ def _client() -> int:
 
     asyncio.run(main())
     return 0
+
+
+async def _pull_and_import(command: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """A pull and, over shared memory, the import's copy out of the prefill's arena (as into
+    a decode TE's KV cache, which is there already): the times, and the KV."""
+    from services.task_executor.kv_transport.client import pull
+
+    started = time.perf_counter()
+    p = await pull(
+        command["address"],
+        command["key"],
+        skip_tokens=0,
+        deadline_s=60,
+        renew_s=1.0,
+        shm=command["shm"],
+    )
+    kv = p.kv
+    if p.transport == "shm":
+        dest = _warm(p.nbytes, "import")
+        kv = dest.view(p.kv.dtype).view(p.kv.shape).copy_(p.kv)
+    ended = time.perf_counter()
+    answer: dict[str, Any] = {"seconds": ended - started, "pull_seconds": p.seconds}
+    answer |= {"ended_at": ended, "nbytes": p.nbytes, "transport": p.transport}
+    return answer, kv  # (in place: the lease is released once the result is gone)
 
 
 def _plain_receive(conn: socket.socket, n: int) -> float:
@@ -312,6 +362,8 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
             Col("memcpy_gbps", "memcpy GB/s", ".2f"),
             Col("shm_vs_memcpy", "shm/memcpy", ".0%"),
             Col("shm_pull_ms", "shm pull ms", ".2f"),
+            Col("piped_vs_memcpy", "piped/memcpy", ".0%"),
+            Col("piped_ms", "piped ms", ".2f"),
             Col("tcp_gbps", "tcp GB/s", ".2f"),
             Col("socket_gbps", "socket GB/s", ".2f"),
             Col("tcp_vs_socket", "tcp/socket", ".0%"),
@@ -329,7 +381,8 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
         keys = iter(range(1 << 62))
         for n in tokens:
             nbytes = n * TOKEN_BYTES
-            times: dict[str, list[float]] = {k: [] for k in ("shm", "tcp", "socket", "memcpy")}
+            kinds = ("shm", "tcp", "piped", "socket", "memcpy")
+            times: dict[str, list[float]] = {k: [] for k in kinds}
             firsts: dict[str, float] = {}
             pulls: dict[str, list[float]] = {"shm": [], "tcp": []}  # the pull alone
             fresh: list[float] = []
@@ -346,6 +399,9 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
                         pulls[transport].append(pull_s)
                     elif rep == 0:
                         firsts[transport] = seconds
+                piped = _piped_once(server, client, address, f"piped-{next(keys)}", n)
+                if timed:
+                    times["piped"].append(piped)
                 sock = client.ask({"op": "socket", "address": address["plain"], "bytes": nbytes})
                 copy = client.ask({"op": "memcpy", "bytes": nbytes})
                 if timed:
@@ -361,6 +417,8 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
                     "memcpy_gbps": rate["memcpy"],
                     "shm_vs_memcpy": rate["shm"] / rate["memcpy"],
                     "shm_pull_ms": statistics.median(pulls["shm"]) * 1e3,
+                    "piped_vs_memcpy": rate["piped"] / rate["memcpy"],
+                    "piped_ms": statistics.median(times["piped"]) * 1e3,
                     "tcp_gbps": rate["tcp"],
                     "socket_gbps": rate["socket"],
                     "tcp_vs_socket": rate["tcp"] / rate["socket"],
@@ -379,15 +437,21 @@ def measure(tokens: list[int], repeats: int, chunk: int, max_wait_s: float) -> l
     return rows
 
 
-def _pull_once(
-    server: Proc, client: Proc, address: dict[str, Any], key: str, n: int
-) -> tuple[float, float]:
-    """One offer and its pull, checked (bytes, transport, lease); the seconds until the KV
-    was in the puller's memory, and those of the pull alone."""
-    digest = server.ask({"op": "offer", "key": key, "tokens": n})["digest"]
-    transport = key.partition("-")[0]
-    pull = {"op": "pull", "address": address["address"], "key": key, "shm": transport == "shm"}
-    got = client.ask(pull)
+def _piped_once(server: Proc, client: Proc, address: dict[str, Any], key: str, n: int) -> float:
+    """A pull over shared memory asked for before the KV is complete, as a decode TE pulls
+    while the prefill computes: the seconds from the prefill's end (``Outbox.done``) until
+    the KV was in the puller's memory (``Done``'s way over, and the import's copy)."""
+    client.ask({"op": "pull-start", "address": address["address"], "key": key, "shm": True})
+    offered = server.ask({"op": "offer", "key": key, "tokens": n, "piped": True})
+    got = client.ask({"op": "pull-finish"})
+    _check(server, key, n, offered["digest"], got, "shm")
+    return float(got["ended_at"]) - float(offered["done_at"])
+
+
+def _check(
+    server: Proc, key: str, n: int, digest: str, got: dict[str, Any], transport: str
+) -> None:
+    """The pulled KV is the source's, over ``transport``, and its lease ended released."""
     if got["digest"] != digest or got["nbytes"] != n * TOKEN_BYTES:
         raise RuntimeError(f"{key}: the pulled KV is not the source's")
     if got["transport"] != transport:
@@ -399,6 +463,18 @@ def _pull_once(
         time.sleep(0.01)
     if ended != "released":
         raise RuntimeError(f"{key}: the lease ended {ended!r}")
+
+
+def _pull_once(
+    server: Proc, client: Proc, address: dict[str, Any], key: str, n: int
+) -> tuple[float, float]:
+    """One offer and its pull, checked (bytes, transport, lease); the seconds until the KV
+    was in the puller's memory, and those of the pull alone."""
+    digest = server.ask({"op": "offer", "key": key, "tokens": n})["digest"]
+    transport = key.partition("-")[0]
+    pull = {"op": "pull", "address": address["address"], "key": key, "shm": transport == "shm"}
+    got = client.ask(pull)
+    _check(server, key, n, digest, got, transport)
     return float(got["seconds"]), float(got["pull_seconds"])
 
 

@@ -191,6 +191,29 @@ async def test_skipping_every_computed_token_sends_nothing(server, ends):
     assert await ends.wait("all") == "released"
 
 
+@pytest.mark.parametrize("waiting", [True, False])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_prefill_that_computed_part_of_the_prompt_sends_that_part(
+    server, ends, transport, waiting
+):
+    """``Done`` says how many tokens were computed: the result holds those, whether the
+    puller waited for it (``waiting``) or came once the prefill had finished."""
+    src = source()
+    box = outbox("part", src)
+    server.offer(box)
+    write(box, src)
+    puller = asyncio.create_task(pull_from(server, "part", transport, skip_tokens=20))
+    if waiting:
+        await asyncio.sleep(0.1)
+    box.done([*range(TOKENS), 1], 150, "length")
+    p = await puller
+    del puller  # (a task holds its result)
+    assert (p.first_token, p.num_computed_tokens, p.transport) == (20, 150, transport)
+    assert same_bytes(p.kv, src[:, :, 20:150])
+    del p
+    assert await ends.wait("part") == "released"
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_layers_written_from_another_thread_while_the_puller_waits(server, ends, transport):
     src = source()

@@ -18,6 +18,12 @@ are gone: the prefill side writes the arena again only after that release, so wh
 caller reads is never overwritten under it. A caller copies what it needs and drops the
 result; one that holds it past ``deadline_s`` stops renewing, and the prefill side, its lease
 expired, drops the arena instead of reusing it (the pages stay, intact, for this mapping).
+
+A small pull's time is its two wake-ups of idle processes and the Python between them (on
+this project's 2-core VMs a core idle for 20 ms runs the same code ~10x slower at first), so
+the path is kept short: renewals run off a timer (no task until one is due), the in-place
+result is made while ``Done`` is awaited, and ``Meta`` and ``Done`` come in one frame pair
+when the KV was complete before the pull.
 """
 
 from __future__ import annotations
@@ -140,40 +146,39 @@ class _Pull:
         self.conn: Connection | None = None
         self.sock: socket.socket | None = None
         self.nbytes = 0
-        self._stop_renewing = asyncio.Event()
-        self._renewer: asyncio.Task[None] | None = None
+        # Renewals: a timer (nothing runs between two), and the one being sent, if any.
+        self._renew_timer: asyncio.TimerHandle | None = None
+        self._renewal: asyncio.Task[None] | None = None
 
     async def run(self, started: float) -> Pulled:
         held = False  # the result reads the arena in place: the lease ends when it is gone
         try:
             meta = await self._open()
-            self._renewer = asyncio.create_task(self._renew(), name=f"kv-renew-{self.key}")
+            self._renew_later()
             if meta.arena is not None:
                 kv, done = await self._in_place(meta)
                 held = True
             else:
                 kv, done = await self._receive(meta)
+                kv = kv[:, :, : max(done.num_computed_tokens - meta.first_token, 0)]
                 with contextlib.suppress(OSError):  # everything is here: a courtesy
                     await self._release()
         except (OSError, wire.ProtocolError) as e:
             raise TransferFailed(f"KV {self.key!r} from {self.address}: {e}") from e
         finally:
             if not held:
-                self._stop_renewing.set()
-                if self._renewer is not None:
-                    self._renewer.cancel()
+                self._stop_renewing()
                 if self.conn is not None:
                     self.conn.close()  # (one handed back after its release is kept)
         n = done.num_computed_tokens
-        first = min(meta.first_token, n)
         return Pulled(
             token_ids=done.token_ids,
             num_prompt_tokens=meta.num_prompt_tokens,
             num_computed_tokens=n,
-            first_token=first,
+            first_token=min(meta.first_token, n),
             finish_reason=done.finish_reason,
             dtype=kv.dtype,
-            kv=kv[:, :, : n - first],
+            kv=kv,
             transport=meta.transport,
             nbytes=self.nbytes,
             seconds=time.perf_counter() - started,
@@ -231,24 +236,33 @@ class _Pull:
             conn.same_host = msg.transport == "shm"
         return msg
 
-    async def _renew(self) -> None:
-        """A renewal every ``renew_s`` until told to stop (or the pull's deadline passed)."""
-        sock = self._socket()
-        stop = self._stop_renewing
-        with contextlib.suppress(OSError):  # the receiving side sees the connection fail
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.renew_s)
-                if stop.is_set() or time.perf_counter() > self.renew_until:
-                    return
-                await wire.send(sock, wire.Renew())
+    def _renew_later(self) -> None:
+        """A renewal in ``renew_s`` (unless the pull's deadline has passed by then)."""
+        loop = asyncio.get_running_loop()
+        self._renew_timer = loop.call_later(self.renew_s, self._renew_now)
+
+    def _renew_now(self) -> None:
+        self._renew_timer = None
+        if time.perf_counter() > self.renew_until:
+            return
+        if self._renewal is None or self._renewal.done():  # (else one is still on its way)
+            sock = self._socket()
+            self._renewal = asyncio.create_task(wire.send(sock, wire.Renew()))
+            self._renewal.add_done_callback(_ignore_failure)  # the receiving side sees it
+        self._renew_later()
+
+    def _stop_renewing(self) -> None:
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
+            self._renew_timer = None
 
     async def _release(self) -> None:
         """Stop renewing, release the lease, hand the connection back (``OSError`` if the
         release could not be sent: the connection is closed then)."""
-        self._stop_renewing.set()
-        if self._renewer is not None:
-            await self._renewer  # (a renewal being sent is finished first: no half frame)
+        self._stop_renewing()
+        if self._renewal is not None:
+            # (a renewal being sent is finished first: no half frame)
+            await asyncio.gather(self._renewal, return_exceptions=True)
         conn, self.conn = self.conn, None
         assert conn is not None
         try:
@@ -273,13 +287,25 @@ class _Pull:
         task.add_done_callback(_RELEASES.discard)
 
     async def _in_place(self, meta: wire.Meta) -> tuple[torch.Tensor, wire.Done]:
-        """The KV in the prefill's arena (``[L, 2, capacity, kvh, hd]``, read-only) once
-        ``Done`` says it is all there, and ``Done``."""
+        """The KV in the prefill's arena (``[L, 2, computed - first, kvh, hd]``, read-only)
+        once ``Done`` says it is all there, and ``Done``."""
         assert self.mapped is not None and meta.arena is not None
         dtype = DTYPES[meta.dtype]
-        row = meta.num_kv_heads * meta.head_dim * dtype.itemsize
-        arena_bytes = 2 * meta.num_layers * meta.num_prompt_tokens * row
+        inner = meta.num_kv_heads * meta.head_dim
+        arena_bytes = 2 * meta.num_layers * meta.num_prompt_tokens * inner * dtype.itemsize
         whole = self.mapped.get(meta.arena, arena_bytes)  # OSError: not readable here
+        # The result is made before Done comes (the wait is the prefill's): one tensor over
+        # an array of its own, whose death is the result's (the tensor's storage holds it:
+        # any tensor made from the result keeps it alive).
+        view = whole[:arena_bytes]
+        with warnings.catch_warnings():  # read-only: the result is never written
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(view, dtype=dtype)
+        shape = [meta.num_layers, 2, meta.capacity, meta.num_kv_heads, meta.head_dim]
+        plane = meta.num_prompt_tokens * inner  # one layer's K (or V)
+        stride = (2 * plane, plane, inner, meta.head_dim, 1)
+        kv = t.as_strided(shape, stride, meta.first_token * inner)
+        del t
         msg, _ = await wire.recv_from_server(self._socket())
         if isinstance(msg, wire.Error):
             raise TransferFailed(msg.reason)
@@ -287,15 +313,10 @@ class _Pull:
             raise wire.ProtocolError(f"a {type(msg).__name__} mid-pull")
         if not 0 <= msg.num_computed_tokens <= meta.num_prompt_tokens:
             raise wire.ProtocolError(f"{msg.num_computed_tokens} computed tokens")
-        self.nbytes = 2 * meta.num_layers * meta.capacity * row
-        view = whole[:arena_bytes]  # an array of its own: its death is the result's
+        self.nbytes = 2 * meta.num_layers * meta.capacity * inner * dtype.itemsize
         weakref.finalize(view, self._result_gone, asyncio.get_running_loop())
-        with warnings.catch_warnings():  # read-only: the result is never written
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(view)
-        shape = (meta.num_layers, 2, meta.num_prompt_tokens, meta.num_kv_heads, meta.head_dim)
-        first = meta.first_token
-        return t.view(dtype).view(shape)[:, :, first : first + meta.capacity], msg
+        n = max(msg.num_computed_tokens - meta.first_token, 0)
+        return (kv if n == meta.capacity else kv[:, :, :n]), msg
 
     async def _receive(self, meta: wire.Meta) -> tuple[torch.Tensor, wire.Done]:
         """The KV received into a buffer of this side's (``[L, 2, capacity, kvh, hd]``)
@@ -326,6 +347,11 @@ class _Pull:
         if not 0 <= msg.num_computed_tokens <= meta.num_prompt_tokens:
             raise wire.ProtocolError(f"{msg.num_computed_tokens} computed tokens")
         return buf, msg
+
+
+def _ignore_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _check_range(meta: wire.Meta, layer: int, start: int, ntok: int) -> None:

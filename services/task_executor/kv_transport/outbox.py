@@ -206,6 +206,9 @@ class Outbox:
         """``(layer, a, b)``: tokens ``[a, b)`` of ``layer`` within ``[first, end)`` that no
         write covered; None when every layer is covered."""
         with self._lock:
+            # The usual case, every layer written in order from its start: no copy.
+            if all(iv and iv[0][0] <= first and iv[0][1] >= end for iv in self._covered):
+                return None
             by_layer = [[(a, b) for a, b in intervals] for intervals in self._covered]
         for layer, intervals in enumerate(by_layer):
             covered = first

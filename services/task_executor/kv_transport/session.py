@@ -3,7 +3,9 @@ KV goes out over the connection as the outbox fills, then ``Done``; the puller's
 release or rejection come back. A puller on this host reads the KV in place, in the outbox's
 arena (``Meta`` named it): to it only ``Done`` goes, once the whole KV is there.
 
-Two tasks share the socket: the sender is its only writer and the reader its only reader. A
+Two tasks share the socket: the sender is its only writer and the reader its only reader
+(but for ``Done`` to a puller in place, which goes out from ``run`` or ``wake`` directly,
+when nothing else is being written: a loop iteration sooner, the puller's only wait). A
 lease that ends (``stop``) tells the sender, which sends the error frame, if any, between two
 frames (never inside one) and returns; a sender stuck on a puller that stopped reading is
 cancelled after ``STOP_GRACE_S``.
@@ -18,7 +20,7 @@ from collections.abc import Callable
 
 from services.task_executor.dtypes import dtype_name
 from services.task_executor.kv_transport import wire
-from services.task_executor.kv_transport.outbox import Outbox, Piece
+from services.task_executor.kv_transport.outbox import Finished, Outbox, Piece
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -52,12 +54,18 @@ class Session:
         self._head = [wire.frame_head(self.meta(outbox, self.first, arena))]  # not sent yet
         self._wake = asyncio.Event()
         self._stopped = False
+        self._done_sent = False  # Done is out (or, of its frame, what _head still holds)
+        self._writing = False  # the sender is in the middle of a write
         self._error: str | None = None
         # Its sender ended within the grace, nothing half-sent: after a release, the
         # connection may carry another pull.
         self.clean = False
 
     def wake(self) -> None:
+        """The outbox changed. A puller in place waits only for ``Done``: sent from here,
+        when it is due and nothing else is being written (not a loop iteration later)."""
+        if self.in_place and not (self._stopped or self._done_sent or self._writing):
+            self._finish_now()
         self._wake.set()
 
     def stop(self, error: str | None) -> None:
@@ -84,6 +92,8 @@ class Session:
 
     async def run(self) -> None:
         """Until the lease ends or the puller goes away."""
+        if self.in_place:
+            self._finish_now()  # (the KV may be complete already)
         sender = asyncio.create_task(self._send_all(), name=f"kv-send-{self._outbox.key}")
         reader = asyncio.create_task(self._read_all(), name=f"kv-read-{self._outbox.key}")
         try:
@@ -130,9 +140,36 @@ class Session:
                 async with asyncio.timeout(STOP_GRACE_S):
                     await wire.send(self._sock, wire.Error(self._error))
 
+    def _finish_now(self) -> None:
+        """A puller in place whose KV is all in the arena already: ``Meta`` and ``Done`` in
+        one write, before the session's tasks are even made (the puller waits on nothing
+        else). What the socket does not take now, the sender sends first; anything but the
+        KV complete is left to the sender."""
+        finished = self._outbox.finished
+        if finished is None or self._gap(finished) is not None:
+            return
+        data = b"".join([*self._head, self._done(finished)])
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return  # (the sender meets the same error and ends the pull)
+        self._head = [data[sent:]] if sent < len(data) else []
+        self._done_sent = True
+
+    def _gap(self, finished: Finished) -> tuple[int, int, int] | None:
+        end = finished.num_computed_tokens
+        return self._outbox.gap(min(self.first, end), end)
+
+    @staticmethod
+    def _done(finished: Finished) -> bytes:
+        done = wire.Done(finished.token_ids, finished.num_computed_tokens, finished.finish_reason)
+        return wire.frame_head(done)
+
     async def _send_until_stopped(self) -> None:
         outbox = self._outbox
-        while not self._stopped:
+        while not self._stopped and not self._done_sent:
             self._wake.clear()
             taken = outbox.take()  # (in place, the puller reads what they wrote directly)
             pieces = [] if self.in_place else [p for p in map(self._clip, taken) if p is not None]
@@ -141,8 +178,7 @@ class Session:
                 continue
             finished = outbox.finished
             if finished is not None:
-                end = finished.num_computed_tokens
-                gap = outbox.gap(min(self.first, end), end)
+                gap = self._gap(finished)
                 if gap is not None:
                     layer, a, b = gap
                     self._on_end(
@@ -150,12 +186,14 @@ class Session:
                         f"the prefill's KV is incomplete: layer {layer} lacks tokens [{a}, {b})",
                     )
                     return
-                done = wire.Done(finished.token_ids, end, finished.finish_reason)
-                await self._send([wire.frame_head(done)])
+                await self._send([self._done(finished)])
+                self._done_sent = True
                 break
             if self._head:  # nothing to send yet: the puller may get ready meanwhile
                 await self._send([])
             await self._wake.wait()
+        if self._head:  # the part of Meta and Done the socket did not take at once
+            await self._send([])
         while not self._stopped:  # Done is out: wait for the release (or the lease's end)
             self._wake.clear()
             await self._wake.wait()
@@ -195,4 +233,8 @@ class Session:
     async def _send(self, buffers: list[memoryview | bytes]) -> None:
         """``buffers``, after ``Meta`` if it has not gone yet."""
         head, self._head = self._head, []
-        await wire.send_buffers(self._sock, [*head, *buffers])
+        self._writing = True
+        try:
+            await wire.send_buffers(self._sock, [*head, *buffers])
+        finally:
+            self._writing = False
