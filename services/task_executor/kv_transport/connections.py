@@ -20,9 +20,9 @@ import asyncio
 import dataclasses
 import socket
 import time
-import weakref
 
 from services.task_executor.kv_transport import wire
+from services.task_executor.kv_transport.per_loop import PerLoop
 
 IDLE_S = 30.0  # how long a connection waits for its next pull (the server waits longer)
 PER_ADDRESS = 4  # the most idle connections kept to one address
@@ -123,15 +123,9 @@ def _quiet(sock: socket.socket) -> bool:
     return False
 
 
-_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Connections] = (
-    weakref.WeakKeyDictionary()
-)
+_BY_LOOP = PerLoop(Connections)
 
 
 def default_connections() -> Connections:
     """The running event loop's kept connections (a TE pulls on one loop)."""
-    loop = asyncio.get_running_loop()
-    conns = _BY_LOOP.get(loop)
-    if conns is None:
-        conns = _BY_LOOP[loop] = Connections()
-    return conns
+    return _BY_LOOP.get()

@@ -20,11 +20,11 @@ import collections
 import mmap
 import os
 import stat
-import weakref
 
 import numpy as np
 
 from services.task_executor.kv_transport import shm
+from services.task_executor.kv_transport.per_loop import PerLoop
 
 DEFAULT_BUDGET_BYTES = 8 << 30
 PRUNE_S = 10.0
@@ -104,15 +104,9 @@ class MappedArenas:
         self._maps.clear()
 
 
-_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MappedArenas] = (
-    weakref.WeakKeyDictionary()
-)
+_BY_LOOP = PerLoop(MappedArenas)
 
 
 def default_mapped() -> MappedArenas:
     """The running event loop's mappings (a TE pulls on one loop)."""
-    loop = asyncio.get_running_loop()
-    mapped = _BY_LOOP.get(loop)
-    if mapped is None:
-        mapped = _BY_LOOP[loop] = MappedArenas()
-    return mapped
+    return _BY_LOOP.get()
