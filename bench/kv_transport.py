@@ -207,20 +207,16 @@ def _client() -> int:
                 return
             command = json.loads(line)
             op = command["op"]
-            if op == "pull-finish":  # (no settling: the pull ends when the Done comes)
-                assert pulling is not None
-                answer, kv = await pulling
-                pulling = None
-                _reply(answer | {"digest": _digest(kv)})
-                del kv
-                continue
-            await asyncio.sleep(SETTLE_S)  # no OpenMP team of ours spins from the last step
+            if op != "pull-finish":  # (which waits for a pull that ends when its Done comes)
+                await asyncio.sleep(SETTLE_S)  # no OpenMP team of ours spins from the last step
             if op in ("pull", "pull-start"):
                 pulling = asyncio.create_task(_pull_and_import(command))
                 if op == "pull-start":  # the offer comes next: the pull waits for its Done
                     await asyncio.sleep(SETTLE_S)  # (it has reached the server)
                     _reply({"started": True})
                     continue
+            if op in ("pull", "pull-finish"):
+                assert pulling is not None
                 answer, kv = await pulling
                 pulling = None
                 _reply(answer | {"digest": _digest(kv)})

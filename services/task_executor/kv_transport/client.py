@@ -160,7 +160,6 @@ class _Pull:
                 held = True
             else:
                 kv, done = await self._receive(meta)
-                kv = kv[:, :, : max(done.num_computed_tokens - meta.first_token, 0)]
                 with contextlib.suppress(OSError):  # everything is here: a courtesy
                     await self._release()
         except (OSError, wire.ProtocolError) as e:
@@ -319,8 +318,8 @@ class _Pull:
         return (kv if n == meta.capacity else kv[:, :, :n]), msg
 
     async def _receive(self, meta: wire.Meta) -> tuple[torch.Tensor, wire.Done]:
-        """The KV received into a buffer of this side's (``[L, 2, capacity, kvh, hd]``)
-        once complete, and ``Done``."""
+        """The KV received into a buffer of this side's (``[L, 2, computed - first, kvh,
+        hd]``) once complete, and ``Done``."""
         sock = self._socket()
         dtype = DTYPES[meta.dtype]
         shape = (meta.num_layers, 2, meta.capacity, meta.num_kv_heads, meta.head_dim)
@@ -346,7 +345,7 @@ class _Pull:
                 raise wire.ProtocolError(f"a {type(msg).__name__} mid-pull")
         if not 0 <= msg.num_computed_tokens <= meta.num_prompt_tokens:
             raise wire.ProtocolError(f"{msg.num_computed_tokens} computed tokens")
-        return buf, msg
+        return buf[:, :, : max(msg.num_computed_tokens - meta.first_token, 0)], msg
 
 
 def _ignore_failure(task: asyncio.Task[None]) -> None:

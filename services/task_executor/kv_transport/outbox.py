@@ -205,20 +205,16 @@ class Outbox:
     def gap(self, first: int, end: int) -> tuple[int, int, int] | None:
         """``(layer, a, b)``: tokens ``[a, b)`` of ``layer`` within ``[first, end)`` that no
         write covered; None when every layer is covered."""
-        with self._lock:
-            # The usual case, every layer written in order from its start: no copy.
-            if all(iv and iv[0][0] <= first and iv[0][1] >= end for iv in self._covered):
-                return None
-            by_layer = [[(a, b) for a, b in intervals] for intervals in self._covered]
-        for layer, intervals in enumerate(by_layer):
-            covered = first
-            for a, b in intervals:
-                if a > covered:
-                    break
-                covered = max(covered, b)
-            if covered < end:
-                nxt = [a for a, _ in intervals if a > covered]
-                return layer, covered, min([end, *nxt])
+        with self._lock:  # (a few intervals a layer: written in order, one)
+            for layer, intervals in enumerate(self._covered):
+                covered = first
+                for a, b in intervals:
+                    if a > covered:
+                        break
+                    covered = max(covered, b)
+                if covered < end:
+                    nxt = [a for a, _ in intervals if a > covered]
+                    return layer, covered, min([end, *nxt])
         return None
 
     def discard(self, *, reuse: bool = False) -> None:
