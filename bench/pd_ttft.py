@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -25,8 +26,10 @@ from bench.common import ROOT, ensure_model, host_info, models_dir, numbers, wri
 from loadgen.client import stream_completion
 from shared.bus import Bus
 from shared.clients import TaskExecutorClient
+from shared.embedded import EmbeddedServer
 from shared.messages.scaling import LoadModel
 from shared.messages.tasks import TaskMode
+from shared.settings import Settings
 from shared.subjects import Subjects
 
 MODEL = "bench-qwen2-0.5b"
@@ -57,6 +60,29 @@ async def _ttfts(
                     raise RuntimeError(f"placed otherwise than meant: {rec.disaggregated}")
                 out.setdefault(n, []).append(rec.ttft_s)
     return out
+
+
+def _cluster(
+    models: Path, settings: dict[str, str], log: Path, stack: contextlib.ExitStack
+) -> LocalCluster:
+    """The cluster, on the NATS and Redis the settings name, or on servers of its own
+    (without credentials, unlike the ones ``meshserve up`` embeds: this bench talks to the
+    TEs over NATS itself)."""
+    s = Settings.load()
+    nats_url, redis_url = s.nats_url, s.redis_url
+    if not nats_url:
+        nats_url = stack.enter_context(EmbeddedServer("nats")).url
+    if not redis_url:
+        redis_url = stack.enter_context(EmbeddedServer("redis")).url
+    return LocalCluster(
+        "pd-ttft",
+        models,
+        pool_size=2,
+        settings=settings,
+        log=log,
+        nats_url=nats_url,
+        redis_url=redis_url,
+    )
 
 
 async def _load_prefill(cluster: LocalCluster) -> str:
@@ -95,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "ENGINE": "torch",
     }
     rows: list[dict[str, Any]] = []
-    with LocalCluster(
-        "pd-ttft", models, pool_size=2, settings=settings, log=work / "pd-ttft.log"
-    ) as c:
+    with contextlib.ExitStack() as stack:
+        c = stack.enter_context(_cluster(models, settings, work / "pd-ttft.log", stack))
         c.wait(lambda h: instances(h).get(MODEL, 0) >= 1)
         colocated = asyncio.run(_ttfts(c.url, lengths, args.requests, 1, disaggregated=False))
         te_id = asyncio.run(_load_prefill(c))

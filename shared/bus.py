@@ -112,6 +112,8 @@ class Bus:
             log.warning("nats client error", error=f"{type(e).__name__}: {e}")
 
         servers = [u.strip() for u in url.split(",") if u.strip()]
+        if not servers:  # (nats.py would retry its default server forever, spinning)
+            raise ValueError("no NATS server to connect to (an empty URL)")
         nc = await nats.connect(
             servers,
             name=name,

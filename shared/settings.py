@@ -573,6 +573,18 @@ class TaskExecutorSettings(Section):
         "TEs whose threads together outnumber the cores. Off: each TE's iterations run "
         "whenever it has work, competing for the device.",
     )
+    turn_spin_count: int = Field(
+        default=10000,
+        ge=0,
+        description="Where a pool's TEs take turns on its device: the spin count of their "
+        "OpenMP threads (libgomp's GOMP_SPINCOUNT, set in each TE's environment unless "
+        "GOMP_SPINCOUNT or OMP_WAIT_POLICY is set already). libgomp's default (300,000) keeps "
+        "a TE's threads spinning for milliseconds after its iteration, on the cores the next "
+        "TE's turn runs on: two TEs of the 0.5B bench model taking turns on host A's 2 cores "
+        "took about 1.3 times as long an iteration as one alone; at 10,000 the same as "
+        "alone, which is unchanged (docs/benchmarks.md, 2026-11-28 late evening). 0: libgomp's "
+        "default.",
+    )
     kv_sizing: bool = Field(
         default=False,
         description="An engine that can (the torch engine on CPU: the kv_resize capability) "
@@ -1062,16 +1074,28 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def process_environment(
-    extra: Mapping[str, str] | None = None, *, pythonpath: Sequence[Path] = ()
+    extra: Mapping[str, str] | None = None,
+    *,
+    pythonpath: Sequence[Path] = (),
+    defaults: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment for a child process: this process's own, with ``extra`` set (a
-    service's settings: ``settings.env()``) and ``pythonpath`` put first on PYTHONPATH."""
-    env = {**os.environ, **(extra or {})}
+    service's settings: ``settings.env()``) and ``pythonpath`` put first on PYTHONPATH;
+    ``defaults`` where the environment does not set them already."""
+    env = {**(defaults or {}), **os.environ, **(extra or {})}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [*(str(p) for p in pythonpath), env.get("PYTHONPATH")])
         )
     return env
+
+
+def turn_spin_environment(te: TaskExecutorSettings) -> dict[str, str]:
+    """The OpenMP spinning of TEs that take turns on a device (``turn_spin_count``), as
+    ``process_environment``'s defaults: nothing where the user tuned libgomp already."""
+    if not te.turn_spin_count or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+        return {}
+    return {"GOMP_SPINCOUNT": str(te.turn_spin_count)}
 
 
 # --- the settings reference's tables (docs/settings.md) -------------------------------------

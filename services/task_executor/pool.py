@@ -25,7 +25,7 @@ from shared.errors import Unavailable
 from shared.logging import get_logger
 from shared.metrics_http import MetricsServer
 from shared.runner import Lifecycle
-from shared.settings import Settings, process_environment
+from shared.settings import Settings, process_environment, turn_spin_environment
 from shared.store import Store
 from shared.subjects import Subjects
 
@@ -140,7 +140,9 @@ class NodePool:
                 metrics={"port": 0},
                 device_arbiter=str(self.arbiter.path) if self.arbiter is not None else "",
             )
-            env = process_environment(own.env())
+            # TEs that take turns: their threads stop spinning soon after their iteration.
+            spin = turn_spin_environment(own.task_executor) if self.arbiter is not None else {}
+            env = process_environment(own.env(), defaults=spin)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",

@@ -7,6 +7,7 @@ other), and greedy output is what each TE produces alone."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -40,6 +41,10 @@ async def _turns(port: int) -> dict[str, float]:
     return out
 
 
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 async def test_a_pools_tes_take_turns_on_its_device(
     cluster: str, nats_url: str, redis_url: str, tmp_path: Path, demo_model_dir: Path
 ) -> None:
@@ -60,6 +65,10 @@ async def test_a_pools_tes_take_turns_on_its_device(
         client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await client.started.wait()
         await client.until(lambda v: len(v.tes) == 2, 60)
+        # Taking turns, their OpenMP threads stop spinning soon after an iteration.
+        if not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
+            for proc in pool._procs.values():
+                assert b"GOMP_SPINCOUNT=10000" in _environ(proc.pid)
         # Idle, they say what they run on (the scaler places on CPUs before GPUs by it).
         assert [t.device for t in client.view.view.tes] == ["cpu", "cpu"]
         tes = await client.load_everywhere(tmp_path / "demo")

@@ -9,7 +9,7 @@ from shared.messages.api import SamplingParams
 from shared.messages.base import decoder_for, encode
 from shared.messages.cluster import ClusterView, TEHeartbeat, TEState
 from shared.messages.tasks import ChatTask, TokenChunk
-from shared.settings import Settings
+from shared.settings import Settings, process_environment, turn_spin_environment
 from shared.subjects import Keys, Subjects
 
 
@@ -55,6 +55,22 @@ def test_settings_env_round_trip_to_a_child():
     )
     assert Settings.load(s.env()) == s
     assert s.scaler.model_scaling["demo"].keep_alive == timedelta(seconds=30)
+
+
+def test_tes_taking_turns_spin_briefly_unless_the_user_tuned_openmp(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    te = Settings.load().task_executor
+    spin = turn_spin_environment(te)
+    assert spin == {"GOMP_SPINCOUNT": "10000"}
+    assert process_environment({"A": "1"}, defaults=spin)["GOMP_SPINCOUNT"] == "10000"
+    assert turn_spin_environment(te.model_copy(update={"turn_spin_count": 0})) == {}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")  # the user's own: kept
+    assert process_environment(defaults={"GOMP_SPINCOUNT": "10000"})["GOMP_SPINCOUNT"] == "500"
+    assert turn_spin_environment(te) == {}
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # a policy of the user's: no count
+    assert turn_spin_environment(te) == {}
 
 
 def test_settings_toml_file_and_env_precedence(monkeypatch, tmp_path):
