@@ -59,12 +59,11 @@ def _worker(read_fd: int, write_fd: int) -> None:
 
 def _run(spin: str, processes: int, iters: int) -> float:
     """Milliseconds an iteration, ``processes`` taking turns, under ``spin``."""
-    env = process_environment(
-        {"GOMP_SPINCOUNT": spin} if spin != "default" else {}, pythonpath=[ROOT]
-    )
-    if spin == "default":
-        env.pop("GOMP_SPINCOUNT", None)
+    env = process_environment(pythonpath=[ROOT])
+    env.pop("GOMP_SPINCOUNT", None)
     env.pop("OMP_WAIT_POLICY", None)
+    if spin != "default":
+        env["GOMP_SPINCOUNT"] = spin
     pipes, procs = [], []
     try:
         for _ in range(processes):

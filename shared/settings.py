@@ -1074,15 +1074,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def process_environment(
-    extra: Mapping[str, str] | None = None,
-    *,
-    pythonpath: Sequence[Path] = (),
-    defaults: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None, *, pythonpath: Sequence[Path] = ()
 ) -> dict[str, str]:
     """The environment for a child process: this process's own, with ``extra`` set (a
-    service's settings: ``settings.env()``) and ``pythonpath`` put first on PYTHONPATH;
-    ``defaults`` where the environment does not set them already."""
-    env = {**(defaults or {}), **os.environ, **(extra or {})}
+    service's settings: ``settings.env()``) and ``pythonpath`` put first on PYTHONPATH."""
+    env = {**os.environ, **(extra or {})}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [*(str(p) for p in pythonpath), env.get("PYTHONPATH")])
@@ -1091,8 +1087,8 @@ def process_environment(
 
 
 def turn_spin_environment(te: TaskExecutorSettings) -> dict[str, str]:
-    """The OpenMP spinning of TEs that take turns on a device (``turn_spin_count``), as
-    ``process_environment``'s defaults: nothing where the user tuned libgomp already."""
+    """The OpenMP spinning of TEs that take turns on a device (``turn_spin_count``), for
+    their environment: nothing where the user tuned libgomp already."""
     if not te.turn_spin_count or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
         return {}
     return {"GOMP_SPINCOUNT": str(te.turn_spin_count)}

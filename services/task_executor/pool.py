@@ -142,7 +142,7 @@ class NodePool:
             )
             # TEs that take turns: their threads stop spinning soon after their iteration.
             spin = turn_spin_environment(own.task_executor) if self.arbiter is not None else {}
-            env = process_environment(own.env(), defaults=spin)
+            env = process_environment({**own.env(), **spin})
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
