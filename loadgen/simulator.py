@@ -134,7 +134,7 @@ from services.task_executor.engines.torch_engine.scheduler import (
     tpot_slack,
 )
 from services.task_executor.weight_cache.eviction import EvictionConfig
-from services.views import TEView, queued_prompt_tokens, remember_model
+from services.views import TEView, queued_import_tokens, queued_prompt_tokens, remember_model
 from shared.headroom import RequestView, earliest_deadline, next_turn, request_view
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
@@ -346,6 +346,7 @@ class _Seq:
     started_at: float = 0.0  # a prefill task: admitted (its KV starts streaming)
     # A request whose prompt KV came from a prefill TE, until its decode TE admits it.
     imported: bool = False
+    import_tokens: int = 0  # PD, on its decode TE: prompt tokens whose KV is on its way
     busy: frozenset[str] = frozenset()  # TEs whose shadow validation refused it (this view)
 
     @property
@@ -404,6 +405,7 @@ class _TE:
             # as a TE counts it: prompts not started or still prefilling, less the prefix the
             # router expected cached (all of them placed by the one JE)
             queued_prompt_tokens=queued_prompt_tokens({JE_ID: share}),
+            queued_import_tokens=queued_import_tokens({JE_ID: share}),
             last_active=self.last_active,
             reported_at=now,
             recent_models=self.recent_models,
@@ -418,6 +420,7 @@ class _TE:
             kv_address=f"{self.te_id}:kv" if profile and self.role == TaskMode.PREFILL else "",
             kv_import=profile is not None and profile.kv_bytes_per_token > 0,
             device="cuda" if self.kind == "gpu" else "cpu",
+            kv_free_tokens=self.free_blocks * profile.block_size if profile else None,
         )
 
     def share(self) -> JobShare:
@@ -427,6 +430,7 @@ class _TE:
             sequences=len(seqs),
             decoding=sum(1 for s in seqs if s.generated),
             prefill_tokens=sum(s.prompt - s.matched for s in seqs if not s.generated),
+            import_tokens=sum(s.import_tokens for s in seqs if not s.generated),
             oldest=min((s.placement for s in seqs), default=0),
         )
 
@@ -705,7 +709,9 @@ class Simulation:
                 seq.busy = seq.busy | {te.te_id}
                 return self._try_place(seq)
         prefill_te = self._disaggregate(seq, self._view[step.te_id], matched, every)
-        self._ledger.placed(step.te_id, key, 0 if prefill_te else seq.prompt - matched)
+        uncached = seq.prompt - matched
+        work = (0, uncached) if prefill_te else (uncached, 0)  # prefill, or KV taken in
+        self._ledger.placed(step.te_id, key, *work)
         te.placements += 1
         seq.placement = te.placements
         self._ledger.accepted(key, te.placements)
@@ -801,6 +807,7 @@ class Simulation:
         prefill.placements += 1
         task.placement = prefill.placements
         self._ledger.accepted(key, task.placement)
+        seq.import_tokens = seq.prompt - seq.matched  # its KV, coming
         seq.matched = seq.prompt  # no prefill work on its decode TE
         self.stats.disaggregated += 1
         decode.incoming.append(seq)
@@ -841,7 +848,7 @@ class Simulation:
         self._kick(te)
         self._maybe_unloaded(te)
         decode.incoming.remove(seq)
-        seq.generated, seq.imported = 1, True
+        seq.generated, seq.imported, seq.import_tokens = 1, True, 0
         seq.prompt = seq.num_tokens
         seq.admitted = True  # its prompt was computed (and counted) on the prefill TE
         self._ledger.prefilled(seq.plan.key, decode.te_id)

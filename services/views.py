@@ -28,6 +28,12 @@ def queued_prompt_tokens(shares: Mapping[str, JobShare]) -> int:
     return sum(share.prefill_tokens for share in shares.values())
 
 
+def queued_import_tokens(shares: Mapping[str, JobShare]) -> int:
+    """PD, a decode TE: prompt tokens whose KV it has yet to take in from prefill TEs, every
+    job executor's share (``TEView.queued_import_tokens``)."""
+    return sum(share.import_tokens for share in shares.values())
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TEView:
     te_id: str
@@ -37,6 +43,7 @@ class TEView:
     running: int = 0  # sequences decoding (each holds a decode slot)
     waiting: int = 0  # accepted, not yet running
     queued_prompt_tokens: int = 0  # prompt tokens accepted, not yet prefilled, not expected cached
+    queued_import_tokens: int = 0  # PD: prompt tokens whose KV it has yet to take in
     last_active: float = 0.0  # unix seconds of the last task accepted or token produced
     reported_at: float = 0.0  # when these figures were true
     failed_model: str | None = None  # the model whose last load failed here
@@ -58,6 +65,9 @@ class TEView:
     lora: bool = False  # its engine serves requests under LoRA adapters
     adapters: frozenset[str] = frozenset()  # the adapters it holds loaded
     device: str = ""  # what its engine runs on ("cpu", "cuda:0"; "": not said)
+    # KV its engine can still give new requests, in tokens: free blocks and evictable cached
+    # ones (None: its engine does not say)
+    kv_free_tokens: int | None = None
 
     @property
     def load(self) -> int:
@@ -78,6 +88,7 @@ def te_view(hb: TEHeartbeat) -> TEView:
         running=hb.running,
         waiting=hb.waiting,
         queued_prompt_tokens=hb.queued_prompt_tokens,
+        queued_import_tokens=hb.queued_import_tokens,
         last_active=hb.last_active,
         reported_at=hb.sent_at,
         failed_model=hb.failed_model,
@@ -97,4 +108,7 @@ def te_view(hb: TEHeartbeat) -> TEView:
         lora=hb.engine_capabilities is not None and hb.engine_capabilities.lora,
         adapters=frozenset(hb.adapters),
         device=hb.device or "",
+        kv_free_tokens=hb.free_kv_blocks * hb.kv_block_size
+        if hb.kv_block_size and hb.total_kv_blocks
+        else None,
     )

@@ -47,8 +47,8 @@ PD_REQUESTS = Counter(
     "meshserve_pd_requests",
     "Placed requests by whether their prompt ran on a prefill instance (disaggregated) and "
     "why (disaggregation.decide: always, long uncached prompt, short uncached prompt, mostly "
-    "cached prompt, prefill queue full, prefill queue longer, no prefill instance, continued "
-    "from a lost JE's prefill, ...)",
+    "cached prompt, prefill queue full, prefill queue longer, prefill KV full, no prefill "
+    "instance, continued from a lost JE's prefill, ...)",
     ["model", "disaggregated", "reason"],
 )
 KV_TRANSFER_BYTES = Counter(

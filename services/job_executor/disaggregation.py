@@ -23,6 +23,7 @@ from typing import Literal
 from services.job_executor import ledger
 from services.job_executor.pd_heatmap import PdHeatmap
 from services.job_executor.pd_heatmap import load as load_heatmaps
+from services.job_executor.placement import kv_room
 from services.views import TEView
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
@@ -142,9 +143,17 @@ def decide(
     wanted = too_small is None
     if not prefill_tes:
         return PdDecision(None, "no prefill instance", wanted)
-    prefill = min(prefill_tes, key=lambda te: (ledger.prefill_tokens(te, unreported), te.te_id))
     if too_small:
         return PdDecision(None, too_small)
+    # Where the prompt's KV fits: a prefill instance holds each prompt's KV until its decode
+    # instance has pulled it, so one without room would make the prompt wait there.
+    uncached = max(prompt_tokens - cached_tokens, 0)
+    roomy = [
+        te for te in prefill_tes if (room := kv_room(te, unreported)) is None or room >= uncached
+    ]
+    if not roomy:
+        return PdDecision(None, "prefill KV full", wanted)
+    prefill = min(roomy, key=lambda te: (ledger.prefill_tokens(te, unreported), te.te_id))
     if config.mode != "always":
         queued = ledger.prefill_tokens(prefill, unreported)
         if queued >= config.max_prefill_queue_tokens:

@@ -41,10 +41,16 @@ def prefill_tokens(te: TEView, unreported: Mapping[str, JobShare]) -> int:
     return max(0, te.queued_prompt_tokens + unreported.get(te.te_id, NO_SHARE).prefill_tokens)
 
 
+def import_tokens(te: TEView, unreported: Mapping[str, JobShare]) -> int:
+    """PD: prompt tokens whose KV is on its way to the TE from prefill TEs."""
+    return max(0, te.queued_import_tokens + unreported.get(te.te_id, NO_SHARE).import_tokens)
+
+
 @dataclasses.dataclass(slots=True)
 class _Placement:
     te_id: str
     prefill_tokens: int  # the prompt tokens the TE computes (after the prefix it holds)
+    import_tokens: int = 0  # PD, a decode task: the prompt tokens whose KV it takes in
     decoding: bool = False  # past its first token
     seq: int = 0  # the TE's number for it (TaskAccepted.seq); 0 until the TE answered
 
@@ -56,6 +62,7 @@ class _Totals:
     sequences: int = 0
     decoding: int = 0
     prefill_tokens: int = 0
+    import_tokens: int = 0
 
     def add(self, p: _Placement, sign: int) -> None:
         self.sequences += sign
@@ -63,12 +70,14 @@ class _Totals:
             self.decoding += sign
         else:
             self.prefill_tokens += sign * p.prefill_tokens
+            self.import_tokens += sign * p.import_tokens
 
     def minus(self, reported: JobShare) -> JobShare:
         return JobShare(
             sequences=self.sequences - reported.sequences,
             decoding=self.decoding - reported.decoding,
             prefill_tokens=self.prefill_tokens - reported.prefill_tokens,
+            import_tokens=self.import_tokens - reported.import_tokens,
         )
 
 
@@ -82,11 +91,11 @@ class PlacementLedger:
         # te -> this JE's share now less its share in the last report (not all zero)
         self.unreported: dict[str, JobShare] = {}
 
-    def placed(self, te_id: str, key: str, prefill_tokens: int) -> None:
+    def placed(self, te_id: str, key: str, prefill_tokens: int, import_tokens: int = 0) -> None:
         """A task is being placed on ``te_id``: counted before the TE answers, so that the
-        jobs placed meanwhile see it."""
+        jobs placed meanwhile see it. ``import_tokens``: a decode task's (PD)."""
         self.ended(key)
-        entry = _Placement(te_id, prefill_tokens)
+        entry = _Placement(te_id, prefill_tokens, import_tokens)
         self._by_key[key] = entry
         self._by_te.setdefault(te_id, {})[key] = entry
         self._totals.setdefault(te_id, _Totals()).add(entry, 1)

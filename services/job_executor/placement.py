@@ -55,6 +55,20 @@ def te_load(te: TEView, unreported: Mapping[str, JobShare]) -> int:
     )
 
 
+def kv_room(te: TEView, unreported: Mapping[str, JobShare]) -> int | None:
+    """KV tokens the TE can still give new prompts: what its engine reported free, less what
+    the tasks queued there (reported, and placed since) will take: the prompt tokens they
+    prefill, and those whose KV decode tasks take in from prefill TEs (PD). None where its
+    engine does not say."""
+    if te.kv_free_tokens is None:
+        return None
+    return (
+        te.kv_free_tokens
+        - ledger.prefill_tokens(te, unreported)
+        - ledger.import_tokens(te, unreported)
+    )
+
+
 def pick_te(
     model: str,
     tes: Sequence[TEView],
@@ -82,6 +96,7 @@ def pick_te(
             request.cached_tokens.get(te.te_id, 0),
             sequences=ledger.sequences(te, unreported),
             slots=te.capacity.max_num_seqs if te.capacity is not None else 0,
+            kv_room=kv_room(te, unreported),
         )
         for te in ready
     ]

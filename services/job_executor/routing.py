@@ -26,6 +26,14 @@
 The branch reported is ``locality`` when the chosen TE holds more of the prompt than some
 other candidate (the cache decided or agreed), ``load`` when it holds no more than any.
 
+KV room comes first: ``combined`` and ``packed`` choose among the candidates whose engine
+can hold the prompt's uncached tokens in KV now (what it reported free, cached blocks it may
+evict included, less the prompt tokens queued there and placed since: ``kv_room``), where
+any can. A prompt placed where its KV does not fit waits for the sequences there to finish
+(or preempts them) while another instance has the room: on the Mooncake conversation window
+of ``scripts/bench-pd`` (CPU profile, prompts up to 30k tokens against 43k tokens of KV an
+instance) the room rule lifts colocated serving from 98.0% to 99.8% within the SLO.
+
 ``least-loaded``: the least load, ties spread. ``round-robin``: ``spread`` modulo the
 candidates in name order (the caller passes a counter). Both ignore the cache, for
 comparison on the same cluster.
@@ -66,6 +74,7 @@ class Candidate:
     cached_tokens: int = 0  # leading prompt tokens it holds
     sequences: int = 0  # requests it holds (queued or running)
     slots: int = 0  # its batch limit (0: not known)
+    kv_room: int | None = None  # KV tokens it can still give new prompts (None: not known)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,7 +108,9 @@ def route(
         return Route(_spread(tied, spread).te_id, "least-loaded")
 
     if config.policy == "packed":
-        return Route(_packed(candidates, spread).te_id, "packed")
+        return Route(_packed(_with_room(candidates, prompt_tokens), spread).te_id, "packed")
+
+    candidates = _with_room(candidates, prompt_tokens)
 
     def cost(c: Candidate) -> int:
         return max(prompt_tokens - c.cached_tokens, 0) + c.load
@@ -116,6 +127,17 @@ def route(
     chosen = _spread(tied, spread)
     least_held = min(c.cached_tokens for c in candidates)
     return Route(chosen.te_id, "locality" if chosen.cached_tokens > least_held else "load")
+
+
+def _with_room(candidates: Sequence[Candidate], prompt_tokens: int) -> Sequence[Candidate]:
+    """The candidates whose KV can take the prompt's uncached tokens now, where any can (all
+    of them where none can: the request waits for memory wherever it goes)."""
+    fits = [
+        c
+        for c in candidates
+        if c.kv_room is None or c.kv_room >= max(prompt_tokens - c.cached_tokens, 0)
+    ]
+    return fits or candidates
 
 
 def _packed(candidates: Sequence[Candidate], spread: int) -> Candidate:

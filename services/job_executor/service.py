@@ -584,8 +584,9 @@ class JobExecutor:
             # Its prefill work there (the prompt tokens after the prefix it holds), counted
             # before the answer so that jobs placed meanwhile see it.
             task = self._task(job, matched, source)
-            prefill_work = 0 if source else len(job.prompt_token_ids) - matched
-            if await self._offer(te_id, task, prefill_work) is None:
+            uncached = len(job.prompt_token_ids) - matched
+            work = (0, uncached) if source else (uncached, 0)  # prefill, or KV taken in
+            if await self._offer(te_id, task, *work) is None:
                 if source is not None and run is not None:  # its prompt's KV goes at once
                     # (under the attempt it was placed for: a lost JE's, if it was continued)
                     await self._cancel_graph_task(job.request_id, run.graph.task(PREFILL))
@@ -613,11 +614,14 @@ class JobExecutor:
             return None
         return KvSource(te_id=te.te_id, address=te.kv_address, key=task.key)
 
-    async def _offer(self, te_id: str, task: ChatTask, prefill_tokens: int) -> TaskAccepted | None:
-        """Place ``task`` on ``te_id``, its ``prefill_tokens`` counted there from before the
-        answer (jobs placed meanwhile see them); None if the TE refused it or did not answer
-        (then it is cancelled there: it may still have taken it)."""
-        self._ledger.placed(te_id, task.key, prefill_tokens)
+    async def _offer(
+        self, te_id: str, task: ChatTask, prefill_tokens: int, import_tokens: int = 0
+    ) -> TaskAccepted | None:
+        """Place ``task`` on ``te_id``, its ``prefill_tokens`` (and a decode task's
+        ``import_tokens``) counted there from before the answer (jobs placed meanwhile see
+        them); None if the TE refused it or did not answer (then it is cancelled there: it may
+        still have taken it)."""
+        self._ledger.placed(te_id, task.key, prefill_tokens, import_tokens)
         try:
             taken = await self._tes.place(te_id, task)
         except (Refused, PeerUnreachable) as e:

@@ -81,6 +81,8 @@ class _Stream:
     reply_to: str
     prompt_tokens: int
     prefill_tokens: int  # of those, the ones not expected in the prefix cache (queued work)
+    # a decode task's (PD): the prompt tokens whose KV it takes in, until the engine has it
+    import_tokens: int = 0
     je_id: str = ""  # the job executor that placed it (told when it prefilled and ended)
     placement: int = 0  # this TE's number for the placement (TaskAccepted.seq)
     seq: int = 0
@@ -190,16 +192,17 @@ class TaskLoop:
         placed with no JE named)."""
         counts: dict[str, list[int]] = {}
         for stream in self._streams.values():
-            c = counts.setdefault(stream.je_id, [0, 0, 0, stream.placement])
+            c = counts.setdefault(stream.je_id, [0, 0, 0, 0, stream.placement])
             c[0] += 1
             if stream.generated:
                 c[1] += 1
             else:
                 c[2] += stream.prefill_tokens
-            c[3] = min(c[3], stream.placement)
+                c[3] += stream.import_tokens
+            c[4] = min(c[4], stream.placement)
         return {
-            je: JobShare(sequences=n, decoding=d, prefill_tokens=t, oldest=o)
-            for je, (n, d, t, o) in counts.items()
+            je: JobShare(sequences=n, decoding=d, prefill_tokens=t, import_tokens=i, oldest=o)
+            for je, (n, d, t, i, o) in counts.items()
         }
 
     def wake(self) -> None:
@@ -269,6 +272,7 @@ class TaskLoop:
         # too late, e.g. while a long engine step held the GIL) replaces any copy still queued;
         # a copy already in the engine is aborted first (_apply_queued: aborts before adds).
         self.placements += 1
+        uncached = n - min(max(task.matched_tokens, 0), n - 1)
         stream = _Stream(
             request_id=task.request_id,
             attempt=task.attempt,
@@ -276,10 +280,9 @@ class TaskLoop:
             engine_id=f"{task.key}@{self.placements}",
             reply_to=task.reply_to,
             prompt_tokens=n,
-            # a decode task's prompt is computed elsewhere
-            prefill_tokens=0
-            if task.mode == TaskMode.DECODE
-            else n - min(max(task.matched_tokens, 0), n - 1),
+            # a decode task's prompt is computed elsewhere, its KV comes in
+            prefill_tokens=0 if task.mode == TaskMode.DECODE else uncached,
+            import_tokens=uncached if task.mode == TaskMode.DECODE else 0,
             je_id=task.je_id,
             placement=self.placements,
             accepted_at=time.monotonic(),
@@ -633,6 +636,7 @@ class TaskLoop:
                     await self._load_adapter(features.lora, req.adapter)
                 if isinstance(add, _Import) and features.kv_import is not None:
                     features.kv_import.import_kv(add.export, req)
+                    stream.import_tokens = 0  # the engine holds it now
                 elif isinstance(add, _Prefill) and features.kv_export is not None:
                     features.kv_export.add_request(req, retain_kv=True, kv_sink=add.outbox)
                 else:
@@ -757,6 +761,7 @@ class TaskLoop:
                 )
                 return
             self._adds[stream.key] = request  # prefill it here
+            stream.prefill_tokens, stream.import_tokens = stream.import_tokens, 0
         else:
             if self._streams.get(stream.key) is not stream:
                 return

@@ -25,7 +25,7 @@ from services.task_executor.kv_publisher import KvEventPublisher
 from services.task_executor.model_control import EngineFactory, ModelControl
 from services.task_executor.task_loop import TaskLoop
 from services.task_executor.training.runner import TrainingRunner
-from services.views import queued_prompt_tokens
+from services.views import queued_import_tokens, queued_prompt_tokens
 from shared.bus import Bus
 from shared.clients import ClusterClient, Heartbeater
 from shared.errors import Unavailable
@@ -184,11 +184,13 @@ class TaskExecutor:
             hb.waiting = st.waiting + tasks.queued
             hb.free_kv_blocks = st.free_kv_blocks
             hb.total_kv_blocks = st.total_kv_blocks
+            hb.kv_block_size = st.kv_block_size
             hb.prefix_cache_queries = st.prefix_cache_queries
             hb.prefix_cache_hits = st.prefix_cache_hit_tokens
             hb.capacity = control.capacity
             shares = tasks.shares()
             hb.queued_prompt_tokens = queued_prompt_tokens(shares)
+            hb.queued_import_tokens = queued_import_tokens(shares)
             hb.shares = {je: share for je, share in shares.items() if je}
             hb.placements = tasks.placements
             if (lora := control.features.lora) is not None:

@@ -52,6 +52,9 @@ class JobShare(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     sequences: int = 0  # accepted, not ended (queued, prefilling or decoding)
     decoding: int = 0  # of those, past their first token
     prefill_tokens: int = 0  # prompt tokens of the others, less the prefix expected cached
+    # PD, a decode TE: prompt tokens whose KV a prefill TE computed and this TE has yet to
+    # take in (it will allocate KV for them)
+    import_tokens: int = 0
     oldest: int = 0  # the TE's number (TaskAccepted.seq) of the oldest it holds; 0: none
 
 
@@ -70,6 +73,7 @@ class TEHeartbeat(Message):
     waiting: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
+    kv_block_size: int = 0  # tokens a KV block holds (0: not said)
     last_active: float = 0.0  # unix seconds of the last task accepted or token produced
     error: str | None = None  # why the last load failed
     sent_at: float = 0.0  # unix seconds; load reported here includes tasks placed before it
@@ -79,6 +83,7 @@ class TEHeartbeat(Message):
     # prompt tokens of accepted requests not yet prefilled, less the prefixes the router
     # expected in the prefix cache (ChatTask.matched_tokens)
     queued_prompt_tokens: int = 0
+    queued_import_tokens: int = 0  # PD: prompt tokens whose KV it has yet to take in
     recent_models: list[str] = msgspec.field(
         default_factory=list
     )  # loaded here before, newest first

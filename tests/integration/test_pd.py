@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from services.task_executor.worker import TaskExecutor
+from services.views import queued_import_tokens
 from shared.embedded import free_port
 from shared.messages.api import SamplingParams
 from shared.messages.cluster import TEState
@@ -54,6 +55,10 @@ def _all_free(te: TaskExecutor) -> bool:
     assert engine is not None
     st = engine.stats()
     return st.free_kv_blocks == st.total_kv_blocks
+
+
+def _importing(tes: dict[str, TaskExecutor]) -> int:
+    return sum(queued_import_tokens(te.tasks.shares()) for te in tes.values())
 
 
 async def _until(ok, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]
@@ -133,11 +138,18 @@ async def test_disaggregated_generation_equals_colocated_and_frees_the_prefill_k
         fallbacks = sum(te.tasks.kv_fallbacks for te in tes.values())
         job = asyncio.create_task(client.generate(long, 6))
         await _until(lambda: bool(prefill.tasks.kv_offers()), timeout=20)
+        # Until its KV is in, its decode TE reports the KV room it will take (routing reads
+        # it with the engine's free blocks).
+        await _until(lambda: _importing(tes) > 0, timeout=20)
+        importing = _importing(tes)
         for key in prefill.tasks.kv_offers():
             prefill.tasks.prefill.withdraw(key, "cut by the test")
         got, tokens, _ = await job
         assert tokens == want
+        # the prompt less what its decode TE held (never less than the token it samples from)
+        assert importing == max(len(long) - got.matched_tokens, 1)
         assert sum(te.tasks.kv_fallbacks for te in tes.values()) == fallbacks + 1
+        assert _importing(tes) == 0
         await _until(lambda: _all_free(prefill))
 
         # A decode task whose KV is not there (the prefill TE holds no such key): with

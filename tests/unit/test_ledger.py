@@ -3,6 +3,7 @@ its last report corrected by the placements the JE made and heard of since, exac
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from services.job_executor import ledger
@@ -186,3 +187,23 @@ def test_random_interleavings_never_undercount_and_heal():
         book.report(last)
         assert ledger.sequences(last, book.unreported) == 0
         assert book.outstanding("a") == 0 and book.unreported == {}
+
+
+def test_a_decode_tasks_incoming_kv_is_counted_until_it_starts_decoding():
+    # PD: a decode task's prompt KV comes from a prefill TE; it is no prefill work there,
+    # but it will take KV room, from placement until its first token.
+    book = PlacementLedger("je")
+    stale = report()
+    book.placed("a", "r1", 0, import_tokens=5000)
+    assert ledger.prefill_tokens(stale, book.unreported) == 0
+    assert ledger.import_tokens(stale, book.unreported) == 5000
+    # The TE's report now shows it: counted once, not twice.
+    shown = report(shares={"je": JobShare(sequences=1, import_tokens=5000)}, placements=1)
+    shown = dataclasses.replace(shown, queued_import_tokens=5000)
+    book.accepted("r1", 1)
+    book.report(shown)
+    assert ledger.import_tokens(shown, book.unreported) == 5000
+    book.prefilled("r1", "a")  # its KV is in, its first token out
+    assert ledger.import_tokens(shown, book.unreported) == 0
+    book.ended("r1", "a")
+    assert ledger.import_tokens(report(placements=1), book.unreported) == 0

@@ -67,6 +67,26 @@ def test_a_backed_up_prefill_fleet_means_local_prefill() -> None:
     assert _decide(PdConfig(mode="always"), 4096, unreported=some) == "p1"
 
 
+def test_a_prefill_instance_without_kv_room_is_passed_over() -> None:
+    # It holds each prompt's KV until the decode instance pulls it: a prompt that does not
+    # fit there would wait for the earlier ones' pulls.
+    auto = PdConfig(mode="auto")
+    full = dataclasses.replace(P1, kv_free_tokens=3000)
+    roomy = dataclasses.replace(P2, kv_free_tokens=40000, queued_prompt_tokens=0)
+    assert _decide(auto, 4096, prefill_tes=[full, roomy]) == "p2"
+    assert _decide(auto, 2500, prefill_tes=[full, roomy]) == "p1"  # fits: the usual choice
+    got = decide(
+        auto,
+        decode=DECODE,
+        prompt_tokens=4096,
+        cached_tokens=0,
+        max_tokens=64,
+        prefill_tes=[full],
+        unreported={},
+    )
+    assert (got.prefill_te, got.reason, got.wanted) == (None, "prefill KV full", True)
+
+
 def test_always_never_and_what_cannot_disaggregate() -> None:
     always, never = PdConfig(mode="always"), PdConfig(mode="never")
     assert _decide(always, 10) == "p1"

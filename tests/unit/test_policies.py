@@ -49,6 +49,32 @@ class TestPickTE:
         short = dataclasses.replace(te("b", running=3, waiting=2), queued_prompt_tokens=80)
         assert pick_te("m", [long, short], {}).te_id == "b"
 
+    def test_a_prompt_goes_where_its_kv_fits(self):
+        # a: idle but its KV nearly full (long requests decoding); b: busier, with room.
+        def kv(te_id, free_blocks, running=0):
+            h = hb(te_id, running=running)
+            h.free_kv_blocks, h.total_kv_blocks, h.kv_block_size = free_blocks, 2730, 16
+            return te_view(h)
+
+        a, b = kv("a", free_blocks=100), kv("b", free_blocks=2000, running=3)
+        assert a.kv_free_tokens == 1600
+        assert pick_te("m", [a, b], {}, request=Request(prompt_tokens=1000)).te_id == "a"
+        assert pick_te("m", [a, b], {}, request=Request(prompt_tokens=8000)).te_id == "b"
+        # What it holds of the prompt needs no room; prompts queued there will take some.
+        held = Request(prompt_tokens=8000, cached_tokens={"a": 7000})
+        assert pick_te("m", [a, b], {}, request=held).te_id == "a"
+        queued = {"a": JobShare(prefill_tokens=1000)}
+        assert pick_te("m", [a, b], queued, request=held).te_id == "b"
+        # KV on its way to b from a prefill TE (PD) takes its room too.
+        incoming = {"b": JobShare(import_tokens=30000)}
+        assert pick_te("m", [a, b], incoming, request=Request(prompt_tokens=8000)).te_id == "a"
+        # Where no engine has the room, load decides as before; an engine that does not say
+        # (vLLM) is never ruled out.
+        huge = Request(prompt_tokens=40000)
+        assert pick_te("m", [a, b], {}, request=huge).te_id == "a"
+        assert te("c").kv_free_tokens is None
+        assert pick_te("m", [a, b, te("c", running=1)], {}, request=huge).te_id == "c"
+
     def test_ties_break_by_id_so_the_choice_is_deterministic(self):
         assert pick_te("m", [te("b"), te("a")], {}).te_id == "a"
 

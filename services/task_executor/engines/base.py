@@ -56,6 +56,7 @@ class EngineStats(msgspec.Struct):
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
+    kv_block_size: int = 0  # tokens one KV block holds (0: not said, so no KV room is reported)
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # cumulative prompt tokens found there (not recomputed)
 

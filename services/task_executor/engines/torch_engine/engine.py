@@ -375,6 +375,7 @@ class TorchEngine:
             waiting=len(self._waiting),
             free_kv_blocks=self.prefix_cache.num_free if not self._closed else 0,
             total_kv_blocks=self.cache.limit if not self._closed else 0,
+            kv_block_size=self.block_size,
             prefix_cache_queries=self._cache_queries,
             prefix_cache_hit_tokens=self._cache_hits,
         )
