@@ -18,6 +18,7 @@ two hosts crosses the shaped links."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import subprocess
 import sys
@@ -394,12 +395,43 @@ class MultiHostCluster:
             time.sleep(0.25)
         raise AssertionError(f"not within {timeout:g} s: {what}\n{self.tail()}")
 
+    def failure_report(self, since: float, lines: int = 40) -> str:
+        """For a failed test: where the logs are, every warning and error the services
+        logged since ``since`` (unix seconds), and each log's last lines."""
+        out = [f"logs: {self.dir}"]
+        for path in sorted(self.dir.glob("h*.log")):
+            bad = []
+            for line in path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError, AttributeError):
+                    record = json.loads(line)
+                    if record.get("level") in ("warning", "error", "critical") and _after(
+                        record.get("timestamp"), since
+                    ):
+                        bad.append(line)
+            if bad:
+                out.append(f"== {path.name}: warnings and errors\n" + "\n".join(bad[-200:]))
+        return "\n".join([*out, self.tail(lines)])
+
     def tail(self, lines: int = 15) -> str:
         out = []
         for path in sorted(self.dir.glob("h*.log")):
             text = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"== {path.name}\n" + "\n".join(text))
         return "\n".join(out)
+
+
+def _after(stamp: object, since: float) -> bool:
+    """A JSON log record's ``timestamp`` (ISO 8601) at or after ``since``; True where it
+    has none that parses."""
+    if not isinstance(stamp, str):
+        return True
+    try:
+        t = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return True
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.UTC)
+    return t.timestamp() >= since
 
 
 def host_of(te: dict[str, Any]) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,3 +35,17 @@ def mh_models_dir(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
 
 def start_cluster(hosts: Hosts, models_dir: Path, **settings: str) -> MultiHostCluster:
     return MultiHostCluster(hosts, models_dir, **settings).start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    """A failed test's report carries its cluster's story: the services' warnings and errors
+    while it ran and their last lines (the module's cluster serves the next tests too, whose
+    failures would otherwise show only their own moment)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, MultiHostCluster):
+            report.sections.append(("cluster logs", value.failure_report(since=call.start)))
