@@ -9,6 +9,7 @@ import dataclasses
 
 from services.job_executor.disaggregation import (
     PdConfig,
+    PdDecision,
     decide,
     prefill_instances,
 )
@@ -21,7 +22,7 @@ P1 = TEView("p1", "p", TEState.READY, model="m", role=TaskMode.PREFILL, kv_addre
 P2 = dataclasses.replace(P1, te_id="p2", kv_address="h:2", queued_prompt_tokens=5000)
 
 
-def _decide(config: PdConfig, prompt: int, cached: int = 0, **kw: object) -> str | None:
+def _decision(config: PdConfig, prompt: int, cached: int = 0, **kw: object) -> PdDecision:
     args: dict[str, object] = {
         "decode": DECODE,
         "prompt_tokens": prompt,
@@ -30,7 +31,11 @@ def _decide(config: PdConfig, prompt: int, cached: int = 0, **kw: object) -> str
         "prefill_tes": [P1, P2],
         "unreported": {},
     } | kw
-    return decide(config, **args).prefill_te  # type: ignore[arg-type]
+    return decide(config, **args)  # type: ignore[arg-type]
+
+
+def _decide(config: PdConfig, prompt: int, cached: int = 0, **kw: object) -> str | None:
+    return _decision(config, prompt, cached, **kw).prefill_te
 
 
 def test_auto_disaggregates_long_uncached_prompts_only() -> None:
@@ -52,15 +57,7 @@ def test_a_backed_up_prefill_fleet_means_local_prefill() -> None:
     # would start later on the prefill instance than where it is.
     roomy = PdConfig(mode="auto")
     some = {"p1": JobShare(prefill_tokens=3000)}
-    got = decide(
-        roomy,
-        decode=DECODE,
-        prompt_tokens=4096,
-        cached_tokens=0,
-        max_tokens=64,
-        prefill_tes=[P1],
-        unreported=some,
-    )
+    got = _decision(roomy, 4096, prefill_tes=[P1], unreported=some)
     assert (got.prefill_te, got.reason, got.wanted) == (None, "prefill queue longer", True)
     queued = dataclasses.replace(DECODE, queued_prompt_tokens=3000)
     assert _decide(roomy, 4096, unreported=some, decode=queued) == "p1"  # no longer there
@@ -75,15 +72,7 @@ def test_a_prefill_instance_without_kv_room_is_passed_over() -> None:
     roomy = dataclasses.replace(P2, kv_free_tokens=40000, queued_prompt_tokens=0)
     assert _decide(auto, 4096, prefill_tes=[full, roomy]) == "p2"
     assert _decide(auto, 2500, prefill_tes=[full, roomy]) == "p1"  # fits: the usual choice
-    got = decide(
-        auto,
-        decode=DECODE,
-        prompt_tokens=4096,
-        cached_tokens=0,
-        max_tokens=64,
-        prefill_tes=[full],
-        unreported={},
-    )
+    got = _decision(auto, 4096, prefill_tes=[full])
     assert (got.prefill_te, got.reason, got.wanted) == (None, "prefill KV full", True)
 
 
@@ -112,15 +101,7 @@ def test_wanted_is_the_rule_without_the_prefill_fleet() -> None:
     auto = PdConfig(mode="auto")
 
     def wants(config: PdConfig, prompt: int, cached: int = 0, **kw: object) -> bool:
-        args: dict[str, object] = {
-            "decode": DECODE,
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "max_tokens": 64,
-            "prefill_tes": [],
-            "unreported": {},
-        } | kw
-        return decide(config, **args).wanted  # type: ignore[arg-type]
+        return _decision(config, prompt, cached, **({"prefill_tes": []} | kw)).wanted
 
     for prompt, cached in [(4096, 0), (1000, 0), (4096, 3000), (8192, 2048), (8192, 3000)]:
         assert wants(auto, prompt, cached) == (_decide(auto, prompt, cached) is not None)
