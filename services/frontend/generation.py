@@ -480,6 +480,10 @@ class Generation:
                 now = time.monotonic()
                 if self.last_token_at is not None:
                     self.token_gaps.append((now - self.last_token_at, len(ids)))
+                elif len(ids) > 1:
+                    # Tokens that came with the first one: a gap of nothing each, so every
+                    # token after the first has its inter-token latency (vLLM's count).
+                    self.token_gaps.append((0.0, len(ids) - 1))
                 self.last_token_at = now
                 if self.first_token_at is None:
                     self.first_token_at, self.te_s = self.last_token_at, chunk.te_s

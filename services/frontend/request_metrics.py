@@ -101,7 +101,8 @@ def observe(
 ) -> None:
     """One request that ended; times are ``time.monotonic()`` readings (None: never
     reached); ``token_gaps``: (seconds since the tokens before, how many came) for each
-    arrival of tokens after the first."""
+    arrival of tokens after the first token, those that came with it at a gap of 0, so the
+    inter-token latencies number the output tokens less one."""
     labels = (model_name, adapter, tenant)
     PROMPT_TOKENS.labels(*labels).inc(prompt_tokens)
     GENERATION_TOKENS.labels(*labels).inc(output_tokens)

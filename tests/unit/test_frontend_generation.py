@@ -77,6 +77,13 @@ async def test_a_chunk_overlapping_what_was_taken_gives_only_its_new_tokens():
     assert got == [7, 8, 9, 10] and gen.finish_reason == "stop"
 
 
+async def test_every_token_after_the_first_has_an_inter_token_latency():
+    """The first token came with the next two (coalesced on a busy loop): those two count
+    as gaps of nothing, so the latencies number the output tokens less one, as vLLM's do."""
+    got, gen = await _read([_chunk(0, [7, 8, 9], 3, "length")])
+    assert got == [7, 8, 9] and gen.token_gaps == [(0.0, 2)]
+
+
 async def test_a_restarted_copy_that_fails_still_ends_the_attempt():
     """An error chunk carries no tokens and counts none past what was taken: not dropped."""
     chunks = [_chunk(0, [7], 1), _chunk(1, [8], 2), _chunk(0, [], 0, "error")]
