@@ -40,7 +40,7 @@ def small(e2e_models_dir, nats_url, redis_url):
     c.stop()
 
 
-SEQUENTIAL = 10_000
+SEQUENTIAL = 3_000
 
 
 async def test_a_sequential_client_is_never_refused(small):
