@@ -66,7 +66,8 @@ class TEView:
     adapters: frozenset[str] = frozenset()  # the adapters it holds loaded
     device: str = ""  # what its engine runs on ("cpu", "cuda:0"; "": not said)
     # KV its engine can still give new requests, in tokens: free blocks and evictable cached
-    # ones (None: its engine does not say)
+    # ones, and those a pool sized by demand could still grow by (None: its engine does not
+    # say)
     kv_free_tokens: int | None = None
 
     @property
@@ -108,7 +109,7 @@ def te_view(hb: TEHeartbeat) -> TEView:
         lora=hb.engine_capabilities is not None and hb.engine_capabilities.lora,
         adapters=frozenset(hb.adapters),
         device=hb.device or "",
-        kv_free_tokens=hb.free_kv_blocks * hb.kv_block_size
+        kv_free_tokens=(hb.free_kv_blocks + hb.growable_kv_blocks) * hb.kv_block_size
         if hb.kv_block_size and hb.total_kv_blocks
         else None,
     )

@@ -64,7 +64,7 @@ import msgspec
 from prometheus_client import Counter, Histogram
 
 from services.job_executor.shadow import InstanceView, Verdict, iteration_s, validate
-from services.task_executor.kv_sizing import DeviceOp, order_ops
+from services.task_executor.kv_sizing import DeviceOp, make_room
 from shared.headroom import RequestView, next_turn
 from shared.logging import get_logger
 from shared.perf_model import PerfModel
@@ -143,6 +143,7 @@ class _Client:
     need: DeviceOp | None = None
     need_at: float = 0.0
     squeezed: bool = False
+    told_free: int | None = None  # the device's free KV bytes as it was last told
 
     def view(self) -> InstanceView | None:
         if self.instance is None:
@@ -259,6 +260,8 @@ class DeviceArbiter:
                     writer.write(
                         f"verdict {ask} {msgspec.json.encode(verdict).decode()}\n".encode()
                     )
+                if word in ("hold", "need"):
+                    self._tell_free(device)
                 self._grant(client.device, device)
         except (OSError, ValueError, UnicodeDecodeError):
             pass
@@ -271,6 +274,7 @@ class DeviceArbiter:
                     device.holder = None
                 self._grant(client.device, device)
                 self._make_room(client.device, device)
+                self._tell_free(device)
             writer.close()
             self._connections.pop(me, None)
 
@@ -307,23 +311,40 @@ class DeviceArbiter:
         pending = [c.need for c in clients if c.need is not None]
         if not pending:
             return
-        grant, wait = pending, list[DeviceOp]()
-        if self.kv_budget_bytes:
-            used = sum(c.holds + c.reserved for c in clients)
-            grant, wait = order_ops(pending, self.kv_budget_bytes - used)
+        room = make_room(
+            pending,
+            sum(c.holds + c.reserved for c in clients),
+            self.kv_budget_bytes,
+            {c.name: c.squeezed for c in clients if c.holds},
+        )
         now = time.monotonic()
-        for op in grant:
+        rest = {op.instance: op for op in room.wait}  # a grow granted in part waits for the rest
+        for op in room.grant:
             client = device.clients[op.instance]
             client.reserved += op.bytes
-            client.need = None
-            KV_ROOM_WAIT.labels(name).observe(now - client.need_at)
+            client.need = rest.get(op.instance)
+            if client.need is None:
+                KV_ROOM_WAIT.labels(name).observe(now - client.need_at)
             self._send(client, f"room {client.holds + client.reserved}\n")
-        waiting = {op.instance for op in wait}
+        for told in room.squeeze:
+            client = device.clients[told]
+            client.squeezed = True
+            KV_SQUEEZES.labels(name).inc()
+            self._send(client, "squeeze\n")
+
+    def _tell_free(self, device: _Device) -> None:
+        """Each TE of the device hears what its books have not given any pool (``free
+        <bytes>``, when it changed): what a pool could still grow into, which the TE reports
+        with its own free blocks (``TEHeartbeat.growable_kv_blocks``), so that the router
+        does not take a pool at its floor for a full one."""
+        if not self.kv_budget_bytes:
+            return
+        clients = device.clients.values()
+        free = max(0, self.kv_budget_bytes - sum(c.holds + c.reserved for c in clients))
         for client in clients:
-            if wait and client.name not in waiting and client.holds and not client.squeezed:
-                client.squeezed = True
-                KV_SQUEEZES.labels(name).inc()
-                self._send(client, "squeeze\n")
+            if client.told_free != free:
+                client.told_free = free
+                self._send(client, f"free {free}\n")
 
     @staticmethod
     def _send(client: _Client, line: str) -> None:
@@ -376,6 +397,7 @@ class TurnClient:
         self._room = math.inf
         self._needs: int | None = None
         self._squeezed = False
+        self._device_free = math.inf  # what the device's books have not given any pool
         self._room_changed = asyncio.Event()
         self.on_squeeze: Callable[[], None] | None = None  # told to shrink (on the loop)
 
@@ -407,6 +429,8 @@ class TurnClient:
                 elif word == "room" and self._needs is not None:  # else: from before a hold
                     self._room = float(arg)
                     self._room_changed.set()
+                elif word == "free":
+                    self._device_free = float(arg)
                 elif word == "squeeze":
                     self._squeezed = True
                     if self.on_squeeze is not None:
@@ -442,6 +466,12 @@ class TurnClient:
         """The bytes of KV this TE may hold now (inf: no arbiter, or it never said)."""
         return math.inf if self._off or self._held is None else self._room
 
+    @property
+    def kv_device_free(self) -> float:
+        """The bytes of KV the device's books have not given any pool (inf: no arbiter, no
+        budget, or it never said): what this TE's pool could still grow into."""
+        return math.inf if self._off else self._device_free
+
     def kv_hold(self, nbytes: int) -> None:
         """Its KV pool holds ``nbytes`` now (after a resize, or at first)."""
         self._held, self._room, self._needs = nbytes, nbytes, None
@@ -455,6 +485,13 @@ class TurnClient:
         self._needs = nbytes
         urgency = deadline if math.isfinite(deadline) else 1e18
         self._send(f"need {nbytes} {urgency!r}\n")
+
+    def kv_enough(self) -> None:
+        """Its pool no longer wants to grow (its demand fell): a grow it asked for and still
+        waits for is withdrawn (saying what it holds), so that it does not hold up the
+        device's other grows, none of which overtakes it."""
+        if self._needs is not None and self._held is not None:
+            self.kv_hold(self._held)
 
     async def kv_reserve(self, nbytes: int, device: str, deadline: float, wait_s: float) -> bool:
         """Room for ``nbytes`` of KV before a model loads (it holds none yet): asked as a

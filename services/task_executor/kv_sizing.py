@@ -106,7 +106,10 @@ def order_ops(ops: Iterable[DeviceOp], free_bytes: int) -> tuple[list[DeviceOp],
     them in this order, each after the one before); then the ops that need memory, most
     urgent first, each while what the releases freed and what was free still holds it.
     The first that does not fit waits, and so does every op after it: none overtakes it, so
-    a large load is never starved by a stream of small grows."""
+    a large load is never starved by a stream of small grows. A grow that does not fit
+    takes what is free now and waits for the rest (a pool can use part of its grow, a load
+    cannot): else a pool wanting more than its neighbours' floors leave would wait for ever
+    beside free memory."""
     ops = list(ops)
     releases = [op for op in ops if op.kind in RELEASES]
     needs = sorted(
@@ -119,9 +122,44 @@ def order_ops(ops: Iterable[DeviceOp], free_bytes: int) -> tuple[list[DeviceOp],
         if not wait and op.bytes <= free:
             now.append(op)
             free -= op.bytes
+        elif not wait and op.kind == "grow" and free > 0:
+            now.append(dataclasses.replace(op, bytes=free))
+            wait.append(dataclasses.replace(op, bytes=op.bytes - free))
+            free = 0
         else:
             wait.append(op)
     return now, wait
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Room:
+    """A device's books after ``make_room``: the grows granted now (in order), those that
+    wait (a grant's rest among them, when it got part), and the instances told to shrink to
+    their demand at once for them."""
+
+    grant: list[DeviceOp]
+    wait: list[DeviceOp]
+    squeeze: list[str]
+
+
+def make_room(
+    pending: Iterable[DeviceOp],
+    used_bytes: int,
+    budget_bytes: int,
+    holding: Mapping[str, bool],
+) -> Room:
+    """The device's waiting grows over its budget (0: none, every grow granted):
+    ``order_ops`` over what the device's pools hold and were granted (``used_bytes``);
+    while one still waits, every other instance holding KV (``holding``: each, and whether
+    it was told already) is told to shrink to its demand, once until it says what it holds
+    again. The device arbiter keeps its books by it, and the simulator."""
+    pending = list(pending)
+    if not budget_bytes:
+        return Room(pending, [], [])
+    grant, wait = order_ops(pending, budget_bytes - used_bytes)
+    waiting = {op.instance for op in wait}
+    squeeze = [name for name, told in holding.items() if wait and name not in waiting and not told]
+    return Room(grant, wait, squeeze)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

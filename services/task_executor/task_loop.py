@@ -170,6 +170,8 @@ class TaskLoop:
         )
         self._turns.on_squeeze = self._squeezed
         self._squeezing: asyncio.Task[None] | None = None
+        # Told to shrink, and held back by blocks in use: it goes on shrinking at once.
+        self._squeeze_left = False
         self._reserved = False  # room in the device's books for a load's KV, not yet held
         self._slo = settings.scaler.slo()
         # Shadow validation of each colocated task on the device before it is taken.
@@ -476,7 +478,7 @@ class TaskLoop:
             self._kv_pool = None
             return
         budgeted = te.device_kv_bytes > 0 and self._turns.active
-        squeeze = self._turns.take_squeeze()
+        squeeze = self._turns.take_squeeze() or self._squeeze_left
         loaded = False  # a model just loaded: its pool enters the device's books
         if self._kv_pool is None or self._kv_pool.engine is not resizer:
             self._kv_pool = KvPool(
@@ -491,14 +493,33 @@ class TaskLoop:
         # size its engine allocated by default, and a grow beyond it asks for room like any.
         room = 0.0 if loaded else self._turns.kv_room if budgeted else math.inf
         plan = pool.plan(held, time.monotonic(), room_bytes=room, squeeze=squeeze or loaded)
-        blocks = resizer.kv_blocks[0]
+        before = blocks = resizer.kv_blocks[0]
         if plan.blocks is not None:
             blocks = await self._thread.run(pool.resize, plan.blocks)
-        if budgeted and (plan.blocks is not None or loaded):
+        # Told to shrink and held back by blocks in use, it shrinks again after each iteration
+        # as its requests end, and tells the arbiter only a size that changed: the same size
+        # again would have it told to shrink again at once, a ping-pong while a grow waits.
+        self._squeeze_left = squeeze and plan.blocks is not None and blocks > plan.blocks
+        if budgeted and (blocks != before or loaded):
             self._turns.kv_hold(blocks * resizer.kv_block_bytes)
             self._reserved = False
         if budgeted and plan.need_bytes is not None:
             self._turns.kv_need(plan.need_bytes, self._earliest_deadline())
+        elif budgeted:
+            self._turns.kv_enough()
+
+    def kv_growable_blocks(self) -> int:
+        """Blocks its KV pool, sized by demand, could still grow by: up to what its engine
+        allocated, as far as the device's books have room (``TEHeartbeat.growable_kv_blocks``:
+        a pool at its floor is not a full one)."""
+        resizer = self._control.features.kv_resize
+        if self._kv_pool is None or resizer is None:
+            return 0
+        current, most = resizer.kv_blocks
+        free = self._turns.kv_device_free
+        if math.isfinite(free) and self._settings.task_executor.device_kv_bytes > 0:
+            most = min(most, current + int(free // resizer.kv_block_bytes))
+        return max(0, most - current)
 
     def engine_changed(self) -> None:
         """The model control's state moved. An engine gone (unloaded and closed, or its

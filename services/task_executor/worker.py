@@ -185,6 +185,7 @@ class TaskExecutor:
             hb.free_kv_blocks = st.free_kv_blocks
             hb.total_kv_blocks = st.total_kv_blocks
             hb.kv_block_size = st.kv_block_size
+            hb.growable_kv_blocks = tasks.kv_growable_blocks()
             hb.prefix_cache_queries = st.prefix_cache_queries
             hb.prefix_cache_hits = st.prefix_cache_hit_tokens
             hb.capacity = control.capacity

@@ -74,6 +74,9 @@ class TEHeartbeat(Message):
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     kv_block_size: int = 0  # tokens a KV block holds (0: not said)
+    # blocks its KV pool, sized by demand (MESHSERVE_KV_SIZING), could still grow by: up to
+    # what its engine allocated, as far as its device's KV budget has room
+    growable_kv_blocks: int = 0
     last_active: float = 0.0  # unix seconds of the last task accepted or token produced
     error: str | None = None  # why the last load failed
     sent_at: float = 0.0  # unix seconds; load reported here includes tasks placed before it

@@ -22,7 +22,8 @@ from services.task_executor.engines.factory import kv_floor_bytes
 from services.task_executor.engines.torch_engine.config import load_model_config
 from services.task_executor.engines.torch_engine.kv_cache import PagedKVCache
 from services.task_executor.pool import NodePool
-from shared.messages.cluster import TEHeartbeat, TEState
+from services.views import te_view
+from shared.messages.cluster import ClusterView, TEHeartbeat, TEState
 from shared.messages.scaling import LoadModel, UnloadModel
 from shared.store import Store
 from tests.integration.services import BusClient, Running, fast_settings
@@ -149,6 +150,17 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
                 break
             await asyncio.sleep(0.05)
         assert len(held) == 2 and all(b <= floor + 1 for b in held.values()), held
+        # Each TE reports, beside its pool's free blocks, what the pool could still grow into
+        # (the budget less both pools): a router sees the room a pool at its floor can take.
+        left = budget // block_bytes - sum(held.values())
+
+        def room_reported(view: ClusterView) -> bool:
+            free = [te_view(t).kv_free_tokens for t in view.tes if t.te_id in tes]
+            return len(free) == 2 and all(
+                f is not None and floor + left - 4 <= f // 16 <= floor + 1 + left for f in free
+            )
+
+        await client.until(room_reported, 10)
         squeezes = KV_SQUEEZES.labels("cpu")._value.get()
         peak: dict[str, int] = {}
         most = 0

@@ -198,8 +198,8 @@ async def _until(cond: Callable[[], bool]) -> bool:
 
 
 async def test_a_grow_waits_for_the_shrink_that_makes_its_room(budgeted: DeviceArbiter) -> None:
-    """600 + 300 of 1,000 bytes held: b's grow to 600 waits (100 free), a is told to shrink,
-    and b gets its room only once a says it holds less."""
+    """600 + 300 of 1,000 bytes held: b's grow to 600 takes the 100 free and waits for the
+    rest, a is told to shrink, and b gets the rest only once a says it holds less."""
     squeezed: list[str] = []
     a = await _te(budgeted, "a", 600)
     a.on_squeeze = lambda: squeezed.append("a")
@@ -207,15 +207,16 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(budgeted: DeviceA
     assert b.kv_room == 300
     b.kv_need(600, deadline=5.0)
     assert await _until(lambda: squeezed == ["a"])
-    assert b.kv_room == 300  # nothing granted before the shrink
+    assert await _until(lambda: b.kv_room == 400)  # what was free, no more before the shrink
     assert a.take_squeeze() and not a.take_squeeze()
     a.kv_hold(200)
     assert await _until(lambda: b.kv_room == 600)
     b.kv_hold(600)
     # Room freed by a TE that goes away serves the next grow.
     a.kv_need(500, deadline=1.0)
+    assert await _until(lambda: a.kv_room == 400)  # the 200 free; the rest waits
     await asyncio.sleep(0.05)
-    assert a.kv_room == 200
+    assert a.kv_room == 400
     b.close()
     assert await _until(lambda: a.kv_room == 500)
     a.close()
@@ -228,19 +229,42 @@ async def test_grows_go_most_urgent_first_and_none_overtakes_one_that_waits(
     b = await _te(budgeted, "b", 0)
     c = await _te(budgeted, "c", 0)
     d = await _te(budgeted, "d", 0)
-    # 500 free: c (due first) gets its 100; b's 600 does not fit, and d's 50, due after b,
-    # would fit but waits behind it (a large grow is never starved by small ones).
+    # 500 free: c (due first) gets its 100; b's 600 does not fit: it takes the 400 left and
+    # waits for the rest; d's 50, due after b, waits behind it (a large grow is never
+    # starved by small ones).
     c.kv_need(100, deadline=1.0)
     b.kv_need(600, deadline=2.0)
     await asyncio.sleep(0.05)
     d.kv_need(50, deadline=3.0)
     assert await _until(lambda: c.kv_room == 100)
     await asyncio.sleep(0.05)
-    assert b.kv_room == 0 and d.kv_room == 0
+    assert b.kv_room == 400 and d.kv_room == 0
     assert a.take_squeeze() and not c.take_squeeze()  # c holds nothing yet, only room
     a.kv_hold(100)
     assert await _until(lambda: b.kv_room == 600 and d.kv_room == 50)
     for te in (a, b, c, d):
+        te.close()
+
+
+async def test_a_grow_no_longer_wanted_is_withdrawn_and_stops_holding_up_the_next(
+    budgeted: DeviceArbiter,
+) -> None:
+    a = await _te(budgeted, "a", 700)  # busy: it does not shrink when told
+    b = await _te(budgeted, "b", 300)
+    c = await _te(budgeted, "c", 0)
+    b.kv_need(600, deadline=1.0)  # nothing free: it waits
+    await asyncio.sleep(0.05)
+    c.kv_need(50, deadline=2.0)  # behind b
+    await asyncio.sleep(0.05)
+    assert c.kv_room == 0 and budgeted._devices["cpu"].clients["b"].need is not None
+    a.kv_hold(650)  # a gave back 50: b, first in line, takes it
+    assert await _until(lambda: b.kv_room == 350)
+    b.kv_enough()  # b's requests ended: it wants no more, and says what it holds
+    assert await _until(lambda: budgeted._devices["cpu"].clients["b"].need is None)
+    assert _books(budgeted, "b") == 300  # the part granted and unused goes back
+    assert await _until(lambda: c.kv_room == 50)
+    b.kv_enough()  # nothing asked: nothing said
+    for te in (a, b, c):
         te.close()
 
 
@@ -294,3 +318,19 @@ async def test_without_an_arbiter_a_load_reserves_nothing(tmp_path: Path) -> Non
     assert await TurnClient("", "off").kv_reserve(400, "cpu", deadline=1.0, wait_s=0.1)
     gone = TurnClient(str(tmp_path / "nobody"), "x")  # an arbiter that is not there
     assert await gone.kv_reserve(400, "cpu", deadline=1.0, wait_s=0.1)
+
+
+async def test_every_te_of_the_device_hears_what_its_books_leave_free(
+    budgeted: DeviceArbiter,
+) -> None:
+    """What a pool could still grow into, so that its TE reports it (a pool at its floor is
+    not a full one): the budget (1,000) less what the pools hold and were granted."""
+    a = await _te(budgeted, "a", 600)
+    b = await _te(budgeted, "b", 300)
+    assert await _until(lambda: a.kv_device_free == 100 and b.kv_device_free == 100)
+    b.kv_need(350, deadline=1.0)  # granted at once: 50 more in the books
+    assert await _until(lambda: a.kv_device_free == 50)
+    b.close()  # its memory goes back
+    assert await _until(lambda: a.kv_device_free == 400)
+    a.close()
+    assert TurnClient("", "off").kv_device_free == math.inf

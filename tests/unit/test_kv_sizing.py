@@ -18,6 +18,7 @@ from services.task_executor.kv_sizing import (
     Neighbour,
     Preemption,
     demand_tokens,
+    make_room,
     next_size,
     order_ops,
     preemption,
@@ -88,6 +89,30 @@ def test_nothing_overtakes_an_op_that_waits():
     assert now == [] and [op.instance for op in wait] == ["big", "small"]
     now, wait = order_ops(ops, free_bytes=2000)
     assert [op.instance for op in now] == ["big", "small"] and wait == []
+
+
+def test_a_grow_that_does_not_fit_takes_what_is_free_and_waits_for_the_rest():
+    ops = [DeviceOp("grow", "a", 600, urgency=1.0), DeviceOp("grow", "b", 10, urgency=2.0)]
+    now, wait = order_ops(ops, free_bytes=200)
+    assert now == [DeviceOp("grow", "a", 200, urgency=1.0)]
+    assert wait == [DeviceOp("grow", "a", 400, urgency=1.0), ops[1]]  # b still behind it
+    # A load cannot start on part of its memory: it waits whole.
+    now, wait = order_ops([DeviceOp("load", "c", 600)], free_bytes=200)
+    assert now == [] and wait == [DeviceOp("load", "c", 600)]
+
+
+def test_the_books_squeeze_every_other_holder_while_a_grow_waits():
+    grow = DeviceOp("grow", "a", 600, urgency=1.0)
+    room = make_room(
+        [grow], used_bytes=900, budget_bytes=1000, holding={"a": False, "b": False, "c": True}
+    )
+    assert room.grant == [DeviceOp("grow", "a", 100, urgency=1.0)]
+    assert room.wait == [DeviceOp("grow", "a", 500, urgency=1.0)]
+    assert room.squeeze == ["b"]  # not a (it waits), not c (told already)
+    room = make_room([grow], used_bytes=0, budget_bytes=1000, holding={"b": False})
+    assert room.grant == [grow] and room.wait == [] and room.squeeze == []
+    room = make_room([grow], used_bytes=10**9, budget_bytes=0, holding={"b": False})
+    assert room.grant == [grow] and room.squeeze == []  # no budget: no books to keep
 
 
 @pytest.mark.parametrize("free", [0, 50])
