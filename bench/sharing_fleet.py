@@ -9,7 +9,12 @@ same requests at each rate.
 - ``headroom``: one at a time, the earliest deadline first (the device arbiter's order);
 - ``full``: headroom turns and shadow validation before each placement;
 - ``full-packed``: the same with bin-packing routing (``packed``: the fullest instance with
-  a free batch slot, LLM-Mesh's defragmentation) instead of the default ``combined``.
+  a free batch slot, LLM-Mesh's defragmentation) instead of the default ``combined``;
+- ``full-kv``, ``full-packed-kv``: the same two with KV sized by demand (``SimConfig.kv_sizing``:
+  each instance's pool follows its requests within the device's whole cache, where the
+  others split it evenly). Each pool's floor is 1.25 times the model's context: at the
+  profile's 32k one floor takes a CPU device's whole cache, so give these a shorter one
+  (``--max-model-len``, for every config of the run).
 
 Everything else is the project's policies as the simulator runs them (routing, admission,
 holding, the scaler with scale-to-zero, the torch engine's scheduler), the CPU devices with
@@ -57,6 +62,8 @@ CONFIGS: dict[str, tuple[int, int, int, str, bool, Policy]] = {
     "headroom": (4, 4, 0, "headroom", False, "combined"),
     "full": (4, 4, 0, "headroom", True, "combined"),
     "full-packed": (4, 4, 0, "headroom", True, "packed"),
+    "full-kv": (4, 4, 0, "headroom", True, "combined"),
+    "full-packed-kv": (4, 4, 0, "headroom", True, "packed"),
 }
 
 
@@ -67,8 +74,10 @@ class Job:
     args: dict[str, Any]
 
 
-def _profiles(models: list[str], path: Path) -> dict[str, EngineProfile]:
+def _profiles(models: list[str], path: Path, max_model_len: int = 0) -> dict[str, EngineProfile]:
     base = next(iter(load_profiles(path).values()))
+    if max_model_len:
+        base = dataclasses.replace(base, max_model_len=max_model_len)
     return {m: dataclasses.replace(base, model=m) for m in models}
 
 
@@ -83,6 +92,8 @@ def _run(job: Job) -> dict[str, Any]:
     models = sorted({p.model for p in planned})
     cpus, gpus, slots, sharing, shadow, routing = CONFIGS[job.config]
     slots = slots or a["slots"]
+    kv = job.config.endswith("-kv")
+    context = a["max_model_len"]
     slo = SLO()
     cfg = SimConfig(
         devices=cpus + gpus,
@@ -94,10 +105,14 @@ def _run(job: Job) -> dict[str, Any]:
         slo=slo,
         record_gaps=False,
         routing=RoutingConfig(policy=routing),
+        kv_sizing=kv,
     )
     t0 = time.monotonic()
     results, stats = simulate(
-        planned, _profiles(models, DEFAULT_PROFILE), cfg, _profiles(models, GPU_PROFILE)
+        planned,
+        _profiles(models, DEFAULT_PROFILE, context),
+        cfg,
+        _profiles(models, GPU_PROFILE, context),
     )
     summary = summarize(results, slo, exact_prompts=True)
     met = sum(
@@ -122,6 +137,9 @@ def _run(job: Job) -> dict[str, Any]:
         "late_turns": stats.late_turns,
         "shadow_refused": dict(stats.shadow_refused),
         "device_busy": stats.device_busy,
+        "kv_squeezes": stats.kv_squeezes,
+        "kv_load_waits": stats.kv_load_waits,
+        "kv_load_failures": stats.kv_load_failures,
         "wall_s": time.monotonic() - t0,
     }
 
@@ -153,6 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rates", default="0.5,1,2,3,4", help="times the trace's arrival rate")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of the trace")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="the models' context (default: the profiles'; a -kv config's pools' floor is "
+        "1.25 times it)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="simulations at once")
     p.add_argument("--out", type=Path, default=RESULTS)

@@ -356,6 +356,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         slots_per_device=args.slots_per_device,
         sharing=args.sharing,
         shadow=args.shadow,
+        kv_sizing=args.kv_sizing,
         gpu_devices=args.gpu_devices,
         pool_size=args.pool_size,
         keep_alive_s=args.keep_alive,
@@ -908,6 +909,13 @@ def parser() -> argparse.ArgumentParser:
         "--shadow",
         action="store_true",
         help="validate each placement against the device's next iterations first",
+    )
+    m.add_argument(
+        "--kv-sizing",
+        action="store_true",
+        help="KV pools sized by demand within each device's whole cache, the device's books "
+        "kept as its arbiter keeps them (MESHSERVE_KV_SIZING with MESHSERVE_DEVICE_KV_BYTES; "
+        "else the cache is split evenly among the device's instances)",
     )
     m.add_argument("--gpu-devices", type=int, default=0, help="of --devices, how many are GPUs")
     m.add_argument(

@@ -67,7 +67,13 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   tries another instance and, when every ready instance refused and nothing is coming, is a
   503 (``admission.device_busy``). ``gpu_devices`` of the fleet run each model's GPU
   profile; the scaler places new instances on CPUs first where the model's CPU instances
-  meet the SLO (``scaler.pools.placement_order``).
+  meet the SLO (``scaler.pools.placement_order``). With ``SimConfig.kv_sizing`` each
+  instance's KV pool follows its requests as a TE's does (``kv_pool.KvPool`` over the
+  simulated blocks, after each iteration and at each heartbeat while idle) within its
+  device's whole cache, the device's books kept by ``kv_sizing.make_room`` as its arbiter
+  keeps them: grows in order, the others squeezed while one waits, a load waiting up to
+  ``kv_room_wait_s`` for its pool's floor before it fails; a TE's reported KV room counts
+  what its pool could still grow into. Else each instance holds an even share.
 
 Not modelled yet (they grow with the policy issues): TE failures (so no PD fallbacks);
 multicast loads (``plan_multicasts`` needs relay addresses, which the simulated TEs do not
@@ -133,6 +139,8 @@ from services.task_executor.engines.torch_engine.scheduler import (
     schedule,
     tpot_slack,
 )
+from services.task_executor.kv_pool import KvPool, floor_blocks
+from services.task_executor.kv_sizing import DeviceOp, make_room
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView, queued_import_tokens, queued_prompt_tokens, remember_model
 from shared.headroom import RequestView, earliest_deadline, next_turn, request_view
@@ -203,6 +211,14 @@ class SimConfig:
     slots_per_device: int = 1
     sharing: Sharing = "headroom"
     shadow: bool = False
+    # KV sized by demand (MESHSERVE_KV_SIZING with a device budget, LLM-Mesh): each
+    # instance's pool follows the requests it holds (``kv_pool.KvPool``, as a TE sizes it,
+    # ``kv_shrink_after_s`` its lazy shrink) within its device's whole KV cache, the device's
+    # books kept as its arbiter keeps them (``kv_sizing.make_room``: grows in order, the
+    # others told to shrink while one waits). Off: each instance holds an even share.
+    kv_sizing: bool = False
+    kv_shrink_after_s: float = 30.0
+    kv_room_wait_s: float = 30.0  # MESHSERVE_KV_ROOM_WAIT: a load's wait for its pool's floor
     # Of ``devices``, the last ``gpu_devices`` are GPUs: instances there run their model's
     # GPU profile (``Simulation(gpu_profiles=...)``), in node pools of their own.
     gpu_devices: int = 0
@@ -289,6 +305,11 @@ class SimStats:
     late_turns: int = 0
     shadow_refused: dict[str, int] = dataclasses.field(default_factory=dict)
     device_busy: int = 0
+    # KV sized by demand: instances told to shrink, another of their device waiting to grow;
+    # loads that waited for room for their pool's floor, and those that failed for want of it
+    kv_squeezes: int = 0
+    kv_load_waits: int = 0
+    kv_load_failures: int = 0
     # The control plane's work (loadgen/control_plane.py): the JE's placement steps (each
     # try, held requests' retries too) and the wall time the decision functions took here,
     # and the changes of TE state that make the cluster manager push a view; by second of
@@ -382,6 +403,25 @@ class _TE:
     link_free_at: float = 0.0  # PD: when its KV link is done with the transfers it carries
     device: str = ""  # the device it shares with the other TEs there
     kind: str = "cpu"  # that device's kind: "cpu" or "gpu"
+    kv: KvPool | None = None  # its KV pool sized by demand (SimConfig.kv_sizing)
+    pool_blocks: int = 0  # the blocks its KV pool holds (free_blocks of them unused)
+    kv_room: float = math.inf  # bytes of KV its device's books let it hold now
+    squeeze_left: bool = False  # told to shrink and held back by blocks in use
+    load_s: float = 0.0  # how long its load takes (after the room for its KV, if it waits)
+    books: _Device | None = None  # its device, whose books its KV pool grows within
+
+    def growable_blocks(self) -> int:
+        """Blocks its pool could still grow by: up to the device's whole cache, as far as
+        the device's books have room (``TEHeartbeat.growable_kv_blocks``)."""
+        if self.kv is None or self.books is None or self.profile is None:
+            return 0
+        bb = self.kv.engine.kv_block_bytes
+        free = (
+            max(0, self.books.kv_free_bytes()) // bb
+            if self.books.kv_budget
+            else self.profile.kv_blocks
+        )
+        return max(0, min(self.profile.kv_blocks - self.pool_blocks, free))
 
     def cached_prefix(self, seq: _Seq, *, touch: bool = False) -> int:
         """Prompt tokens of ``seq`` this instance holds: whole engine blocks, never the whole
@@ -420,7 +460,10 @@ class _TE:
             kv_address=f"{self.te_id}:kv" if profile and self.role == TaskMode.PREFILL else "",
             kv_import=profile is not None and profile.kv_bytes_per_token > 0,
             device="cuda" if self.kind == "gpu" else "cpu",
-            kv_free_tokens=self.free_blocks * profile.block_size if profile else None,
+            # as a TE reports it: its pool's free blocks, and those it could still grow by
+            kv_free_tokens=(self.free_blocks + self.growable_blocks()) * profile.block_size
+            if profile
+            else None,
         )
 
     def share(self) -> JobShare:
@@ -443,6 +486,42 @@ class _Device:
     tes: list[_TE] = dataclasses.field(default_factory=list)
     active: _TE | None = None  # turns: the instance whose iteration runs
     wanting: dict[_TE, float] = dataclasses.field(default_factory=dict)  # asked at
+    # KV sized by demand: its books, as its arbiter keeps them (bytes, by TE id)
+    kv_budget: int = 0  # the whole KV cache of the device (0: not known yet)
+    holds: dict[str, int] = dataclasses.field(default_factory=dict)
+    reserved: dict[str, int] = dataclasses.field(default_factory=dict)
+    needs: dict[str, DeviceOp] = dataclasses.field(default_factory=dict)
+    squeezed: set[str] = dataclasses.field(default_factory=set)
+
+    def kv_free_bytes(self) -> int:
+        """What its books have not given any pool (held or granted)."""
+        return self.kv_budget - sum(self.holds.values()) - sum(self.reserved.values())
+
+
+class _KvOf:
+    """A simulated TE's KV pool as ``KvPool`` resizes an engine's (``KvResizer``): never
+    below the blocks its requests use, never above the device's whole cache."""
+
+    def __init__(self, te: _TE, profile: EngineProfile) -> None:
+        self.te = te
+        self.block_size = profile.block_size
+        self._block_bytes = profile.block_size * max(1, profile.kv_bytes_per_token)
+        self._most = profile.kv_blocks
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        return self.te.pool_blocks, self._most
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self._block_bytes
+
+    def resize_kv(self, blocks: int) -> int:
+        te = self.te
+        size = min(max(blocks, te.pool_blocks - te.free_blocks), self._most)
+        te.free_blocks += size - te.pool_blocks
+        te.pool_blocks = size
+        return size
 
 
 class Simulation:
@@ -478,7 +557,7 @@ class Simulation:
                 n, per_kind[kind] = per_kind[kind], per_kind[kind] + 1
                 pool = f"{'gpu-' if kind == 'gpu' else ''}pool-{n // max(cfg.pool_size, 1):04d}"
                 te = _TE(te_id=f"te-{len(self.tes):05d}", pool_id=pool)
-                te.device, te.kind = device.device_id, kind
+                te.device, te.kind, te.books = device.device_id, kind, device
                 device.tes.append(te)
                 self.tes.append(te)
         self._perf: dict[int, tuple[EngineProfile, PerfModel]] = {}  # id(profile): its model
@@ -562,6 +641,7 @@ class Simulation:
             "scaler": self._scaler_tick,
             "expire": self._expire,
             "kv_done": self._kv_done,
+            "kv_room_timeout": self._kv_room_timeout,
         }
         while self._events:
             t, _, kind, arg = heapq.heappop(self._events)
@@ -939,6 +1019,9 @@ class Simulation:
     def _heartbeat(self, _: object) -> None:
         for te_id in list(self._dirty):
             self._report(self._by_id[te_id])
+        for te in self.tes:  # an idle TE looks at its pool too (its lazy shrink)
+            if te.kv is not None and not te.busy:
+                self._size_kv(te)
         busy = sum(1 for te in self.tes if te.state != TEState.IDLE)
         self.stats.max_busy_devices = max(self.stats.max_busy_devices, busy)
         for model in self._held:
@@ -989,7 +1072,9 @@ class Simulation:
                     load_s = fill_s(profile, te.weights, self.cfg.fork_bandwidth)
                 by_source = self.stats.loads_by_source
                 by_source[te.weights] = by_source.get(te.weights, 0) + 1
-                self._at(self.now + self.cfg.network_s + load_s, "loaded", (te, te.epoch))
+                te.load_s = self.cfg.network_s + load_s
+                if not self.cfg.kv_sizing or self._kv_reserve(te, profile):
+                    self._at(self.now + te.load_s, "loaded", (te, te.epoch))
             elif isinstance(action, Unload) and te.state == TEState.READY:
                 te.state = TEState.DRAINING
                 assert te.model is not None
@@ -1071,6 +1156,9 @@ class Simulation:
             return
         te.state, te.model, te.profile, te.cache = TEState.IDLE, None, None, None
         te.role = TaskMode.COLOCATED
+        if te.kv is not None:  # its KV goes back to the device's books at once
+            te.kv, te.pool_blocks, te.free_blocks, te.squeeze_left = None, 0, 0, False
+            self._kv_hold(te, 0)
         te.epoch += 1
         self._state_changed(te)
         self.stats.unloads += 1
@@ -1083,6 +1171,14 @@ class Simulation:
         assert te.profile is not None and te.model is not None
         te.state = TEState.READY
         te.free_blocks = te.profile.kv_blocks // self._slots  # its share of the device's
+        if self.cfg.kv_sizing:  # the whole cache, shrunk to its floor as it enters the books
+            te.free_blocks = te.pool_blocks = te.profile.kv_blocks
+            te.kv = KvPool(
+                _KvOf(te, te.profile),
+                max_model_len=te.profile.max_model_len,
+                shrink_after_s=self.cfg.kv_shrink_after_s,
+            )
+            self._size_kv(te, loaded=True)
         if self.cfg.prefix_caching:
             te.cache = PrefixLRU(te.free_blocks * te.profile.block_size)
         te.last_active = self.now
@@ -1102,6 +1198,7 @@ class Simulation:
         te, batch = arg
         if batch is not None:
             self._finish_iteration(te, *batch)
+        self._size_kv(te)  # as a TE, after each iteration
         te.busy = False
         if not self._turn_taking:
             self._start_iteration(te)
@@ -1114,6 +1211,149 @@ class Simulation:
                 te.busy = True  # until its turn: no second kick
             self._grant_turn(device)
         self._maybe_unloaded(te)
+
+    # -- KV sized by demand ----------------------------------------------------------------------
+
+    def _size_kv(self, te: _TE, *, loaded: bool = False, squeeze: bool = False) -> None:
+        """``te``'s pool sized by what it holds, as a TE sizes it (``TaskLoop._size_kv``):
+        a grow only into the room its device's books grant, and it asks for the rest."""
+        if te.kv is None:
+            return
+        squeeze = squeeze or te.squeeze_left
+        held = [
+            (s.plan.input_tokens, s.plan.output_tokens)
+            for s in itertools.chain(te.running, te.waiting, te.incoming)
+        ]
+        room = 0.0 if loaded else te.kv_room
+        plan = te.kv.plan(held, self.now, room_bytes=room, squeeze=squeeze or loaded)
+        before = blocks = te.pool_blocks
+        bb = te.kv.engine.kv_block_bytes
+        if loaded and te.profile is not None:
+            # A load reserves its floor in the books first (``TaskLoop.reserve_kv``), the
+            # others told to shrink while it waits; here it starts with what is free, and
+            # asks for the rest.
+            device = self._devices[te.device]
+            others = sum(b for t, b in device.holds.items() if t != te.te_id)
+            others += sum(b for t, b in device.reserved.items() if t != te.te_id)
+            floor = plan.blocks if plan.blocks is not None else before
+            free = max(0, (self._kv_budget(device, te.profile) - others) // bb)
+            if floor > free:
+                self._kv_hold(te, te.kv.resize(free) * bb)
+                self._kv_need(te, floor * bb)
+                return
+        if plan.blocks is not None:
+            blocks = te.kv.resize(plan.blocks)
+            if blocks > before:
+                self._kick(te)  # room for what waits
+        te.squeeze_left = squeeze and plan.blocks is not None and blocks > plan.blocks
+        if blocks != before or loaded:
+            self._kv_hold(te, blocks * bb)
+        if plan.need_bytes is not None:
+            self._kv_need(te, plan.need_bytes)
+        elif te.te_id in self._devices[te.device].needs:  # it no longer waits (kv_enough)
+            self._kv_hold(te, te.pool_blocks * bb)
+
+    def _kv_reserve(self, te: _TE, profile: EngineProfile) -> bool:
+        """Room in the device's books for a load's pool floor before the load starts
+        (``TaskLoop.reserve_kv``): True when it had it at once; else the load waits for it,
+        the others told to shrink, for up to ``kv_room_wait_s`` (``MESHSERVE_KV_ROOM_WAIT``),
+        and fails after (``_kv_room_timeout``)."""
+        floor = floor_blocks(profile.max_model_len, profile.block_size, profile.kv_blocks)
+        device = self._devices[te.device]
+        self._kv_budget(device, profile)
+        self._kv_hold(te, 0)
+        self._kv_need(te, floor * profile.block_size * max(1, profile.kv_bytes_per_token))
+        if te.te_id not in device.needs:
+            return True
+        self.stats.kv_load_waits += 1
+        self._at(self.now + self.cfg.kv_room_wait_s, "kv_room_timeout", (te, te.epoch))
+        return False
+
+    def _kv_room_timeout(self, arg: tuple[_TE, int]) -> None:
+        """A load that found no room for its KV in time fails (``NoKvRoom``): its ask
+        withdrawn, the TE idle again."""
+        te, epoch = arg
+        device = self._devices[te.device]
+        if te.epoch != epoch or te.state != TEState.LOADING or te.te_id not in device.needs:
+            return
+        self._kv_hold(te, 0)
+        te.state, te.model, te.profile = TEState.IDLE, None, None
+        te.epoch += 1
+        self.stats.kv_load_failures += 1
+        self.stats.instance_seconds += self.now - te.since
+        self._state_changed(te)
+
+    @staticmethod
+    def _kv_budget(device: _Device, profile: EngineProfile) -> int:
+        """The device's KV in bytes: the whole cache its first model's profile has there
+        (MESHSERVE_DEVICE_KV_BYTES)."""
+        if not device.kv_budget:
+            device.kv_budget = (
+                profile.kv_blocks * profile.block_size * max(1, profile.kv_bytes_per_token)
+            )
+        return device.kv_budget
+
+    def _kv_hold(self, te: _TE, nbytes: int) -> None:
+        """``te``'s pool holds ``nbytes`` now (``hold``): its books' entry, its asks cleared."""
+        device = self._devices[te.device]
+        if te.profile is not None:
+            self._kv_budget(device, te.profile)
+        device.holds[te.te_id] = nbytes
+        device.reserved.pop(te.te_id, None)
+        device.needs.pop(te.te_id, None)
+        device.squeezed.discard(te.te_id)
+        te.kv_room = nbytes
+        self._make_room(device)
+
+    def _kv_need(self, te: _TE, total: int) -> None:
+        """``te`` wants its pool to hold ``total`` bytes (``need``): room at once where the
+        books have it, else a grow that waits (``DeviceArbiter._ask_room``)."""
+        device = self._devices[te.device]
+        total = min(total, device.kv_budget) if device.kv_budget else total
+        have = device.holds.get(te.te_id, 0) + device.reserved.get(te.te_id, 0)
+        if total <= have:
+            device.needs.pop(te.te_id, None)
+            te.kv_room = have
+            return
+        urgency = earliest_deadline(self._held_views(te))
+        device.needs[te.te_id] = DeviceOp(
+            "grow", te.te_id, total - have, urgency=urgency if math.isfinite(urgency) else 1e18
+        )
+        self._make_room(device)
+
+    def _make_room(self, device: _Device) -> None:
+        """The device's waiting grows granted as its arbiter grants them
+        (``kv_sizing.make_room``), the others told to shrink while one waits."""
+        if not device.needs:
+            return
+        room = make_room(
+            list(device.needs.values()),
+            sum(device.holds.values()) + sum(device.reserved.values()),
+            device.kv_budget,
+            {t: t in device.squeezed for t, held in device.holds.items() if held},
+        )
+        granted = []
+        rest = {op.instance: op for op in room.wait}  # a grow granted in part waits for the rest
+        for op in room.grant:
+            te = self._by_id[op.instance]
+            device.reserved[te.te_id] = device.reserved.get(te.te_id, 0) + op.bytes
+            if op.instance in rest:
+                device.needs[te.te_id] = rest[op.instance]
+            else:
+                del device.needs[te.te_id]
+            te.kv_room = device.holds.get(te.te_id, 0) + device.reserved[te.te_id]
+            granted.append(te)
+        for name in room.squeeze:
+            device.squeezed.add(name)
+            self.stats.kv_squeezes += 1
+        for name in room.squeeze:
+            self._size_kv(self._by_id[name], squeeze=True)
+        for te in granted:
+            if te.state == TEState.LOADING and te.kv is None:  # a load's floor
+                if te.te_id not in device.needs:  # all of it: the load starts
+                    self._at(self.now + te.load_s, "loaded", (te, te.epoch))
+            else:
+                self._size_kv(te)  # it grows into its room (a TE, at its next iteration)
 
     # -- shared devices ------------------------------------------------------------------------
 

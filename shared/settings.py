@@ -602,7 +602,8 @@ class TaskExecutorSettings(Section):
         "the KV memory they may hold together, kept by the device arbiter (services/"
         "task_executor/device_arbiter.py). A TE grows its pool only into room the arbiter "
         "grants, after the shrinks that make it (kv_sizing.order_ops: the most urgent first, "
-        "none overtaking one that waits); a TE waiting for room makes the others shrink to "
+        "none overtaking one that waits; the first that does not fit takes what is free and "
+        "waits for the rest); a TE waiting for room makes the others shrink to "
         "their demand at once; a pool that cannot grow preempts its request with the most "
         "headroom, recomputed later. 0: no bound (each pool up to MESHSERVE_KV_CACHE_BYTES).",
     )

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from loadgen.plan import plan
-from loadgen.simulator import SimConfig, simulate
+from loadgen.simulator import SimConfig, Simulation, simulate
 from loadgen.traces import TraceRequest
 from loadgen.transforms import spread_models
 from shared.slo import SLO
@@ -126,3 +126,39 @@ def test_spread_models_keeps_conversations_together_with_zipf_popularity() -> No
     assert max(even.count(m) for m in set(even)) < 1.5 * min(even.count(m) for m in set(even))
     with pytest.raises(ValueError):
         spread_models(reqs, 0)
+
+
+class _Books(Simulation):
+    """A simulation that checks its devices' KV books at every change and keeps each
+    instance's largest pool."""
+
+    peak: dict[str, int]
+
+    def _make_room(self, device):  # type: ignore[no-untyped-def]
+        super()._make_room(device)
+        assert sum(device.holds.values()) + sum(device.reserved.values()) <= device.kv_budget
+        self.peak = getattr(self, "peak", {})
+        for te in device.tes:
+            self.peak[te.model or ""] = max(self.peak.get(te.model or "", 0), te.pool_blocks)
+
+
+def test_kv_sized_by_demand_lets_a_busy_instance_take_its_idle_neighbours_share() -> None:
+    # Two models on one device of 1,000 blocks; a burst of eight 1,500-token prompts for a.
+    # Split evenly, a has 500 blocks: five of them at a time. Sized by demand, its pool
+    # grows past that (b keeps its floor: 1.25 x its 2,048-token context, 160 blocks), the
+    # device's books never hold more than the device, and the burst's last first token
+    # comes sooner.
+    reqs = _trace(
+        *((0.0, 1, 1, m) for m in "ab"), *((5.0 + i / 100, 1500, 100, "a") for i in range(8))
+    )
+    profiles = {m: profile(m, max_model_len=2048, kv_bytes_per_token=100) for m in "ab"}
+    last = {}
+    for kv in (False, True):
+        cfg = SimConfig(slots_per_device=2, kv_sizing=kv, **ONE_DEVICE)
+        sim = _Books(plan(reqs), profiles, cfg)
+        results = sim.run()
+        assert all(r.ok for r in results)
+        last[kv] = max(r.ttft_s for r in results if r.model == "a")
+    assert sim.peak["a"] > 800 and sim.peak["b"] == 160
+    assert sim.stats.kv_squeezes >= 1  # b was told to shrink (to its floor) while a waited
+    assert last[True] < last[False] - 2
