@@ -81,10 +81,11 @@ def test_replay_azure_slice(cluster_up, demo_model_dir: Path, tmp_path: Path) ->
         want = min(tr.output_tokens, MAX_OUT, CONTEXT - rec["input_tokens"])
         assert rec["completion_tokens"] == rec["output_tokens"] == want
         # One gap per event after the first: an event may carry several tokens when the
-        # frontend's writer is behind (a loaded machine): they coalesce, never get lost.
+        # frontend's writer is behind (a loaded machine): they coalesce, never get lost (on a
+        # busy host a short reply can come whole in one event: no gap at all).
         assert rec["ttft_s"] > 0 and len(rec["gaps_s"]) <= want - 1
-        assert want == 1 or rec["gaps_s"]
         assert rec["e2e_s"] >= rec["ttft_s"] + sum(rec["gaps_s"]) - 1e-6
+    assert any(rec["gaps_s"] for rec in recs)  # the gaps are recorded
     for png in ("latency_cdf", "latency_over_time", "throughput_over_time", "slo_over_time"):
         data = (out / f"{png}.png").read_bytes()
         assert data[:8] == PNG and len(data) > 5000
