@@ -14,7 +14,9 @@ same requests at each rate.
   each instance's pool follows its requests within the device's whole cache, where the
   others split it evenly). Each pool's floor is 1.25 times the model's context: at the
   profile's 32k one floor takes a CPU device's whole cache, so give these a shorter one
-  (``--max-model-len``, for every config of the run).
+  (``--max-model-len``, for every config of the run);
+- ``full-kvp``, ``full-packed-kvp``: the same again, and a grow that waits may preempt a
+  smaller neighbour whose requests pass shadow validation elsewhere (``kv_preemption``).
 
 Everything else is the project's policies as the simulator runs them (routing, admission,
 holding, the scaler with scale-to-zero, the torch engine's scheduler), the CPU devices with
@@ -64,6 +66,8 @@ CONFIGS: dict[str, tuple[int, int, int, str, bool, Policy]] = {
     "full-packed": (4, 4, 0, "headroom", True, "packed"),
     "full-kv": (4, 4, 0, "headroom", True, "combined"),
     "full-packed-kv": (4, 4, 0, "headroom", True, "packed"),
+    "full-kvp": (4, 4, 0, "headroom", True, "combined"),
+    "full-packed-kvp": (4, 4, 0, "headroom", True, "packed"),
 }
 
 
@@ -92,7 +96,7 @@ def _run(job: Job) -> dict[str, Any]:
     models = sorted({p.model for p in planned})
     cpus, gpus, slots, sharing, shadow, routing = CONFIGS[job.config]
     slots = slots or a["slots"]
-    kv = job.config.endswith("-kv")
+    kv = job.config.endswith(("-kv", "-kvp"))
     context = a["max_model_len"]
     slo = SLO()
     cfg = SimConfig(
@@ -106,6 +110,7 @@ def _run(job: Job) -> dict[str, Any]:
         record_gaps=False,
         routing=RoutingConfig(policy=routing),
         kv_sizing=kv,
+        kv_preemption=job.config.endswith("-kvp"),
     )
     t0 = time.monotonic()
     results, stats = simulate(
@@ -140,6 +145,8 @@ def _run(job: Job) -> dict[str, Any]:
         "kv_squeezes": stats.kv_squeezes,
         "kv_load_waits": stats.kv_load_waits,
         "kv_load_failures": stats.kv_load_failures,
+        "kv_preemptions": stats.kv_preemptions,
+        "kv_moved": stats.kv_moved,
         "wall_s": time.monotonic() - t0,
     }
 

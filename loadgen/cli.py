@@ -357,6 +357,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sharing=args.sharing,
         shadow=args.shadow,
         kv_sizing=args.kv_sizing,
+        kv_preemption=args.kv_preemption,
         gpu_devices=args.gpu_devices,
         pool_size=args.pool_size,
         keep_alive_s=args.keep_alive,
@@ -916,6 +917,13 @@ def parser() -> argparse.ArgumentParser:
         help="KV pools sized by demand within each device's whole cache, the device's books "
         "kept as its arbiter keeps them (MESHSERVE_KV_SIZING with MESHSERVE_DEVICE_KV_BYTES; "
         "else the cache is split evenly among the device's instances)",
+    )
+    m.add_argument(
+        "--kv-preemption",
+        action="store_true",
+        help="with --kv-sizing: an instance whose grow waits may preempt a smaller neighbour "
+        "whose requests pass shadow validation on instances of their model elsewhere "
+        "(kv_sizing.preemption); they move there and the neighbour unloads",
     )
     m.add_argument("--gpu-devices", type=int, default=0, help="of --devices, how many are GPUs")
     m.add_argument(

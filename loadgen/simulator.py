@@ -73,7 +73,11 @@ many KV blocks the engine has. Network hops cost ``network_s`` each.
   device's whole cache, the device's books kept by ``kv_sizing.make_room`` as its arbiter
   keeps them: grows in order, the others squeezed while one waits, a load waiting up to
   ``kv_room_wait_s`` for its pool's floor before it fails; a TE's reported KV room counts
-  what its pool could still grow into. Else each instance holds an even share.
+  what its pool could still grow into. Else each instance holds an even share. With
+  ``SimConfig.kv_preemption`` too, a grow that has waited a second, every other pool
+  squeezed, may preempt a smaller neighbour (``kv_sizing.preemption``: each of its
+  requests validated on an instance of its model on another device, as the devices stand):
+  its requests move there, recomputed, and it unloads.
 
 Not modelled yet (they grow with the policy issues): TE failures (so no PD fallbacks);
 multicast loads (``plan_multicasts`` needs relay addresses, which the simulated TEs do not
@@ -140,7 +144,13 @@ from services.task_executor.engines.torch_engine.scheduler import (
     tpot_slack,
 )
 from services.task_executor.kv_pool import KvPool, floor_blocks
-from services.task_executor.kv_sizing import DeviceOp, make_room
+from services.task_executor.kv_sizing import (
+    DeviceOp,
+    Elsewhere,
+    Neighbour,
+    make_room,
+    preemption,
+)
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView, queued_import_tokens, queued_prompt_tokens, remember_model
 from shared.headroom import RequestView, earliest_deadline, next_turn, request_view
@@ -154,6 +164,7 @@ from shared.slo import SLO
 # simulated clock starts far from zero.
 EPOCH = 1_000_000.0
 JE_ID = "je-sim"  # the one simulated job executor
+PREEMPT_AFTER_S = 1.0  # a grow waits this long before its instance may preempt a neighbour
 # How the instances on one device share it (``SimConfig.sharing``).
 Sharing = Literal["uncoordinated", "fifo", "headroom"]
 SHARING: tuple[Sharing, ...] = ("uncoordinated", "fifo", "headroom")
@@ -219,6 +230,9 @@ class SimConfig:
     kv_sizing: bool = False
     kv_shrink_after_s: float = 30.0
     kv_room_wait_s: float = 30.0  # MESHSERVE_KV_ROOM_WAIT: a load's wait for its pool's floor
+    # A grow that waits may preempt a smaller neighbour whose requests pass shadow
+    # validation elsewhere (``kv_sizing.preemption``)
+    kv_preemption: bool = False
     # Of ``devices``, the last ``gpu_devices`` are GPUs: instances there run their model's
     # GPU profile (``Simulation(gpu_profiles=...)``), in node pools of their own.
     gpu_devices: int = 0
@@ -310,6 +324,9 @@ class SimStats:
     kv_squeezes: int = 0
     kv_load_waits: int = 0
     kv_load_failures: int = 0
+    # ... and neighbours preempted for a grow that waited, their requests moved elsewhere
+    kv_preemptions: int = 0
+    kv_moved: int = 0
     # The control plane's work (loadgen/control_plane.py): the JE's placement steps (each
     # try, held requests' retries too) and the wall time the decision functions took here,
     # and the changes of TE state that make the cluster manager push a view; by second of
@@ -492,6 +509,8 @@ class _Device:
     reserved: dict[str, int] = dataclasses.field(default_factory=dict)
     needs: dict[str, DeviceOp] = dataclasses.field(default_factory=dict)
     squeezed: set[str] = dataclasses.field(default_factory=set)
+    need_since: dict[str, float] = dataclasses.field(default_factory=dict)  # a grow waiting
+    preempt_after: float = 0.0  # when it may next look for a neighbour to preempt
 
     def kv_free_bytes(self) -> int:
         """What its books have not given any pool (held or granted)."""
@@ -668,7 +687,12 @@ class Simulation:
     def _busy(self) -> bool:
         """Instances still up: the periodic events go on until they scale to min_replicas."""
         up = sum(1 for te in self.tes if te.state != TEState.IDLE)
-        return up > self.cfg.min_replicas * len(self._models)
+        floor = 0
+        for model in self._models:
+            own = self.cfg.model_scaling.get(model)
+            least = own.min_replicas if own is not None else None
+            floor += self.cfg.min_replicas if least is None else least
+        return up > floor
 
     # -- frontend and job executor ----------------------------------------------------------
 
@@ -1301,6 +1325,7 @@ class Simulation:
         device.holds[te.te_id] = nbytes
         device.reserved.pop(te.te_id, None)
         device.needs.pop(te.te_id, None)
+        device.need_since.pop(te.te_id, None)
         device.squeezed.discard(te.te_id)
         te.kv_room = nbytes
         self._make_room(device)
@@ -1316,6 +1341,7 @@ class Simulation:
             te.kv_room = have
             return
         urgency = earliest_deadline(self._held_views(te))
+        device.need_since.setdefault(te.te_id, self.now)
         device.needs[te.te_id] = DeviceOp(
             "grow", te.te_id, total - have, urgency=urgency if math.isfinite(urgency) else 1e18
         )
@@ -1354,6 +1380,85 @@ class Simulation:
                     self._at(self.now + te.load_s, "loaded", (te, te.epoch))
             else:
                 self._size_kv(te)  # it grows into its room (a TE, at its next iteration)
+        if self.cfg.kv_preemption and room.wait and not room.squeeze:
+            self._preempt_for(device, room.wait[0])
+
+    def _preempt_for(self, device: _Device, op: DeviceOp) -> None:
+        """The device's first waiting grow, every other pool already told to shrink: once it
+        has waited ``PREEMPT_AFTER_S``, its instance may preempt a smaller neighbour
+        (``kv_sizing.preemption``, LLM-Mesh) each of whose requests passes shadow validation
+        on an instance of its model on another device. They move there (each recomputes
+        its prompt and what it generated, as a request preempted for blocks does, its
+        output the same) and the neighbour unloads: its pool leaves the books for the grow.
+        Looked at once a second per device at most (each look plays many devices forward)."""
+        since = device.need_since.get(op.instance)
+        if since is None or self.now - since < PREEMPT_AFTER_S or self.now < device.preempt_after:
+            return
+        device.preempt_after = self.now + PREEMPT_AFTER_S
+        blocked = self._by_id[op.instance]
+        if blocked.state != TEState.READY or op.kind != "grow":
+            return
+        views = {v.instance: v for v in self._device_views(device)}
+        neighbours = [
+            Neighbour(views[t.te_id], t.model or "", device.holds.get(t.te_id, 0))
+            for t in device.tes
+            if t is not blocked
+            and t.te_id in views
+            and t.state == TEState.READY
+            and t.role == TaskMode.COLOCATED
+            and not t.incoming
+            and not t.transfers
+            and not (t.busy and t not in device.wanting)  # no iteration in flight
+        ]
+        models = {n.model for n in neighbours}
+        elsewhere = []
+        for other in self._devices.values():
+            if other is device:
+                continue
+            targets = [
+                t
+                for t in other.tes
+                if t.state == TEState.READY and t.model in models and t.role == TaskMode.COLOCATED
+            ]
+            if targets:
+                there = self._device_views(other)
+                elsewhere += [Elsewhere(there, t.te_id, t.model or "") for t in targets]
+        if not neighbours or not elsewhere:
+            return
+        free = max(0, device.kv_free_bytes())
+        decided = preemption(views[blocked.te_id], op.bytes, free, neighbours, elsewhere, self.now)
+        if decided is not None:
+            self._move_out(self._by_id[decided.neighbour], decided.moves)
+
+    def _move_out(self, te: _TE, moves: Mapping[str, str]) -> None:
+        """A preempted neighbour's requests go where ``moves`` says, recomputed there, and
+        the neighbour unloads."""
+        device = self._devices[te.device]
+        if te in device.wanting:  # waiting for its turn: it no longer needs one
+            del device.wanting[te]
+            te.busy = False
+        seqs = list(itertools.chain(te.running, te.waiting))
+        te.running.clear()
+        te.waiting.clear()
+        self.stats.kv_preemptions += 1
+        for s in seqs:
+            key = s.plan.key
+            te.free_blocks += s.blocks - s.shared_blocks
+            s.blocks = s.shared_blocks = s.computed = s.matched = 0
+            s.prompt = s.num_tokens  # recomputed from all its tokens, as a preempted request
+            self._ledger.ended(key, te.te_id)
+            target = self._by_id[moves[key]]
+            self._ledger.placed(target.te_id, key, s.prompt, 0)
+            target.placements += 1
+            s.placement = target.placements
+            self._ledger.accepted(key, target.placements)
+            self.stats.kv_moved += 1
+            self._enqueue(target, s)
+        te.state = TEState.DRAINING
+        assert te.model is not None
+        self._ready[te.model] -= 1
+        self._state_changed(te)
+        self._maybe_unloaded(te)
 
     # -- shared devices ------------------------------------------------------------------------
 
@@ -1407,10 +1512,11 @@ class Simulation:
             self._start_iteration(te)  # the device is its until the iteration ends
             self._maybe_unloaded(te)
 
-    def _shadow(self, te: _TE, seq: _Seq) -> Verdict:
-        """Shadow validation on ``te``'s device (``shadow.validate``), as the TE asks it."""
+    def _device_views(self, device: _Device) -> tuple[InstanceView, ...]:
+        """The device's instances as shadow validation sees them (the arbiter's books of
+        requests)."""
         views = []
-        for t in self._devices[te.device].tes:
+        for t in device.tes:
             if t.profile is None or t.state not in (TEState.READY, TEState.DRAINING):
                 continue
             views.append(
@@ -1424,6 +1530,11 @@ class Simulation:
                     max_prefill_tokens=t.profile.max_prefill_tokens,
                 )
             )
+        return tuple(views)
+
+    def _shadow(self, te: _TE, seq: _Seq) -> Verdict:
+        """Shadow validation on ``te``'s device (``shadow.validate``), as the TE asks it."""
+        views = list(self._device_views(self._devices[te.device]))
         return validate(views, te.te_id, self._request_view(seq), self.now)
 
     def _ttft_left(self, s: _Seq) -> float:

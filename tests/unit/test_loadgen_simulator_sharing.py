@@ -13,6 +13,7 @@ from loadgen.plan import plan
 from loadgen.simulator import SimConfig, Simulation, simulate
 from loadgen.traces import TraceRequest
 from loadgen.transforms import spread_models
+from shared.settings import ModelScaling
 from shared.slo import SLO
 from tests.unit.test_loadgen_simulator import profile
 
@@ -162,3 +163,44 @@ def test_kv_sized_by_demand_lets_a_busy_instance_take_its_idle_neighbours_share(
     assert sim.peak["a"] > 800 and sim.peak["b"] == 160
     assert sim.stats.kv_squeezes >= 1  # b was told to shrink (to its floor) while a waited
     assert last[True] < last[False] - 2
+
+
+def test_a_blocked_grow_preempts_a_smaller_neighbour_whose_requests_fit_elsewhere() -> None:
+    # Device 0 holds a and one instance of b, device 1 the other instance of b. Two long
+    # requests of b (one on each), then a burst of 8 long-output requests of a: a's pool
+    # cannot grow past b's on device 0 (400 blocks). With preemption, b's instance there
+    # (one request against a's eight) gives way: its request passes shadow validation on
+    # device 1 and moves there, recomputed; b's instance unloads and a's pool grows: no
+    # request of a is preempted for blocks, and the burst ends sooner.
+    reqs = _trace(
+        *((0.0, 1, 1, m) for m in "abb"),
+        (4.0, 2000, 400, "b"),
+        (4.01, 2000, 400, "b"),
+        *((6.0 + i / 100, 200, 600, "a") for i in range(8)),
+    )
+    profiles = {
+        m: profile(m, max_model_len=1024, kv_blocks=400, kv_bytes_per_token=100) for m in "ab"
+    }
+    cfg = SimConfig(
+        devices=2,
+        slots_per_device=2,
+        kv_sizing=True,
+        network_s=0.0,
+        keep_alive_s=600,
+        min_replicas=1,
+        max_replicas=2,
+        model_scaling={"b": ModelScaling(min_replicas=2)},
+        slo=SLO(ttft_s=60, tpot_s=1.0),
+    )
+    runs = {}
+    for preempt in (False, True):
+        sim = _Books(plan(reqs), profiles, dataclasses.replace(cfg, kv_preemption=preempt))
+        results = sim.run()
+        assert all(r.ok for r in results)
+        runs[preempt] = (sim.stats, max(r.e2e_s for r in results if r.model == "a"))
+        layout = [[t.model for t in d.tes] for d in sim._devices.values()]
+        assert layout[0] == ["a", "b"] and layout[1][0] == "b", layout
+    (before, ended_before), (after, ended_after) = runs[False], runs[True]
+    assert before.kv_preemptions == 0 and before.preemptions > 0
+    assert after.kv_preemptions == 1 and after.kv_moved == 1 and after.preemptions == 0
+    assert ended_after < ended_before - 10
