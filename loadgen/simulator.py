@@ -429,7 +429,8 @@ class _TE:
 
     def growable_blocks(self) -> int:
         """Blocks its pool could still grow by: up to the device's whole cache, as far as
-        the device's books have room (``TEHeartbeat.growable_kv_blocks``)."""
+        the device's books have room (``TEHeartbeat.growable_kv_blocks``; each TE of the
+        device counts the same free memory, as a TE reports it)."""
         if self.kv is None or self.books is None or self.profile is None:
             return 0
         bb = self.kv.engine.kv_block_bytes
@@ -1097,7 +1098,9 @@ class Simulation:
                 by_source = self.stats.loads_by_source
                 by_source[te.weights] = by_source.get(te.weights, 0) + 1
                 te.load_s = self.cfg.network_s + load_s
-                if not self.cfg.kv_sizing or self._kv_reserve(te, profile):
+                if self.cfg.kv_sizing:
+                    self._kv_reserve(te, profile)  # its grant starts the load
+                else:
                     self._at(self.now + te.load_s, "loaded", (te, te.epoch))
             elif isinstance(action, Unload) and te.state == TEState.READY:
                 te.state = TEState.DRAINING
@@ -1183,6 +1186,7 @@ class Simulation:
         if te.kv is not None:  # its KV goes back to the device's books at once
             te.kv, te.pool_blocks, te.free_blocks, te.squeeze_left = None, 0, 0, False
             self._kv_hold(te, 0)
+            self._devices[te.device].need_since.pop(te.te_id, None)
         te.epoch += 1
         self._state_changed(te)
         self.stats.unloads += 1
@@ -1195,6 +1199,8 @@ class Simulation:
         assert te.profile is not None and te.model is not None
         te.state = TEState.READY
         te.free_blocks = te.profile.kv_blocks // self._slots  # its share of the device's
+        if self.cfg.prefix_caching:  # (the same size whether its pool is sized by demand)
+            te.cache = PrefixLRU(te.free_blocks * te.profile.block_size)
         if self.cfg.kv_sizing:  # the whole cache, shrunk to its floor as it enters the books
             te.free_blocks = te.pool_blocks = te.profile.kv_blocks
             te.kv = KvPool(
@@ -1203,8 +1209,6 @@ class Simulation:
                 shrink_after_s=self.cfg.kv_shrink_after_s,
             )
             self._size_kv(te, loaded=True)
-        if self.cfg.prefix_caching:
-            te.cache = PrefixLRU(te.free_blocks * te.profile.block_size)
         te.last_active = self.now
         te.recent_models = remember_model(te.recent_models, te.model)
         self._ready[te.model] = self._ready.get(te.model, 0) + 1
@@ -1253,9 +1257,9 @@ class Simulation:
         before = blocks = te.pool_blocks
         bb = te.kv.engine.kv_block_bytes
         if loaded and te.profile is not None:
-            # A load reserves its floor in the books first (``TaskLoop.reserve_kv``), the
-            # others told to shrink while it waits; here it starts with what is free, and
-            # asks for the rest.
+            # A load reserved its floor in the books before it started (``_kv_reserve``);
+            # were they short all the same, it starts with what is free, and asks for the
+            # rest.
             device = self._devices[te.device]
             others = sum(b for t, b in device.holds.items() if t != te.te_id)
             others += sum(b for t, b in device.reserved.items() if t != te.te_id)
@@ -1276,22 +1280,25 @@ class Simulation:
             self._kv_need(te, plan.need_bytes)
         elif te.te_id in self._devices[te.device].needs:  # it no longer waits (kv_enough)
             self._kv_hold(te, te.pool_blocks * bb)
+        if te.te_id not in self._devices[te.device].needs:  # its wait, if any, is over
+            self._devices[te.device].need_since.pop(te.te_id, None)
 
-    def _kv_reserve(self, te: _TE, profile: EngineProfile) -> bool:
+    def _kv_reserve(self, te: _TE, profile: EngineProfile) -> None:
         """Room in the device's books for a load's pool floor before the load starts
-        (``TaskLoop.reserve_kv``): True when it had it at once; else the load waits for it,
-        the others told to shrink, for up to ``kv_room_wait_s`` (``MESHSERVE_KV_ROOM_WAIT``),
-        and fails after (``_kv_room_timeout``)."""
+        (``TaskLoop.reserve_kv``, asked as urgent as now): the grant starts the load
+        (``_make_room``); it waits for it, the others told to shrink, for up to
+        ``kv_room_wait_s`` (``MESHSERVE_KV_ROOM_WAIT``), and fails after
+        (``_kv_room_timeout``)."""
         floor = floor_blocks(profile.max_model_len, profile.block_size, profile.kv_blocks)
         device = self._devices[te.device]
         self._kv_budget(device, profile)
         self._kv_hold(te, 0)
-        self._kv_need(te, floor * profile.block_size * max(1, profile.kv_bytes_per_token))
+        floor_bytes = floor * profile.block_size * max(1, profile.kv_bytes_per_token)
+        self._kv_need(te, floor_bytes, urgency=self.now)
         if te.te_id not in device.needs:
-            return True
+            return
         self.stats.kv_load_waits += 1
         self._at(self.now + self.cfg.kv_room_wait_s, "kv_room_timeout", (te, te.epoch))
-        return False
 
     def _kv_room_timeout(self, arg: tuple[_TE, int]) -> None:
         """A load that found no room for its KV in time fails (``NoKvRoom``): its ask
@@ -1301,6 +1308,7 @@ class Simulation:
         if te.epoch != epoch or te.state != TEState.LOADING or te.te_id not in device.needs:
             return
         self._kv_hold(te, 0)
+        device.need_since.pop(te.te_id, None)
         te.state, te.model, te.profile = TEState.IDLE, None, None
         te.epoch += 1
         self.stats.kv_load_failures += 1
@@ -1324,13 +1332,12 @@ class Simulation:
             self._kv_budget(device, te.profile)
         device.holds[te.te_id] = nbytes
         device.reserved.pop(te.te_id, None)
-        device.needs.pop(te.te_id, None)
-        device.need_since.pop(te.te_id, None)
+        device.needs.pop(te.te_id, None)  # (its wait goes on if it asks again: _size_kv)
         device.squeezed.discard(te.te_id)
         te.kv_room = nbytes
         self._make_room(device)
 
-    def _kv_need(self, te: _TE, total: int) -> None:
+    def _kv_need(self, te: _TE, total: int, urgency: float | None = None) -> None:
         """``te`` wants its pool to hold ``total`` bytes (``need``): room at once where the
         books have it, else a grow that waits (``DeviceArbiter._ask_room``)."""
         device = self._devices[te.device]
@@ -1338,9 +1345,11 @@ class Simulation:
         have = device.holds.get(te.te_id, 0) + device.reserved.get(te.te_id, 0)
         if total <= have:
             device.needs.pop(te.te_id, None)
+            device.need_since.pop(te.te_id, None)
             te.kv_room = have
             return
-        urgency = earliest_deadline(self._held_views(te))
+        if urgency is None:  # a grow: as urgent as its most urgent request
+            urgency = earliest_deadline(self._held_views(te))
         device.need_since.setdefault(te.te_id, self.now)
         device.needs[te.te_id] = DeviceOp(
             "grow", te.te_id, total - have, urgency=urgency if math.isfinite(urgency) else 1e18
@@ -1367,6 +1376,7 @@ class Simulation:
                 device.needs[te.te_id] = rest[op.instance]
             else:
                 del device.needs[te.te_id]
+                device.need_since.pop(te.te_id, None)
             te.kv_room = device.holds.get(te.te_id, 0) + device.reserved[te.te_id]
             granted.append(te)
         for name in room.squeeze:
@@ -1452,6 +1462,8 @@ class Simulation:
             target.placements += 1
             s.placement = target.placements
             self._ledger.accepted(key, target.placements)
+            if s.generated:  # it decodes there (the TE's report says so), its prefill is due
+                self._ledger.prefilled(key, target.te_id)
             self.stats.kv_moved += 1
             self._enqueue(target, s)
         te.state = TEState.DRAINING

@@ -38,14 +38,18 @@ overheads, the host's load.
 
 With ``MESHSERVE_KV_SIZING`` and a device KV budget (``MESHSERVE_DEVICE_KV_BYTES``) the
 arbiter also keeps the device's memory: each TE says what its KV pool holds (``hold
-<bytes>``, after every resize) and asks before it grows (``need <bytes> <deadline>``: the
-size it wants); the arbiter grants room (``room <bytes>``: the most it may hold now) as
-``kv_sizing.order_ops`` orders the waiting grows over what is free: a grow only into memory
-a finished shrink gave back, the most urgent first, none overtaking one that waits. While
-one waits, the device's other TEs are told to shrink to their demand at once
-(``squeeze``); what they give back comes as their next ``hold``. A TE about to load a model
-holds nothing and asks the same way for its new pool's floor (``kv_reserve``), so a load
-waits for room like a grow.
+<bytes> <n>``, after every resize, numbered) and asks before it grows (``need <bytes>
+<deadline>``: the size it wants); the arbiter grants room (``room <bytes> <n>``: the most it
+may hold now, with the number of the last hold it read: a room granted before a later hold
+reset the books is void) as ``kv_sizing.make_room`` orders the waiting grows over what is
+free: a grow only into memory a finished shrink gave back, the most urgent first, none
+overtaking one that waits, the first that does not fit taking what is free and waiting for
+the rest. While one waits, the device's other TEs are told to shrink to their demand at
+once (``squeeze``); what they give back comes as their next ``hold``. A TE whose demand
+fell withdraws its ask by saying what it holds. A TE about to load a model holds nothing and
+asks the same way for its new pool's floor (``kv_reserve``), so a load waits for room like a
+grow (and holds a part of it meanwhile). Every TE hears what the books leave free (``free
+<bytes>``), which it reports as room its pool could grow into.
 
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
 runs its iterations unarbitrated, and takes every request, as before."""
@@ -144,6 +148,7 @@ class _Client:
     need_at: float = 0.0
     squeezed: bool = False
     told_free: int | None = None  # the device's free KV bytes as it was last told
+    hold_number: int = 0  # the number of its last "hold", echoed in each "room"
 
     def view(self) -> InstanceView | None:
         if self.instance is None:
@@ -247,8 +252,10 @@ class DeviceArbiter:
                         msgspec.json.decode(arg, type=Instance) if arg != "none" else None
                     )
                 elif word == "hold":
-                    client.holds, client.reserved = int(arg), 0
+                    held, _, number = arg.partition(" ")
+                    client.holds, client.reserved = int(held), 0
                     client.need, client.squeezed = None, False
+                    client.hold_number = int(number or 0)
                     self._make_room(client.device, device)
                 elif word == "need":
                     total, _, urgency = arg.partition(" ")
@@ -297,16 +304,17 @@ class DeviceArbiter:
         extra = total - client.holds - client.reserved
         if extra <= 0:
             client.need = None
-            self._send(client, f"room {client.holds + client.reserved}\n")
+            self._send(client, f"room {client.holds + client.reserved} {client.hold_number}\n")
             return
         if client.need is None:
             client.need_at = time.monotonic()
         client.need = DeviceOp("grow", client.name, extra, urgency=urgency)
 
     def _make_room(self, name: str, device: _Device) -> None:
-        """Grant the waiting grows that fit, in ``kv_sizing.order_ops``'s order, over what the
-        device's TEs hold and were granted; when one still waits, every other TE holding KV
-        is told to shrink to its demand (once, until it says what it holds again)."""
+        """Grant the waiting grows that fit (the first that does not, in part), in
+        ``kv_sizing.make_room``'s order, over what the device's TEs hold and were granted;
+        when one still waits, every other TE holding KV is told to shrink to its demand
+        (once, until it says what it holds again)."""
         clients = device.clients.values()
         pending = [c.need for c in clients if c.need is not None]
         if not pending:
@@ -325,7 +333,7 @@ class DeviceArbiter:
             client.need = rest.get(op.instance)
             if client.need is None:
                 KV_ROOM_WAIT.labels(name).observe(now - client.need_at)
-            self._send(client, f"room {client.holds + client.reserved}\n")
+            self._send(client, f"room {client.holds + client.reserved} {client.hold_number}\n")
         for told in room.squeeze:
             client = device.clients[told]
             client.squeezed = True
@@ -398,6 +406,7 @@ class TurnClient:
         self._needs: int | None = None
         self._squeezed = False
         self._device_free = math.inf  # what the device's books have not given any pool
+        self._holds = 0  # "hold"s said on this connection: a "room" echoes the last it read
         self._room_changed = asyncio.Event()
         self.on_squeeze: Callable[[], None] | None = None  # told to shrink (on the loop)
 
@@ -415,7 +424,8 @@ class TurnClient:
             self._writer.write(f"hello {self._name} {device}\n".encode())
             self._writer.write(f"instance {self._instance}\n".encode())
             if self._held is not None:  # a new connection: the arbiter knows nothing of it
-                self._writer.write(f"hold {self._held}\n".encode())
+                self._holds += 1
+                self._writer.write(f"hold {self._held} {self._holds}\n".encode())
                 self._room, self._needs = self._held, None
             self._reading = asyncio.create_task(self._read(reader))
         return self._writer
@@ -426,9 +436,13 @@ class TurnClient:
                 word, _, arg = line.decode().strip().partition(" ")
                 if word == "go" and self._go is not None and not self._go.done():
                     self._go.set_result(None)
-                elif word == "room" and self._needs is not None:  # else: from before a hold
-                    self._room = float(arg)
-                    self._room_changed.set()
+                elif word == "room":
+                    room, _, number = arg.partition(" ")
+                    # A room granted before the arbiter read its last hold is void: the hold
+                    # reset its books (what it granted then may go to another TE).
+                    if self._needs is not None and int(number or 0) == self._holds:
+                        self._room = float(room)
+                        self._room_changed.set()
                 elif word == "free":
                     self._device_free = float(arg)
                 elif word == "squeeze":
@@ -476,7 +490,8 @@ class TurnClient:
         """Its KV pool holds ``nbytes`` now (after a resize, or at first)."""
         self._held, self._room, self._needs = nbytes, nbytes, None
         if self._writer is not None:
-            self._send(f"hold {nbytes}\n")
+            self._holds += 1
+            self._send(f"hold {nbytes} {self._holds}\n")
 
     def kv_need(self, nbytes: int, deadline: float) -> None:
         """It wants its KV pool to hold ``nbytes``, for a request due at ``deadline``."""

@@ -107,9 +107,10 @@ def order_ops(ops: Iterable[DeviceOp], free_bytes: int) -> tuple[list[DeviceOp],
     urgent first, each while what the releases freed and what was free still holds it.
     The first that does not fit waits, and so does every op after it: none overtakes it, so
     a large load is never starved by a stream of small grows. A grow that does not fit
-    takes what is free now and waits for the rest (a pool can use part of its grow, a load
-    cannot): else a pool wanting more than its neighbours' floors leave would wait for ever
-    beside free memory."""
+    takes what is free now and waits for the rest: else a pool wanting more than its
+    neighbours' floors leave would wait for ever beside free memory. (A TE's reservation
+    for a load is asked as a grow from nothing: it holds its part until the rest comes;
+    an op of kind ``load`` waits whole.)"""
     ops = list(ops)
     releases = [op for op in ops if op.kind in RELEASES]
     needs = sorted(

@@ -511,7 +511,9 @@ class TaskLoop:
     def kv_growable_blocks(self) -> int:
         """Blocks its KV pool, sized by demand, could still grow by: up to what its engine
         allocated, as far as the device's books have room (``TEHeartbeat.growable_kv_blocks``:
-        a pool at its floor is not a full one)."""
+        a pool at its floor is not a full one). Every TE of the device reports the same free
+        memory, so a router may count it more than once; the books still hold (each grow
+        asks for its room), and what does not fit waits or is preempted."""
         resizer = self._control.features.kv_resize
         if self._kv_pool is None or resizer is None:
             return 0

@@ -334,3 +334,37 @@ async def test_every_te_of_the_device_hears_what_its_books_leave_free(
     assert await _until(lambda: a.kv_device_free == 400)
     a.close()
     assert TurnClient("", "off").kv_device_free == math.inf
+
+
+async def test_a_room_granted_before_the_arbiter_read_a_later_hold_is_void(
+    tmp_path: Path,
+) -> None:
+    """The arbiter grants room, then reads the TE's next hold, which resets its books (the
+    grant may go to another TE): the TE must not grow into that room. Each hold is
+    numbered and each room says the last hold the arbiter had read."""
+    writers: list[asyncio.StreamWriter] = []
+    said: list[str] = []
+
+    async def arbiter(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        while line := await reader.readline():
+            said.append(line.decode().strip())
+            if line.startswith(b"want"):
+                writer.write(b"go\n")
+
+    server = await asyncio.start_unix_server(arbiter, path=str(tmp_path / "a.sock"))
+    te = TurnClient(str(tmp_path / "a.sock"), "a")
+    async with te.turn(1e18, "cpu"):
+        pass
+    te.kv_hold(100)
+    te.kv_need(300, deadline=1.0)
+    assert await _until(
+        lambda: "hold 100 1" in said and any(s.startswith("need 300") for s in said)
+    )
+    writers[0].write(b"room 250 0\n")  # granted before it read "hold 100 1"
+    await asyncio.sleep(0.05)
+    assert te.kv_room == 100
+    writers[0].write(b"room 200 1\n")
+    assert await _until(lambda: te.kv_room == 200)
+    te.close()
+    server.close()
