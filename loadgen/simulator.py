@@ -513,9 +513,18 @@ class _Device:
     need_since: dict[str, float] = dataclasses.field(default_factory=dict)  # a grow waiting
     preempt_after: float = 0.0  # when it may next look for a neighbour to preempt
 
+    def kv_used_bytes(self) -> int:
+        """What its books gave the pools: held and granted."""
+        return sum(self.holds.values()) + sum(self.reserved.values())
+
     def kv_free_bytes(self) -> int:
-        """What its books have not given any pool (held or granted)."""
-        return self.kv_budget - sum(self.holds.values()) - sum(self.reserved.values())
+        """What its books have not given any pool."""
+        return self.kv_budget - self.kv_used_bytes()
+
+
+def _block_bytes(profile: EngineProfile) -> int:
+    """Memory one KV block of ``profile`` takes (every layer's K and V)."""
+    return profile.block_size * max(1, profile.kv_bytes_per_token)
 
 
 class _KvOf:
@@ -525,7 +534,7 @@ class _KvOf:
     def __init__(self, te: _TE, profile: EngineProfile) -> None:
         self.te = te
         self.block_size = profile.block_size
-        self._block_bytes = profile.block_size * max(1, profile.kv_bytes_per_token)
+        self._block_bytes = _block_bytes(profile)
         self._most = profile.kv_blocks
 
     @property
@@ -1103,11 +1112,7 @@ class Simulation:
                 else:
                     self._at(self.now + te.load_s, "loaded", (te, te.epoch))
             elif isinstance(action, Unload) and te.state == TEState.READY:
-                te.state = TEState.DRAINING
-                assert te.model is not None
-                self._ready[te.model] -= 1
-                self._state_changed(te)
-                self._maybe_unloaded(te)
+                self._drain(te)
         for model, t in decision.targets.items():
             self.stats.peak_replicas[model] = max(self.stats.peak_replicas.get(model, 0), t.current)
         for p in step.preloads:
@@ -1174,6 +1179,14 @@ class Simulation:
             self.stats.uncached_loads += not stored.cached
         host.record(model, self.now)
         self._dirty.update(t.te_id for t in self._pools[te.pool_id])
+
+    def _drain(self, te: _TE) -> None:
+        """A ready TE stops taking requests and unloads once its last one finished."""
+        te.state = TEState.DRAINING
+        assert te.model is not None
+        self._ready[te.model] -= 1
+        self._state_changed(te)
+        self._maybe_unloaded(te)
 
     def _maybe_unloaded(self, te: _TE) -> None:
         """A draining TE unloads once its last request finished."""
@@ -1256,19 +1269,6 @@ class Simulation:
         plan = te.kv.plan(held, self.now, room_bytes=room, squeeze=squeeze or loaded)
         before = blocks = te.pool_blocks
         bb = te.kv.engine.kv_block_bytes
-        if loaded and te.profile is not None:
-            # A load reserved its floor in the books before it started (``_kv_reserve``);
-            # were they short all the same, it starts with what is free, and asks for the
-            # rest.
-            device = self._devices[te.device]
-            others = sum(b for t, b in device.holds.items() if t != te.te_id)
-            others += sum(b for t, b in device.reserved.items() if t != te.te_id)
-            floor = plan.blocks if plan.blocks is not None else before
-            free = max(0, (self._kv_budget(device, te.profile) - others) // bb)
-            if floor > free:
-                self._kv_hold(te, te.kv.resize(free) * bb)
-                self._kv_need(te, floor * bb)
-                return
         if plan.blocks is not None:
             blocks = te.kv.resize(plan.blocks)
             if blocks > before:
@@ -1293,8 +1293,7 @@ class Simulation:
         device = self._devices[te.device]
         self._kv_budget(device, profile)
         self._kv_hold(te, 0)
-        floor_bytes = floor * profile.block_size * max(1, profile.kv_bytes_per_token)
-        self._kv_need(te, floor_bytes, urgency=self.now)
+        self._kv_need(te, floor * _block_bytes(profile), urgency=self.now)
         if te.te_id not in device.needs:
             return
         self.stats.kv_load_waits += 1
@@ -1320,9 +1319,7 @@ class Simulation:
         """The device's KV in bytes: the whole cache its first model's profile has there
         (MESHSERVE_DEVICE_KV_BYTES)."""
         if not device.kv_budget:
-            device.kv_budget = (
-                profile.kv_blocks * profile.block_size * max(1, profile.kv_bytes_per_token)
-            )
+            device.kv_budget = profile.kv_blocks * _block_bytes(profile)
         return device.kv_budget
 
     def _kv_hold(self, te: _TE, nbytes: int) -> None:
@@ -1363,7 +1360,7 @@ class Simulation:
             return
         room = make_room(
             list(device.needs.values()),
-            sum(device.holds.values()) + sum(device.reserved.values()),
+            device.kv_used_bytes(),
             device.kv_budget,
             {t: t in device.squeezed for t, held in device.holds.items() if held},
         )
@@ -1466,11 +1463,7 @@ class Simulation:
                 self._ledger.prefilled(key, target.te_id)
             self.stats.kv_moved += 1
             self._enqueue(target, s)
-        te.state = TEState.DRAINING
-        assert te.model is not None
-        self._ready[te.model] -= 1
-        self._state_changed(te)
-        self._maybe_unloaded(te)
+        self._drain(te)
 
     # -- shared devices ------------------------------------------------------------------------
 

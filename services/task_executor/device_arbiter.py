@@ -188,6 +188,11 @@ class Instance(msgspec.Struct, frozen=True):
     max_prefill_tokens: int
 
 
+def _used(clients: Iterable[_Client]) -> int:
+    """What a device's books gave its TEs' pools: held and granted."""
+    return sum(c.holds + c.reserved for c in clients)
+
+
 def encode_requests(requests: Iterable[RequestView]) -> str:
     return msgspec.json.encode([dataclasses.astuple(r) for r in requests]).decode()
 
@@ -321,7 +326,7 @@ class DeviceArbiter:
             return
         room = make_room(
             pending,
-            sum(c.holds + c.reserved for c in clients),
+            _used(clients),
             self.kv_budget_bytes,
             {c.name: c.squeezed for c in clients if c.holds},
         )
@@ -348,7 +353,7 @@ class DeviceArbiter:
         if not self.kv_budget_bytes:
             return
         clients = device.clients.values()
-        free = max(0, self.kv_budget_bytes - sum(c.holds + c.reserved for c in clients))
+        free = max(0, self.kv_budget_bytes - _used(clients))
         for client in clients:
             if client.told_free != free:
                 client.told_free = free

@@ -518,8 +518,8 @@ class TaskLoop:
         if self._kv_pool is None or resizer is None:
             return 0
         current, most = resizer.kv_blocks
-        free = self._turns.kv_device_free
-        if math.isfinite(free) and self._settings.task_executor.device_kv_bytes > 0:
+        free = self._turns.kv_device_free  # inf without a device budget
+        if math.isfinite(free):
             most = min(most, current + int(free // resizer.kv_block_bytes))
         return max(0, most - current)
 
