@@ -145,9 +145,10 @@ from services.task_executor.engines.torch_engine.scheduler import (
 )
 from services.task_executor.kv_pool import KvPool, floor_blocks
 from services.task_executor.kv_sizing import (
+    PREEMPT_AFTER_S,
     DeviceOp,
-    Elsewhere,
     Neighbour,
+    elsewhere,
     make_room,
     preemption,
 )
@@ -164,7 +165,6 @@ from shared.slo import SLO
 # simulated clock starts far from zero.
 EPOCH = 1_000_000.0
 JE_ID = "je-sim"  # the one simulated job executor
-PREEMPT_AFTER_S = 1.0  # a grow waits this long before its instance may preempt a neighbour
 # How the instances on one device share it (``SimConfig.sharing``).
 Sharing = Literal["uncoordinated", "fifo", "headroom"]
 SHARING: tuple[Sharing, ...] = ("uncoordinated", "fifo", "headroom")
@@ -1417,23 +1417,25 @@ class Simulation:
             and not t.transfers
             and not (t.busy and t not in device.wanting)  # no iteration in flight
         ]
-        models = {n.model for n in neighbours}
-        elsewhere = []
-        for other in self._devices.values():
-            if other is device:
-                continue
-            targets = [
-                t
-                for t in other.tes
-                if t.state == TEState.READY and t.model in models and t.role == TaskMode.COLOCATED
-            ]
-            if targets:
-                there = self._device_views(other)
-                elsewhere += [Elsewhere(there, t.te_id, t.model or "") for t in targets]
-        if not neighbours or not elsewhere:
+        targets = elsewhere(
+            (
+                (
+                    self._device_views(other),
+                    {
+                        t.te_id: t.model or ""
+                        for t in other.tes
+                        if t.state == TEState.READY and t.role == TaskMode.COLOCATED
+                    },
+                )
+                for other in self._devices.values()
+                if other is not device
+            ),
+            {n.model for n in neighbours},
+        )
+        if not neighbours or not targets:
             return
         free = max(0, device.kv_free_bytes())
-        decided = preemption(views[blocked.te_id], op.bytes, free, neighbours, elsewhere, self.now)
+        decided = preemption(views[blocked.te_id], op.bytes, free, neighbours, targets, self.now)
         if decided is not None:
             self._move_out(self._by_id[decided.neighbour], decided.moves)
 

@@ -71,6 +71,7 @@ ACCESS: Mapping[str, Access] = {
     "outcomes": Access(publish=("frontend",), subscribe=("scaler",)),
     "scale_events": Access(publish=("scaler",), subscribe=("frontend",)),
     "key_revoked": Access(publish=("frontend",), subscribe=("frontend",)),
+    "device_views": Access(publish=("task_executor",), subscribe=("task_executor",)),
 }
 
 

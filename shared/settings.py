@@ -628,6 +628,19 @@ class TaskExecutorSettings(Section):
         "another request past its deadline, or stretch a decode round past the TPOT. Off: "
         "on scripts/bench-sharing (one instance per model) it costs more than it saves.",
     )
+    kv_preemption: bool = Field(
+        default=False,
+        description="With MESHSERVE_DEVICE_KV_BYTES and a performance model for each model: "
+        "a TE whose KV pool has waited a second for room to grow, every other pool on its "
+        "device already told to shrink, may preempt a neighbour holding fewer requests "
+        "(LLM-Mesh; kv_sizing.preemption) when each of the neighbour's requests passes "
+        "shadow validation on an instance of its model on another device (node pools tell "
+        "each other their devices' requests twice a second). The neighbour hands its "
+        "requests back at once (each resumes elsewhere from the tokens it had, greedy output "
+        "unchanged) and unloads, its KV going to the grow. Off: the grow waits. In the "
+        "simulator it gains nothing on the Azure conversation fleet (docs/benchmarks.md, "
+        "2026-11-29).",
+    )
     device_arbiter: str = Field(
         default="",
         description="The Unix socket of the node pool's device arbiter; set by the pool for "

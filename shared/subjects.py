@@ -17,6 +17,7 @@ from shared.messages.cluster import (
     MemberDown,
     TEHeartbeat,
 )
+from shared.messages.devices import DeviceSnapshot
 from shared.messages.jobs import ChatJob, JobAccepted, JobHeld, JobTaken
 from shared.messages.kv import KvEventBatch
 from shared.messages.scaling import (
@@ -214,6 +215,16 @@ CATALOGUE: dict[str, SubjectSpec] = {
         "frontends",
         "An API key was revoked; frontends drop it from their key caches at once.",
     ),
+    "device_views": SubjectSpec(
+        "{cluster}.devices.views",
+        "publish",
+        (DeviceSnapshot,),
+        (),
+        "node pools with a device arbiter (MESHSERVE_KV_PREEMPTION)",
+        "node pools with a device arbiter",
+        "A shared device's instances and the requests they hold, twice a second: where a "
+        "preempted neighbour's requests could go, validated there (kv_sizing.preemption).",
+    ),
 }
 
 
@@ -295,6 +306,9 @@ class Subjects:
 
     def key_revoked(self) -> str:
         return self._fill("key_revoked")
+
+    def device_views(self) -> str:
+        return self._fill("device_views")
 
 
 class Keys:

@@ -61,16 +61,27 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 from prometheus_client import Counter, Histogram
 
 from services.job_executor.shadow import InstanceView, Verdict, iteration_s, validate
-from services.task_executor.kv_sizing import DeviceOp, make_room
+from services.task_executor.kv_sizing import (
+    PREEMPT_AFTER_S,
+    DeviceOp,
+    Neighbour,
+    Preemption,
+    Room,
+    elsewhere,
+    make_room,
+    preemption,
+)
 from shared.headroom import RequestView, next_turn
 from shared.logging import get_logger
+from shared.messages.devices import DeviceInstance, DeviceRequest, DeviceSnapshot
+from shared.messages.tasks import TaskMode
 from shared.perf_model import PerfModel
 from shared.settings import TaskExecutorSettings
 
@@ -106,6 +117,13 @@ KV_ROOM_WAIT = Histogram(
     "Time a TE's KV pool waited for room to grow on its device (MESHSERVE_DEVICE_KV_BYTES)",
     ["device"],
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+KV_PREEMPTIONS = Counter(
+    "meshserve:device_kv_preemptions",
+    "TEs told to hand their requests back and unload (MESHSERVE_KV_PREEMPTION): another "
+    "TE of the device waited for room to grow, every other pool already squeezed, and each "
+    "of the preempted TE's requests validated on another device, by device",
+    ["device"],
 )
 KV_SQUEEZES = Counter(
     "meshserve:device_kv_squeezes",
@@ -149,6 +167,7 @@ class _Client:
     squeezed: bool = False
     told_free: int | None = None  # the device's free KV bytes as it was last told
     hold_number: int = 0  # the number of its last "hold", echoed in each "room"
+    preempted: bool = False  # told to hand its requests back and unload
 
     def view(self) -> InstanceView | None:
         if self.instance is None:
@@ -177,6 +196,21 @@ class _Device:
     holder: _Client | None = None
     waiting: dict[str, _Client] = dataclasses.field(default_factory=dict)
     clients: dict[str, _Client] = dataclasses.field(default_factory=dict)
+    preempt_after: float = 0.0  # when its blocked grow may next be looked at
+
+    def views(self) -> tuple[tuple[InstanceView, ...], dict[str, str]]:
+        """Its instances as shadow validation sees them, and the model of each that takes
+        requests (colocated, not told to unload): ``kv_sizing.elsewhere``'s input."""
+        views = tuple(v for c in self.clients.values() if (v := c.view()) is not None)
+        takes = {
+            c.name: c.instance.model
+            for c in self.clients.values()
+            if c.instance is not None
+            and c.instance.model
+            and c.instance.role == TaskMode.COLOCATED
+            and not c.preempted
+        }
+        return views, takes
 
 
 class Instance(msgspec.Struct, frozen=True):
@@ -186,6 +220,8 @@ class Instance(msgspec.Struct, frozen=True):
     perf: PerfModel
     max_num_seqs: int
     max_prefill_tokens: int
+    model: str = ""
+    role: TaskMode = TaskMode.COLOCATED
 
 
 def _used(clients: Iterable[_Client]) -> int:
@@ -199,6 +235,30 @@ def encode_requests(requests: Iterable[RequestView]) -> str:
 
 def decode_requests(text: str) -> tuple[RequestView, ...]:
     return tuple(RequestView(*row) for row in msgspec.json.decode(text or "[]"))
+
+
+def snapshot_views(
+    snapshot: DeviceSnapshot, now: float
+) -> tuple[tuple[InstanceView, ...], dict[str, str]]:
+    """Another pool's device (``DeviceArbiter.snapshots``) as ``Device.views`` gives this
+    one's, its requests' times moved onto this host's monotonic clock as of ``now`` (when
+    it came: the milliseconds it travelled are not counted)."""
+    shift = now - snapshot.at
+    views = tuple(
+        InstanceView(
+            instance=i.te_id,
+            perf=i.perf,
+            requests=tuple(
+                RequestView(r.arrival + shift, *msgspec.structs.astuple(r)[1:]) for r in i.requests
+            ),
+            max_num_seqs=i.max_num_seqs,
+            max_prefill_tokens=i.max_prefill_tokens,
+            stretch=i.stretch,
+        )
+        for i in snapshot.instances
+    )
+    takes = {i.te_id: i.model for i in snapshot.instances if i.role == TaskMode.COLOCATED}
+    return views, takes
 
 
 class DeviceArbiter:
@@ -256,6 +316,7 @@ class DeviceArbiter:
                     client.instance = (
                         msgspec.json.decode(arg, type=Instance) if arg != "none" else None
                     )
+                    client.preempted = False  # it serves anew (or nothing)
                 elif word == "hold":
                     held, _, number = arg.partition(" ")
                     client.holds, client.reserved = int(held), 0
@@ -290,6 +351,97 @@ class DeviceArbiter:
             writer.close()
             self._connections.pop(me, None)
 
+    def snapshots(self, pool_id: str) -> list[DeviceSnapshot]:
+        """Each device with an instance that shadow validation can play, as other pools'
+        arbiters see it (``snapshot_views``): where a neighbour they preempt could send its
+        requests."""
+        now = time.monotonic()
+        out = []
+        for name, device in self._devices.items():
+            instances = [
+                DeviceInstance(
+                    te_id=c.name,
+                    model=c.instance.model,
+                    role=c.instance.role,
+                    perf=c.instance.perf,
+                    max_num_seqs=c.instance.max_num_seqs,
+                    max_prefill_tokens=c.instance.max_prefill_tokens,
+                    stretch=c.stretch,
+                    requests=[DeviceRequest(*dataclasses.astuple(r)) for r in c.requests],
+                )
+                for c in device.clients.values()
+                if c.instance is not None and c.instance.model and not c.preempted
+            ]
+            if instances:
+                out.append(
+                    DeviceSnapshot(pool_id=pool_id, device=name, at=now, instances=instances)
+                )
+        return out
+
+    def preempt_blocked(
+        self, others: Sequence[tuple[Sequence[InstanceView], Mapping[str, str]]], now: float
+    ) -> list[Preemption]:
+        """Where a device's first waiting grow has waited ``PREEMPT_AFTER_S`` and every other
+        pool of the device was told to shrink already, its TE may preempt a neighbour
+        holding fewer requests (``kv_sizing.preemption``): one whose unload frees enough and
+        each of whose requests validates on an instance of its model elsewhere (``others``:
+        other pools' devices, ``snapshot_views``; this pool's other devices are added). The
+        neighbour is told (``preempt``): it hands its requests back, each resubmitted by its
+        frontend from the tokens it had, and unloads, its KV then going to the grow. Each
+        device is looked at once a ``PREEMPT_AFTER_S`` at most."""
+        if not self.kv_budget_bytes:
+            return []
+        decided = []
+        for name, device in self._devices.items():
+            clients = device.clients.values()
+            if now < device.preempt_after or (room := self._room(device)) is None:
+                continue
+            if not room.wait or room.squeeze:
+                continue
+            op = room.wait[0]
+            blocked = device.clients[op.instance]
+            if now - blocked.need_at < PREEMPT_AFTER_S:
+                continue
+            device.preempt_after = now + PREEMPT_AFTER_S
+            mine = blocked.view()
+            if mine is None or not blocked.holds or blocked.preempted:
+                continue  # a load's reservation, or no performance model: it waits
+            neighbours = [
+                Neighbour(view, c.instance.model, c.holds)
+                for c in clients
+                if c is not blocked
+                and c.instance is not None
+                and c.instance.role == TaskMode.COLOCATED
+                and c.holds
+                and not c.preempted
+                and device.holder is not c  # no iteration in flight
+                and (view := c.view()) is not None
+            ]
+            if not neighbours:
+                continue
+            devices = [*others, *(d.views() for d in self._devices.values() if d is not device)]
+            targets = elsewhere(devices, {n.model for n in neighbours})
+            if not targets:  # no neighbour's model runs anywhere else: none gives way
+                continue
+            free = max(0, self.kv_budget_bytes - _used(clients))
+            chosen = preemption(mine, op.bytes, free, neighbours, targets, now)
+            if chosen is None:
+                continue
+            victim = device.clients[chosen.neighbour]
+            victim.preempted = True
+            KV_PREEMPTIONS.labels(name).inc()
+            log.info(
+                "KV preemption: a neighbour hands its requests back and unloads",
+                device=name,
+                blocked=blocked.name,
+                neighbour=victim.name,
+                requests=len(chosen.moves),
+                targets=sorted(set(chosen.moves.values())),
+            )
+            self._send(victim, "preempt\n")
+            decided.append(chosen)
+        return decided
+
     def _check(self, device: _Device, client: _Client, new: RequestView) -> Verdict:
         """Shadow validation of ``new`` joining ``client``'s instance, over every instance of
         the device that has a performance model (``services/job_executor/shadow.py``)."""
@@ -315,21 +467,27 @@ class DeviceArbiter:
             client.need_at = time.monotonic()
         client.need = DeviceOp("grow", client.name, extra, urgency=urgency)
 
-    def _make_room(self, name: str, device: _Device) -> None:
-        """Grant the waiting grows that fit (the first that does not, in part), in
-        ``kv_sizing.make_room``'s order, over what the device's TEs hold and were granted;
-        when one still waits, every other TE holding KV is told to shrink to its demand
-        (once, until it says what it holds again)."""
+    def _room(self, device: _Device) -> Room | None:
+        """``kv_sizing.make_room`` over the device's waiting grows (None: none waits)."""
         clients = device.clients.values()
         pending = [c.need for c in clients if c.need is not None]
         if not pending:
-            return
-        room = make_room(
+            return None
+        return make_room(
             pending,
             _used(clients),
             self.kv_budget_bytes,
             {c.name: c.squeezed for c in clients if c.holds},
         )
+
+    def _make_room(self, name: str, device: _Device) -> None:
+        """Grant the waiting grows that fit (the first that does not, in part), in
+        ``kv_sizing.make_room``'s order, over what the device's TEs hold and were granted;
+        when one still waits, every other TE holding KV is told to shrink to its demand
+        (once, until it says what it holds again)."""
+        room = self._room(device)
+        if room is None:
+            return
         now = time.monotonic()
         rest = {op.instance: op for op in room.wait}  # a grow granted in part waits for the rest
         for op in room.grant:
@@ -413,7 +571,10 @@ class TurnClient:
         self._device_free = math.inf  # what the device's books have not given any pool
         self._holds = 0  # "hold"s said on this connection: a "room" echoes the last it read
         self._room_changed = asyncio.Event()
+        self._connecting = asyncio.Lock()
         self.on_squeeze: Callable[[], None] | None = None  # told to shrink (on the loop)
+        # Told to hand its requests back and unload: a neighbour's grow needs its KV.
+        self.on_preempt: Callable[[], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -424,16 +585,18 @@ class TurnClient:
         return self._writer is not None and self._reading is not None and not self._reading.done()
 
     async def _connected(self, device: str) -> asyncio.StreamWriter:
-        if self._writer is None:
-            reader, self._writer = await asyncio.open_unix_connection(self._path)
-            self._writer.write(f"hello {self._name} {device}\n".encode())
-            self._writer.write(f"instance {self._instance}\n".encode())
-            if self._held is not None:  # a new connection: the arbiter knows nothing of it
-                self._holds += 1
-                self._writer.write(f"hold {self._held} {self._holds}\n".encode())
-                self._room, self._needs = self._held, None
-            self._reading = asyncio.create_task(self._read(reader))
-        return self._writer
+        async with self._connecting:  # one connection, whoever asks first
+            if self._writer is None:
+                reader, writer = await asyncio.open_unix_connection(self._path)
+                writer.write(f"hello {self._name} {device}\n".encode())
+                writer.write(f"instance {self._instance}\n".encode())
+                if self._held is not None:  # a new connection: the arbiter knows nothing of it
+                    self._holds += 1
+                    writer.write(f"hold {self._held} {self._holds}\n".encode())
+                    self._room, self._needs = self._held, None
+                self._writer = writer
+                self._reading = asyncio.create_task(self._read(reader))
+            return self._writer
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -454,6 +617,8 @@ class TurnClient:
                     self._squeezed = True
                     if self.on_squeeze is not None:
                         self.on_squeeze()
+                elif word == "preempt" and self.on_preempt is not None:
+                    self.on_preempt()
                 elif word == "verdict":
                     ask, _, body = arg.partition(" ")
                     future = self._verdicts.pop(int(ask), None)
@@ -474,6 +639,16 @@ class TurnClient:
         self._instance = "none" if instance is None else msgspec.json.encode(instance).decode()
         if self._writer is not None:
             self._send(f"instance {self._instance}\n")
+
+    async def announce(self, device: str) -> None:
+        """Connect now, not at its first turn: what it serves goes with the hello, so that
+        other pools' plays see an instance before its first request."""
+        if self._off:
+            return
+        try:
+            await self._connected(device)
+        except (OSError, ConnectionError) as e:
+            self._give_up(e)
 
     def requests(self, requests: Iterable[RequestView]) -> None:
         """The requests it holds, when they change outside an iteration (it went idle)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from services.job_executor.shadow import InstanceView, validate
 
@@ -181,6 +181,25 @@ class Elsewhere:
     device: tuple[InstanceView, ...]
     target: str
     model: str
+
+
+def elsewhere(
+    devices: Iterable[tuple[Sequence[InstanceView], Mapping[str, str]]], models: Container[str]
+) -> list[Elsewhere]:
+    """Where a neighbour of one of ``models`` could send its requests: on each other device
+    (its instances' views, and the model of each instance there that takes requests: ready
+    and colocated), every instance of one of them."""
+    return [
+        Elsewhere(tuple(views), v.instance, model)
+        for views, takes in devices
+        for v in views
+        if (model := takes.get(v.instance)) is not None and model in models
+    ]
+
+
+# A grow waits this long (every other pool on its device already told to shrink) before
+# its instance may preempt a neighbour; the device is looked at no more often.
+PREEMPT_AFTER_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from services.task_executor.device_arbiter import DeviceArbiter, shares_device
+from services.task_executor.device_views import DeviceViews
 from services.task_executor.host_cache_watch import HostCachePublication, HostCacheWatch
 from services.task_executor.pool_metrics import PoolCollector
 from services.task_executor.weight_cache.transfer import WeightServer
@@ -67,6 +68,11 @@ class NodePool:
     async def run(self) -> None:
         if self.arbiter is not None:
             await self.arbiter.start()
+        te = self._settings.task_executor
+        if self.arbiter is not None and te.kv_preemption and self._bus is not None:
+            subjects = Subjects(self._settings.cluster)
+            views = DeviceViews(self._bus, subjects, self.pool_id, self.arbiter)
+            self._life.spawn(views.run(), name="device views")
         server = self._start_weight_server()
         if server is not None and self._store is not None:
             publication = HostCachePublication(self._settings, self.pool_id, self._store)

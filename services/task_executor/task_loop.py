@@ -51,7 +51,7 @@ from shared.headroom import RequestView, earliest_deadline, request_view
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
-from shared.messages.scaling import LoadModel
+from shared.messages.scaling import ControlAck, LoadModel, UnloadModel
 from shared.messages.tasks import (
     CancelTask,
     ChatTask,
@@ -170,12 +170,19 @@ class TaskLoop:
         )
         self._turns.on_squeeze = self._squeezed
         self._squeezing: asyncio.Task[None] | None = None
+        self._preempting: asyncio.Task[ControlAck] | None = None
+        self._announcing: asyncio.Task[None] | None = None
         # Told to shrink, and held back by blocks in use: it goes on shrinking at once.
         self._squeeze_left = False
         self._reserved = False  # room in the device's books for a load's KV, not yet held
         self._slo = settings.scaler.slo()
-        # Shadow validation of each colocated task on the device before it is taken.
-        self._shadow = settings.task_executor.shadow_admission and self._turns.active
+        self._turns.on_preempt = self._preempted
+        # Shadow validation of each colocated task on the device before it is taken; for it,
+        # and for other pools validating a preempted neighbour's requests here, the arbiter
+        # hears what this TE serves and the requests it holds.
+        te = settings.task_executor
+        self._shadow = te.shadow_admission and self._turns.active
+        self._views = (te.shadow_admission or te.kv_preemption) and self._turns.active
         self._told_perf: PerfModel | None = None
 
     # -- observation -------------------------------------------------------------------
@@ -432,12 +439,12 @@ class TaskLoop:
                         await self._apply_queued(engine)
                         if not engine.has_work():
                             break
-                        if self._shadow:
+                        if self._views:
                             self._sync_instance(engine)
                         async with self._turns.turn(
                             self._earliest_deadline(),
                             engine.device,
-                            self._request_views() if self._shadow else None,
+                            self._request_views() if self._views else None,
                         ):
                             outputs = await self._thread.run(engine.step)
                         self._kv.collect(self._control.features.kv_events)
@@ -462,7 +469,7 @@ class TaskLoop:
                         await self._control.lose(engine, e)
                     break
             await _settle(emitting)
-            if self._shadow:  # what it holds now that it waits for work
+            if self._views:  # what it holds now that it waits for work
                 self._turns.requests(self._request_views())
             if not self._streams:
                 self._idle.set()
@@ -530,6 +537,9 @@ class TaskLoop:
         it drains or closes (its memory is still in use). A new engine sizes its pool at once,
         so the books count it before its first request."""
         control = self._control
+        if control.engine is None and self._told_perf is not None:
+            self._told_perf = None  # it serves nothing: no instance for the device's plays
+            self._turns.serving(None)
         if control.engine is None:
             if self._kv_pool is not None and control.state != TEState.DRAINING:
                 self._kv_pool = None
@@ -538,8 +548,15 @@ class TaskLoop:
             elif self._reserved and control.state == TEState.IDLE:  # the load failed
                 self._reserved = False
                 self._turns.kv_hold(0)
-        elif self._kv_pool is None and self._settings.task_executor.kv_sizing:
-            self._squeezed()  # sizes the pool now, whether idle or not
+        else:
+            if self._views and control.perf is not self._told_perf:
+                # Other pools' plays see the instance before its first request.
+                self._sync_instance(control.engine)
+                self._announcing = asyncio.get_running_loop().create_task(
+                    self._turns.announce(control.engine.device)
+                )
+            if self._kv_pool is None and self._settings.task_executor.kv_sizing:
+                self._squeezed()  # sizes the pool now, whether idle or not
 
     async def reserve_kv(self, cmd: LoadModel) -> None:
         """Before a model loads (``ModelControl``'s ``before_load``), where KV pools are sized
@@ -563,6 +580,19 @@ class TaskLoop:
                 f"within {wait_s:g} s: the device's TEs hold the rest of "
                 f"MESHSERVE_DEVICE_KV_BYTES={te.device_kv_bytes}"
             )
+
+    def _preempted(self) -> None:
+        """The device arbiter preempts this TE (``DeviceArbiter.preempt_blocked``): a
+        neighbour's KV pool cannot grow, and each of this TE's requests validated on another
+        device. It hands them back at once (each resubmitted by its frontend from the tokens
+        it had, so greedy output is unchanged) and unloads; its KV then goes to the grow."""
+        control = self._control
+        if control.state != TEState.READY:
+            return
+        log.info("preempted by the device arbiter: handing requests back", model=control.model)
+        self._preempting = asyncio.get_running_loop().create_task(
+            control.on_unload(UnloadModel(reason="preempted for a neighbour's KV", drain_s=0.0))
+        )
 
     def _squeezed(self) -> None:
         """The device arbiter asks this TE's KV pool to shrink to its demand (another waits
@@ -618,6 +648,8 @@ class TaskLoop:
                 perf=perf,
                 max_num_seqs=self._settings.task_executor.max_num_seqs,
                 max_prefill_tokens=budget.paced_tokens or budget.tokens,
+                model=self._control.model or "",
+                role=self._control.role,
             )
         )
 

@@ -30,6 +30,7 @@ def test_roles_get_only_their_own_subjects():
         "c1.te.*.control",
         "c1.cm.view",
         "c1.cm.member_down",
+        "c1.devices.views",  # node pools' devices, for preemption (MESHSERVE_KV_PREEMPTION)
         "c1._INBOX.task_executor.>",  # its own replies, not another role's
     }
     fe = permissions("frontend", "c1")

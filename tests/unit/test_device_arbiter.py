@@ -16,12 +16,20 @@ from pathlib import Path
 import pytest
 
 from services.task_executor.device_arbiter import (
+    KV_PREEMPTIONS,
     LATE_TURNS,
     DeviceArbiter,
+    Instance,
     TurnClient,
     shares_device,
+    snapshot_views,
 )
+from shared.headroom import RequestView
+from shared.messages.base import decoder_for, encode
+from shared.messages.devices import DeviceInstance, DeviceRequest, DeviceSnapshot
+from shared.messages.tasks import TaskMode
 from shared.settings import Settings
+from tests.unit.exact_perf import EXACT_PERF
 
 
 @pytest.fixture
@@ -144,10 +152,6 @@ def test_turns_are_served_where_one_iteration_fills_the_device(values: dict, pay
 async def test_a_te_slower_than_its_profile_is_stretched(arbiter: DeviceArbiter) -> None:
     """The arbiter times each turn against what the TE's profile predicts for the requests
     it held, and moves the TE's stretch toward the ratio."""
-    from services.task_executor.device_arbiter import Instance
-    from shared.headroom import RequestView
-    from tests.unit.exact_perf import EXACT_PERF
-
     perf = EXACT_PERF  # a decode step 10 ms
     a = TurnClient(str(arbiter.path), "a")
     a.serving(Instance(perf=perf, max_num_seqs=32, max_prefill_tokens=2048))
@@ -368,3 +372,105 @@ async def test_a_room_granted_before_the_arbiter_read_a_later_hold_is_void(
     assert await _until(lambda: te.kv_room == 200)
     te.close()
     server.close()
+
+
+# --- preemption for a blocked grow (MESHSERVE_KV_PREEMPTION) ----------------------------
+
+
+def _request(rid: str, now: float, output_tokens: int = 10) -> RequestView:
+    return RequestView(
+        arrival=now,
+        prompt_tokens=100,
+        expected_output=50,
+        ttft_slo=10.0,
+        tpot_slo=0.1,
+        computed_tokens=100,
+        output_tokens=output_tokens,
+        id=rid,
+    )
+
+
+def _serving(client: TurnClient, model: str, *requests: RequestView) -> None:
+    client.serving(Instance(perf=EXACT_PERF, max_num_seqs=32, max_prefill_tokens=2048, model=model))
+    client.requests(requests)
+
+
+async def _away(tmp_path: Path, now: float) -> DeviceSnapshot:
+    """Another pool's device holding an idle instance of m2, as its pool publishes it (over
+    msgpack, as the bus carries it)."""
+    other = DeviceArbiter(tmp_path / "other")
+    await other.start()
+    away = await _te(other, "m2-away", 0)
+    _serving(away, "m2")
+    assert await _until(lambda: bool(other.snapshots("pool-b")))
+    (snapshot,) = other.snapshots("pool-b")
+    away.close()
+    await other.stop()
+    assert snapshot.pool_id == "pool-b" and [i.model for i in snapshot.instances] == ["m2"]
+    return decoder_for(DeviceSnapshot).decode(encode(snapshot))
+
+
+async def test_a_blocked_grow_preempts_a_smaller_neighbour_whose_requests_fit_elsewhere(
+    budgeted: DeviceArbiter, tmp_path: Path
+) -> None:
+    """1,000 bytes: big (m1, three requests) holds 500, small (m2, one request) 400. Big's
+    grow to 1,100 takes the 100 free and waits; small is told to shrink and cannot. A second
+    on, with another pool's device holding an idle instance of m2, small is told to
+    preempt itself (its request validates there); not before, and not with nowhere to go."""
+    now = time.monotonic()
+    big = await _te(budgeted, "big", 500)
+    _serving(big, "m1", *(_request(f"b{k}", now) for k in range(3)))
+    small = await _te(budgeted, "small", 400)
+    _serving(small, "m2", _request("s1", now))
+    preempted: list[str] = []
+    small.on_preempt = lambda: preempted.append("small")
+    big.on_preempt = lambda: preempted.append("big")
+    big.kv_need(1100, deadline=now + 1)
+    assert await _until(lambda: small.take_squeeze())  # told, and it holds on
+    away = snapshot_views(await _away(tmp_path, now), time.monotonic())
+    before = KV_PREEMPTIONS.labels("cpu")._value.get()
+    assert budgeted.preempt_blocked([away], time.monotonic()) == []  # not a second yet
+    later = time.monotonic() + 1.1
+    assert budgeted.preempt_blocked([], later) == []  # nowhere for s1 to go
+    assert budgeted.preempt_blocked([away], later + 0.5) == []  # looked at once a second
+    (decided,) = budgeted.preempt_blocked([away], later + 1.1)
+    assert decided.neighbour == "small" and decided.moves == {"s1": "m2-away"}
+    assert await _until(lambda: preempted == ["small"])
+    assert KV_PREEMPTIONS.labels("cpu")._value.get() == before + 1
+    # Told once: it takes no requests in other pools' plays, and is not preempted again.
+    assert [i.te_id for s in budgeted.snapshots("pool-a") for i in s.instances] == ["big"]
+    assert budgeted.preempt_blocked([away], later + 2.5) == []
+    small.kv_hold(0)  # unloaded: its KV goes to the grow
+    small.serving(None)
+    assert await _until(lambda: big.kv_room == 1000)
+    big.close()
+    small.close()
+
+
+def test_another_pools_request_times_move_onto_this_hosts_clock() -> None:
+    snapshot = DeviceSnapshot(
+        pool_id="p",
+        device="cuda:0",
+        at=100.0,
+        instances=[
+            DeviceInstance(
+                te_id="t",
+                model="m",
+                perf=EXACT_PERF,
+                max_num_seqs=8,
+                max_prefill_tokens=512,
+                requests=[DeviceRequest(90.0, 100, 50, 2.0, 0.1, 100, 3, "r")],
+            ),
+            DeviceInstance(
+                te_id="p",
+                model="m",
+                role=TaskMode.PREFILL,
+                perf=EXACT_PERF,
+                max_num_seqs=8,
+                max_prefill_tokens=512,
+            ),
+        ],
+    )
+    views, takes = snapshot_views(snapshot, 5000.0)
+    assert views[0].requests == (RequestView(4990.0, 100, 50, 2.0, 0.1, 100, 3, "r"),)
+    assert takes == {"t": "m"}  # a prefill instance takes no request of another's

@@ -18,6 +18,7 @@ from services.task_executor.kv_sizing import (
     Neighbour,
     Preemption,
     demand_tokens,
+    elsewhere,
     make_room,
     next_size,
     order_ops,
@@ -185,3 +186,11 @@ def test_the_smallest_neighbour_goes_and_moved_requests_see_each_other():
     p = preemption(BIG, 1000, 500, [pair], [away, other], now=1.0)
     assert p == Preemption("pair", {"l1": "m2-away", "l2": "m2-other"})
     assert preemption(BIG, 1000, 500, [pair], [away], now=1.0) is None
+
+
+def test_elsewhere_is_every_instance_of_a_neighbours_model_that_takes_requests():
+    there = (_i("m2-a"), _i("m2-prefill"), _i("m3-a"))
+    takes = {"m2-a": "m2", "m3-a": "m3"}  # the prefill instance takes no colocated request
+    got = elsewhere([(there, takes), ((_i("m2-b"),), {"m2-b": "m2"})], {"m2"})
+    assert got == [Elsewhere(there, "m2-a", "m2"), Elsewhere((_i("m2-b"),), "m2-b", "m2")]
+    assert elsewhere([(there, takes)], {"m4"}) == []
