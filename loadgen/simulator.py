@@ -482,6 +482,11 @@ class _TE:
             kv_free_tokens=(self.free_blocks + self.growable_blocks()) * profile.block_size
             if profile
             else None,
+            # as a TE under a device KV budget reports it (idle or not), and its pool's floor
+            device_kv_free_bytes=max(0, self.books.kv_free_bytes())
+            if self.books is not None and self.books.kv_budget
+            else None,
+            kv_floor_bytes=_floor_bytes(profile) if profile and self.kv is not None else 0,
         )
 
     def share(self) -> JobShare:
@@ -525,6 +530,12 @@ class _Device:
 def _block_bytes(profile: EngineProfile) -> int:
     """Memory one KV block of ``profile`` takes (every layer's K and V)."""
     return profile.block_size * max(1, profile.kv_bytes_per_token)
+
+
+def _floor_bytes(profile: EngineProfile) -> int:
+    """What a load's KV pool of ``profile`` waits for room for (``factory.kv_floor_bytes``)."""
+    blocks = floor_blocks(profile.max_model_len, profile.block_size, profile.kv_blocks)
+    return blocks * _block_bytes(profile)
 
 
 class _KvOf:
@@ -1289,11 +1300,10 @@ class Simulation:
         (``_make_room``); it waits for it, the others told to shrink, for up to
         ``kv_room_wait_s`` (``MESHSERVE_KV_ROOM_WAIT``), and fails after
         (``_kv_room_timeout``)."""
-        floor = floor_blocks(profile.max_model_len, profile.block_size, profile.kv_blocks)
         device = self._devices[te.device]
         self._kv_budget(device, profile)
         self._kv_hold(te, 0)
-        self._kv_need(te, floor * _block_bytes(profile), urgency=self.now)
+        self._kv_need(te, _floor_bytes(profile), urgency=self.now)
         if te.te_id not in device.needs:
             return
         self.stats.kv_load_waits += 1

@@ -69,6 +69,10 @@ class TEView:
     # ones, and those a pool sized by demand could still grow by (None: its engine does not
     # say)
     kv_free_tokens: int | None = None
+    # Under a device KV budget: what its device's books have not given any pool (None: no
+    # budget, or not known), and the floor its model's pool loads with (0: not known)
+    device_kv_free_bytes: int | None = None
+    kv_floor_bytes: int = 0
 
     @property
     def load(self) -> int:
@@ -112,4 +116,6 @@ def te_view(hb: TEHeartbeat) -> TEView:
         kv_free_tokens=(hb.free_kv_blocks + hb.growable_kv_blocks) * hb.kv_block_size
         if hb.kv_block_size and hb.total_kv_blocks
         else None,
+        device_kv_free_bytes=hb.device_kv_free_bytes,
+        kv_floor_bytes=hb.kv_floor_bytes,
     )

@@ -38,6 +38,8 @@ class PoolIndex:
     idle: Mapping[str, int]
     # per model, the costs one of its instances on a CPU reported (where one did)
     cpu_capacity: Mapping[str, InstanceCapacity] = dataclasses.field(default_factory=dict)
+    # per model, the floor of its KV pool under a device budget, as an instance reported it
+    kv_floor: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def device_kind(te: TEView) -> str:
@@ -63,10 +65,13 @@ def pool_index(tes: Sequence[TEView]) -> PoolIndex:
     size: dict[str, int] = {}
     idle: dict[str, int] = {}
     cpu: dict[str, InstanceCapacity] = {}
+    floor: dict[str, int] = {}
     for te in tes:
         pool = te.pool_id
         if te.model is not None:
             warm.add((te.model, pool))
+            if te.kv_floor_bytes:
+                floor[te.model] = max(floor.get(te.model, 0), te.kv_floor_bytes)
             if te.capacity is not None and device_kind(te) == "cpu":
                 cpu.setdefault(te.model, te.capacity)
             if te.serving:
@@ -77,7 +82,7 @@ def pool_index(tes: Sequence[TEView]) -> PoolIndex:
         for m, cached in te.cached_weights.items():
             size[m] = max(size.get(m, 0), cached.total_bytes)
             resident[m, pool] = max(resident.get((m, pool), 0), cached.resident_bytes)
-    return PoolIndex(serving, frozenset(warm), resident, size, idle, cpu)
+    return PoolIndex(serving, frozenset(warm), resident, size, idle, cpu, floor)
 
 
 def load_time(
@@ -133,6 +138,14 @@ def fork_source(model: str, pool_id: str, tes: Sequence[TEView]) -> str | None:
     return sources[0][1] if sources else None
 
 
+def short_of_room(te: TEView, floor: int) -> bool:
+    """Whether ``te``'s device lacks room now for a pool of ``floor`` bytes in its KV
+    books (under a device budget, ``MESHSERVE_DEVICE_KV_BYTES``): a load there would wait
+    for its neighbours to shrink, and fail after ``MESHSERVE_KV_ROOM_WAIT`` if they cannot.
+    False where either is not known."""
+    return te.device_kv_free_bytes is not None and floor > 0 and te.device_kv_free_bytes < floor
+
+
 def placement_order(
     model: str,
     idle: Sequence[TEView],
@@ -143,8 +156,10 @@ def placement_order(
     """Idle TEs in the order a new instance of ``model`` should take them: CPU devices first
     where an instance of the model on a CPU reported costs that meet the SLO
     (``meets_slo``), other devices first otherwise (a model never run on a CPU goes to a GPU
-    while one is free: its CPU costs are unknown); then instances of one
-    model spread across node pools (fewest there first); then the pool that loads it
+    while one is free: its CPU costs are unknown); then devices whose KV books have room now
+    for the model's pool (``short_of_room``, its floor as an instance of it reported it: a
+    load on a full device waits for its neighbours to shrink, and fails if they cannot);
+    then instances of one model spread across node pools (fewest there first); then the pool that loads it
     fastest, by ``load_time`` from its host cache's metadata; then a pool where the model
     was loaded before (its files are in the page cache); then the pool with the most idle
     TEs (the least loaded); within a pool, a TE that ran the model lately, then by id.
@@ -154,10 +169,12 @@ def placement_order(
     rank = {pool: _pool_rank(model, pool, cfg, idx) for pool in {te.pool_id for te in idle}}
     cpu = idx.cpu_capacity.get(model)
     cpu_first = cpu is not None and meets_slo(cpu, cfg.slo)
+    floor = idx.kv_floor.get(model, 0)
     return sorted(
         idle,
         key=lambda te: (
             (device_kind(te) == "cpu") != cpu_first,
+            short_of_room(te, floor),
             rank[te.pool_id],
             model not in te.recent_models,
             te.te_id,

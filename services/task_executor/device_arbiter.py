@@ -164,6 +164,7 @@ class _Client:
     reserved: int = 0
     need: DeviceOp | None = None
     need_at: float = 0.0
+    asked_since: float | None = None  # a partly granted grow's first ask, until it asks again
     squeezed: bool = False
     told_free: int | None = None  # the device's free KV bytes as it was last told
     hold_number: int = 0  # the number of its last "hold", echoed in each "room"
@@ -299,6 +300,7 @@ class DeviceArbiter:
             client = _Client(name=hello[1], device=hello[2], writer=writer)
             device = self._devices.setdefault(client.device, _Device())
             device.clients[client.name] = client
+            self._tell_free(device)  # what its pool (or its next load's) could take
             while line := await reader.readline():
                 word, _, arg = line.decode().strip().partition(" ")
                 if word == "done" and device.holder is client:
@@ -319,6 +321,11 @@ class DeviceArbiter:
                     client.preempted = False  # it serves anew (or nothing)
                 elif word == "hold":
                     held, _, number = arg.partition(" ")
+                    # A pool that grew into part of its grow asks for the rest next: that
+                    # ask waits since the first (the wait's histogram, preemption's second).
+                    # (A withdrawal says the size it holds, grown by nothing.)
+                    grew = client.need is not None and int(held) > client.holds
+                    client.asked_since = client.need_at if grew else None
                     client.holds, client.reserved = int(held), 0
                     client.need, client.squeezed = None, False
                     client.hold_number = int(number or 0)
@@ -333,6 +340,8 @@ class DeviceArbiter:
                     writer.write(
                         f"verdict {ask} {msgspec.json.encode(verdict).decode()}\n".encode()
                     )
+                if word != "hold":
+                    client.asked_since = None
                 if word in ("hold", "need"):
                     self._tell_free(device)
                 self._grant(client.device, device)
@@ -464,7 +473,8 @@ class DeviceArbiter:
             self._send(client, f"room {client.holds + client.reserved} {client.hold_number}\n")
             return
         if client.need is None:
-            client.need_at = time.monotonic()
+            since = client.asked_since
+            client.need_at = since if since is not None else time.monotonic()
         client.need = DeviceOp("grow", client.name, extra, urgency=urgency)
 
     def _room(self, device: _Device) -> Room | None:

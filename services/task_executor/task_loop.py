@@ -67,6 +67,10 @@ from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
+# The device a TE names to its pool's arbiter for the KV books (the pool's one device)
+# before an engine says which it runs on: KV sized by demand runs on CPU engines.
+BOOKS_DEVICE = "cpu"
+
 
 @dataclasses.dataclass(slots=True)
 class _Stream:
@@ -175,6 +179,7 @@ class TaskLoop:
         # Told to shrink, and held back by blocks in use: it goes on shrinking at once.
         self._squeeze_left = False
         self._reserved = False  # room in the device's books for a load's KV, not yet held
+        self.kv_floor_bytes = 0  # the floor of the loading or loaded model's pool in the books
         self._slo = settings.scaler.slo()
         self._turns.on_preempt = self._preempted
         # Shadow validation of each colocated task on the device before it is taken; for it,
@@ -413,7 +418,21 @@ class TaskLoop:
 
     # -- the engine loop -----------------------------------------------------------------
 
+    @property
+    def _budgeted(self) -> bool:
+        """Whether its KV pool is kept in the device's books (``MESHSERVE_DEVICE_KV_BYTES``)."""
+        te = self._settings.task_executor
+        return te.kv_sizing and te.device_kv_bytes > 0 and self._turns.active
+
+    def device_kv_free(self) -> int | None:
+        """What the device's books have not given any pool (``TEHeartbeat
+        .device_kv_free_bytes``), for the scaler's placement of a load; None without books."""
+        free = self._turns.kv_device_free
+        return int(free) if self._budgeted and math.isfinite(free) else None
+
     async def run(self) -> None:
+        if self._budgeted:  # an idle TE hears the books too (the scaler places loads by them)
+            await self._turns.announce(BOOKS_DEVICE)
         while not self._closing:
             try:  # an idle TE still looks at its KV pool now and then (it shrinks lazily)
                 tick = self._kv_pool.idle_tick_s if self._kv_pool is not None else None
@@ -548,6 +567,8 @@ class TaskLoop:
             elif self._reserved and control.state == TEState.IDLE:  # the load failed
                 self._reserved = False
                 self._turns.kv_hold(0)
+            if control.state == TEState.IDLE:
+                self.kv_floor_bytes = 0
         else:
             if self._views and control.perf is not self._told_perf:
                 # Other pools' plays see the instance before its first request.
@@ -566,14 +587,15 @@ class TaskLoop:
         fails, and says why) when none came. A load that fails later gives the room back
         (``engine_changed``); one that succeeds holds its pool in its place."""
         te = self._settings.task_executor
-        if not (te.kv_sizing and te.device_kv_bytes > 0 and self._turns.active):
+        if not self._budgeted:
             return
         floor = kv_floor_bytes(cmd.model, Path(cmd.path), self._settings)
         if floor is None:  # an engine that cannot resize its KV: it keeps no books
             return
         wait_s = te.kv_room_wait.total_seconds()
         self._reserved = True
-        if not await self._turns.kv_reserve(floor, "cpu", time.monotonic(), wait_s):
+        self.kv_floor_bytes = floor
+        if not await self._turns.kv_reserve(floor, BOOKS_DEVICE, time.monotonic(), wait_s):
             self._reserved = False
             raise NoKvRoom(
                 f"no room on the device for {cmd.model}'s KV ({floor} bytes, its floor) "

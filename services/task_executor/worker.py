@@ -173,6 +173,7 @@ class TaskExecutor:
             kv_address=tasks.prefill.address if control.role == TaskMode.PREFILL else "",
             kv_lease_ends=dict(tasks.prefill.ends),
             training=self.training.current,
+            device_kv_free_bytes=tasks.device_kv_free(),
         )
         if (engine := control.engine) is not None:
             st = engine.stats()
@@ -186,6 +187,7 @@ class TaskExecutor:
             hb.total_kv_blocks = st.total_kv_blocks
             hb.kv_block_size = st.kv_block_size
             hb.growable_kv_blocks = tasks.kv_growable_blocks()
+            hb.kv_floor_bytes = tasks.kv_floor_bytes
             hb.prefix_cache_queries = st.prefix_cache_queries
             hb.prefix_cache_hits = st.prefix_cache_hit_tokens
             hb.capacity = control.capacity

@@ -77,6 +77,11 @@ class TEHeartbeat(Message):
     # blocks its KV pool, sized by demand (MESHSERVE_KV_SIZING), could still grow by: up to
     # what its engine allocated, as far as its device's KV budget has room
     growable_kv_blocks: int = 0
+    # Under a device KV budget (MESHSERVE_DEVICE_KV_BYTES): what its device's books have not
+    # given any pool (None: no budget, or not heard yet), and the floor of the loaded
+    # model's pool (what a load of it waits for room for; 0: not known)
+    device_kv_free_bytes: int | None = None
+    kv_floor_bytes: int = 0
     last_active: float = 0.0  # unix seconds of the last task accepted or token produced
     error: str | None = None  # why the last load failed
     sent_at: float = 0.0  # unix seconds; load reported here includes tasks placed before it

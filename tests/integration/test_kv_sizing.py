@@ -155,9 +155,21 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
         left = budget // block_bytes - sum(held.values())
 
         def room_reported(view: ClusterView) -> bool:
-            free = [te_view(t).kv_free_tokens for t in view.tes if t.te_id in tes]
-            return len(free) == 2 and all(
-                f is not None and floor + left - 4 <= f // 16 <= floor + 1 + left for f in free
+            mine = [te_view(t) for t in view.tes if t.te_id in tes]
+            free = [t.kv_free_tokens for t in mine]
+            # and, for the scaler's placement of a load, the books' free memory and the floor
+            books = [(t.device_kv_free_bytes, t.kv_floor_bytes) for t in mine]
+            return (
+                len(free) == 2
+                and all(
+                    f is not None and floor + left - 4 <= f // 16 <= floor + 1 + left for f in free
+                )
+                and all(
+                    d is not None
+                    and left - 4 <= d // block_bytes <= left
+                    and k == floor * block_bytes
+                    for d, k in books
+                )
             )
 
         await client.until(room_reported, 10)
@@ -203,6 +215,13 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(
         while books().get(tes[0]) != 0:
             assert time.monotonic() - unloaded < 3, books()
             await asyncio.sleep(0.02)
+
+        def idle_reports_room(view: ClusterView) -> bool:  # an idle TE too, for a load
+            t = next(te_view(t) for t in view.tes if t.te_id == tes[0])
+            free = t.device_kv_free_bytes
+            return t.state == TEState.IDLE and free is not None and free >= floor * block_bytes
+
+        await client.until(idle_reports_room, 10)
         third = await asyncio.gather(*(client.run_on(tes[1], prompt, 400) for _ in range(32)))
         assert all(tokens == alone[0] for tokens, _ in third)
         assert books()[tes[1]] * block_bytes > budget - floor * block_bytes, books()

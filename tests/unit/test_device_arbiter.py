@@ -226,6 +226,31 @@ async def test_a_grow_waits_for_the_shrink_that_makes_its_room(budgeted: DeviceA
     a.close()
 
 
+async def test_a_grow_granted_in_part_waits_since_its_first_ask(budgeted: DeviceArbiter) -> None:
+    """b grows into the part it got and asks for the rest: that ask counts from the first
+    (the room-wait histogram, and the second a grow waits before it may preempt); a grow
+    withdrawn and asked for later starts afresh."""
+    a = await _te(budgeted, "a", 600)  # busy: it does not shrink when told
+    b = await _te(budgeted, "b", 300)
+    b.kv_need(600, deadline=5.0)
+    assert await _until(lambda: b.kv_room == 400)
+    entry = budgeted._devices["cpu"].clients["b"]
+    first = entry.need_at
+    await asyncio.sleep(0.05)
+    b.kv_hold(400)  # it grew into what it got, and asks for the rest at once
+    b.kv_need(600, deadline=5.0)
+    assert await _until(lambda: entry.need is not None and entry.holds == 400)
+    assert entry.need_at == first
+    b.kv_enough()  # withdrawn
+    assert await _until(lambda: entry.need is None)
+    await asyncio.sleep(0.05)
+    b.kv_need(700, deadline=5.0)
+    assert await _until(lambda: entry.need is not None)
+    assert entry.need_at > first + 0.05
+    a.close()
+    b.close()
+
+
 async def test_grows_go_most_urgent_first_and_none_overtakes_one_that_waits(
     budgeted: DeviceArbiter,
 ) -> None:
@@ -338,6 +363,18 @@ async def test_every_te_of_the_device_hears_what_its_books_leave_free(
     assert await _until(lambda: a.kv_device_free == 400)
     a.close()
     assert TurnClient("", "off").kv_device_free == math.inf
+
+
+async def test_a_te_hears_the_books_free_memory_as_it_connects(budgeted: DeviceArbiter) -> None:
+    """An idle TE (no pool yet) hears what the books leave free as soon as it connects: it
+    reports it, and the scaler places a load where there is room for it."""
+    a = await _te(budgeted, "a", 600)
+    idle = TurnClient(str(budgeted.path), "idle")
+    assert idle.kv_device_free == math.inf
+    await idle.announce("cpu")
+    assert await _until(lambda: idle.kv_device_free == 400)
+    a.close()
+    idle.close()
 
 
 async def test_a_room_granted_before_the_arbiter_read_a_later_hold_is_void(

@@ -18,6 +18,7 @@ from services.scaler.pools import (
     meets_slo,
     placement_order,
     pool_index,
+    short_of_room,
 )
 from services.scaler.state import (
     ModelPolicy,
@@ -293,6 +294,24 @@ def test_placement_spreads_across_pools_then_prefers_warm_and_roomy_pools() -> N
     ]
     # Pools without an instance first; of those, C (files warm), then D (two idle), B; A last.
     assert order == ["c1", "d1", "d2", "b1", "a1"]
+
+
+def test_placement_tries_devices_with_room_for_the_models_kv_first() -> None:
+    """Under a device KV budget: a load where the device's books lack room for the model's
+    pool floor (as a loaded instance reported it) would wait for its neighbours to shrink,
+    and fail if they cannot; a device with room goes first, whatever else ranks it. Where
+    the floor or the device's free memory is not known, nothing changes."""
+    full = dataclasses.replace(idle("a1", pool="A"), device_kv_free_bytes=100)
+    roomy = dataclasses.replace(idle("b1", pool="B"), device_kv_free_bytes=5_000)
+    warm_a = dataclasses.replace(full, recent_models=("m",))  # A would rank first
+    serving = dataclasses.replace(te("m1", pool="C"), kv_floor_bytes=1_000)
+    assert short_of_room(full, 1_000) and not short_of_room(roomy, 1_000)
+    assert not short_of_room(full, 0) and not short_of_room(idle("x"), 1_000)
+    order = placement_order("m", [warm_a, roomy], [serving, warm_a, roomy])
+    assert [t.te_id for t in order] == ["b1", "a1"]
+    unknown = dataclasses.replace(serving, kv_floor_bytes=0)
+    order = placement_order("m", [warm_a, roomy], [unknown, warm_a, roomy])
+    assert [t.te_id for t in order] == ["a1", "b1"]
 
 
 def on(t: TEView, device: str, capacity: InstanceCapacity | None = None) -> TEView:
