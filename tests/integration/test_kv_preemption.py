@@ -87,8 +87,8 @@ async def test_a_blocked_grow_preempts_a_neighbour_whose_request_resumes_on_anot
             "temperature": 0,
             "extra_body": {"ignore_eos": True},
         }
-        alone = await api.chat.completions.create(model="small", max_tokens=1500, **ask)
-        assert alone.usage is not None and alone.usage.completion_tokens == 1500
+        alone = await api.chat.completions.create(model="small", max_tokens=3000, **ask)
+        assert alone.usage is not None and alone.usage.completion_tokens == 3000
 
         # The long generation on pool A's small (the only instance of small so far).
         got: list[str] = []
@@ -96,7 +96,7 @@ async def test_a_blocked_grow_preempts_a_neighbour_whose_request_resumes_on_anot
 
         async def long_one() -> None:
             stream = await api.chat.completions.create(
-                model="small", max_tokens=1500, stream=True, **ask
+                model="small", max_tokens=3000, stream=True, **ask
             )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
