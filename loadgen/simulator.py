@@ -1427,22 +1427,27 @@ class Simulation:
             and not t.transfers
             and not (t.busy and t not in device.wanting)  # no iteration in flight
         ]
-        targets = elsewhere(
+        if not neighbours:
+            return
+        models = {n.model for n in neighbours}
+        targets = elsewhere(  # each look plays many devices: only those with a target
             (
-                (
-                    self._device_views(other),
-                    {
-                        t.te_id: t.model or ""
-                        for t in other.tes
-                        if t.state == TEState.READY and t.role == TaskMode.COLOCATED
-                    },
-                )
+                (self._device_views(other), takes)
                 for other in self._devices.values()
                 if other is not device
+                and (
+                    takes := {
+                        t.te_id: t.model or ""
+                        for t in other.tes
+                        if t.state == TEState.READY
+                        and t.role == TaskMode.COLOCATED
+                        and t.model in models
+                    }
+                )
             ),
-            {n.model for n in neighbours},
+            models,
         )
-        if not neighbours or not targets:
+        if not targets:
             return
         free = max(0, device.kv_free_bytes())
         decided = preemption(views[blocked.te_id], op.bytes, free, neighbours, targets, self.now)

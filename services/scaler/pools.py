@@ -159,8 +159,8 @@ def placement_order(
     while one is free: its CPU costs are unknown); then devices whose KV books have room now
     for the model's pool (``short_of_room``, its floor as an instance of it reported it: a
     load on a full device waits for its neighbours to shrink, and fails if they cannot);
-    then instances of one model spread across node pools (fewest there first); then the pool that loads it
-    fastest, by ``load_time`` from its host cache's metadata; then a pool where the model
+    then instances of one model spread across node pools (fewest there first); then the
+    pool that loads it fastest, by ``load_time`` from its host cache's metadata; then a pool where the model
     was loaded before (its files are in the page cache); then the pool with the most idle
     TEs (the least loaded); within a pool, a TE that ran the model lately, then by id.
     ``index``: ``pool_index(tes)``, where the caller has it."""

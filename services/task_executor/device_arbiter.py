@@ -199,20 +199,6 @@ class _Device:
     clients: dict[str, _Client] = dataclasses.field(default_factory=dict)
     preempt_after: float = 0.0  # when its blocked grow may next be looked at
 
-    def views(self) -> tuple[tuple[InstanceView, ...], dict[str, str]]:
-        """Its instances as shadow validation sees them, and the model of each that takes
-        requests (colocated, not told to unload): ``kv_sizing.elsewhere``'s input."""
-        views = tuple(v for c in self.clients.values() if (v := c.view()) is not None)
-        takes = {
-            c.name: c.instance.model
-            for c in self.clients.values()
-            if c.instance is not None
-            and c.instance.model
-            and c.instance.role == TaskMode.COLOCATED
-            and not c.preempted
-        }
-        return views, takes
-
 
 class Instance(msgspec.Struct, frozen=True):
     """What a TE serves, as shadow validation plays it: its model's performance model and
@@ -394,7 +380,8 @@ class DeviceArbiter:
         pool of the device was told to shrink already, its TE may preempt a neighbour
         holding fewer requests (``kv_sizing.preemption``): one whose unload frees enough and
         each of whose requests validates on an instance of its model elsewhere (``others``:
-        other pools' devices, ``snapshot_views``; this pool's other devices are added). The
+        other pools' devices, ``snapshot_views``; this pool's other devices are added, seen
+        the same way). The
         neighbour is told (``preempt``): it hands its requests back, each resubmitted by its
         frontend from the tokens it had, and unloads, its KV then going to the grow. Each
         device is looked at once a ``PREEMPT_AFTER_S`` at most."""
@@ -428,7 +415,8 @@ class DeviceArbiter:
             ]
             if not neighbours:
                 continue
-            devices = [*others, *(d.views() for d in self._devices.values() if d is not device)]
+            here = [snapshot_views(s, s.at) for s in self.snapshots("") if s.device != name]
+            devices = [*others, *here]
             targets = elsewhere(devices, {n.model for n in neighbours})
             if not targets:  # no neighbour's model runs anywhere else: none gives way
                 continue
