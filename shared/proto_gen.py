@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -25,12 +27,33 @@ def _names(types: tuple[type[Message], ...]) -> str:
     return ", ".join(f"`{t.__name__}`" for t in types) or "—"
 
 
+def _canonical(node: Any) -> Any:
+    """The same schema whatever msgspec release renders it: docstrings dedented (0.23 began
+    dedenting them; earlier releases kept the indentation) and the members of an ``anyOf``
+    in one order (releases before 0.22 put ``null`` first; the order means nothing)."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k == "description" and isinstance(v, str):
+                out[k] = inspect.cleandoc(v)
+            elif k == "anyOf" and isinstance(v, list):
+                members = [_canonical(m) for m in v]
+                out[k] = sorted(members, key=lambda m: json.dumps(m, sort_keys=True))
+            else:
+                out[k] = _canonical(v)
+        return out
+    if isinstance(node, list):
+        return [_canonical(v) for v in node]
+    return node
+
+
 def render() -> dict[str, str]:
     """Relative path -> file content."""
     out: dict[str, str] = {}
     for t in message_types():
         (schema,), comps = msgspec.json.schema_components([t], ref_template="#/$defs/{name}")
         doc = {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "$defs": comps}
+        doc = _canonical(doc)
         out[f"schemas/{t.__name__}.json"] = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     lines = [
         "# Subject catalogue",
