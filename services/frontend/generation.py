@@ -289,6 +289,7 @@ class Generation:
     kv: KvTransferNote | None = None  # disaggregated: how its prompt's KV came (first chunk)
     on_attempt: Callable[[int, str], None] | None = None
     _placed: tuple[str, int] | None = None  # (te_id, attempt) of the attempt now streaming
+    _move_to: str = ""  # where a KV preemption validated it, for its next attempt
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Yield token ids as they arrive until the request finishes."""
@@ -352,7 +353,9 @@ class Generation:
             adapter=self.adapter,
             adapter_path=self.adapter_path,
             age_s=time.monotonic() - self.arrived,
+            prefer_te_id=self._move_to,
         )
+        self._move_to = ""  # asked once: a later attempt is routed as any
         submit = asyncio.create_task(self._offer(job, attempt))
         lost = asyncio.create_task(attempt.lost.wait())
         try:
@@ -472,6 +475,7 @@ class Generation:
                 error = from_reply(chunk.failure)
                 if not error.retryable:
                     raise error
+                self._move_to = chunk.move_to
                 if error.retry_after_s:
                     await asyncio.sleep(error.retry_after_s)
                 return

@@ -6,7 +6,12 @@ prompt tokens queued on the TE for prefill (each placement's prompt after the pr
 holds), plus DECODE_COST_TOKENS for each sequence it decodes, as its last report counted
 them corrected by what this JE placed there and heard of since (``ledger``). A count of requests would treat a
 4,000-token prompt like a 40-token one and queue short prompts behind long prefills. PD
-pairs (DeepServe's first branch) come with disaggregation."""
+pairs (DeepServe's first branch) come with disaggregation.
+
+A request a KV preemption handed back goes first to the TE the preemption validated it on
+(``kv_sizing.preemption`` played it there with shadow validation, as the simulator places
+it): the routing branch ``validated``. Where that TE is gone, busy loading something else or
+refused it, routing chooses as for any request."""
 
 from __future__ import annotations
 
@@ -34,9 +39,13 @@ class Request:
     cached_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)  # per TE
     spread: int = 0  # a number of its own, for ties (round-robin: the JE's counter)
     adapter: str = ""  # a fine-tuned model's LoRA adapter ("": the base model)
+    # The TE a KV preemption validated the request on (``ChatJob.prefer_te_id``): chosen
+    # over what routing would say while it is ready and not excluded.
+    prefer: str = ""
 
 
 NO_REQUEST = Request()
+VALIDATED = "validated"  # the branch of a preempted request placed where it validated
 
 
 # What one decoding sequence weighs against queued prompt tokens: it takes a batch slot
@@ -88,6 +97,8 @@ def pick_te(
     if not ready:
         loading = any(te.model == model and te.state == TEState.LOADING for te in tes)
         return Placement(te_id=None, scale_up=not loading)
+    if request.prefer and any(te.te_id == request.prefer for te in ready):
+        return Placement(te_id=request.prefer, branch=VALIDATED)
     candidates = [
         Candidate(
             te.te_id,

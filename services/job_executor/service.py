@@ -308,6 +308,7 @@ class JobExecutor:
                     ),
                     spread=spread,
                     adapter=job.adapter,
+                    prefer=job.prefer_te_id,
                 )
                 step = next_step(
                     pending,
@@ -362,6 +363,9 @@ class JobExecutor:
                         self._traffic.prefill_placed(job.model, request.prompt_tokens - matched)
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     self._outputs.placed(task.key, job.model, request.prompt_tokens)
+                    if job.prefer_te_id:
+                        moved = "validated" if step.te_id == job.prefer_te_id else "rerouted"
+                        metrics.MOVED.labels(job.model, moved).inc()
                     log.info(
                         "job placed",
                         te=step.te_id,

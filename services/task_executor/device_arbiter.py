@@ -49,7 +49,11 @@ once (``squeeze``); what they give back comes as their next ``hold``. A TE whose
 fell withdraws its ask by saying what it holds. A TE about to load a model holds nothing and
 asks the same way for its new pool's floor (``kv_reserve``), so a load waits for room like a
 grow (and holds a part of it meanwhile). Every TE hears what the books leave free (``free
-<bytes>``), which it reports as room its pool could grow into.
+<bytes>``), which it reports as room its pool could grow into. With
+``MESHSERVE_KV_PREEMPTION`` a grow blocked past a second may have a smaller neighbour
+preempted (``preempt_blocked``): the neighbour hears ``preempt <moves>`` (a JSON object:
+each of its requests' key -> the TE it validated on), hands its requests back naming those
+TEs, and unloads.
 
 The TE's side is ``TurnClient``; without an arbiter (or once its connection fails) a TE
 runs its iterations unarbitrated, and takes every request, as before."""
@@ -381,10 +385,10 @@ class DeviceArbiter:
         holding fewer requests (``kv_sizing.preemption``): one whose unload frees enough and
         each of whose requests validates on an instance of its model elsewhere (``others``:
         other pools' devices, ``snapshot_views``; this pool's other devices are added, seen
-        the same way). The
-        neighbour is told (``preempt``): it hands its requests back, each resubmitted by its
-        frontend from the tokens it had, and unloads, its KV then going to the grow. Each
-        device is looked at once a ``PREEMPT_AFTER_S`` at most."""
+        the same way). The neighbour is told (``preempt``, with the TE each of its requests
+        validated on): it hands its requests back, each resubmitted by its frontend from the
+        tokens it had and placed on that TE first, and unloads, its KV then going to the
+        grow. Each device is looked at once a ``PREEMPT_AFTER_S`` at most."""
         if not self.kv_budget_bytes:
             return []
         decided = []
@@ -435,7 +439,7 @@ class DeviceArbiter:
                 requests=len(chosen.moves),
                 targets=sorted(set(chosen.moves.values())),
             )
-            self._send(victim, "preempt\n")
+            self._send(victim, f"preempt {msgspec.json.encode(chosen.moves).decode()}\n")
             decided.append(chosen)
         return decided
 
@@ -571,8 +575,9 @@ class TurnClient:
         self._room_changed = asyncio.Event()
         self._connecting = asyncio.Lock()
         self.on_squeeze: Callable[[], None] | None = None  # told to shrink (on the loop)
-        # Told to hand its requests back and unload: a neighbour's grow needs its KV.
-        self.on_preempt: Callable[[], None] | None = None
+        # Told to hand its requests back and unload: a neighbour's grow needs its KV. With
+        # where each was validated: request key -> TE id (``kv_sizing.Preemption.moves``).
+        self.on_preempt: Callable[[dict[str, str]], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -616,7 +621,7 @@ class TurnClient:
                     if self.on_squeeze is not None:
                         self.on_squeeze()
                 elif word == "preempt" and self.on_preempt is not None:
-                    self.on_preempt()
+                    self.on_preempt(msgspec.json.decode(arg or "{}", type=dict[str, str]))
                 elif word == "verdict":
                     ask, _, body = arg.partition(" ")
                     future = self._verdicts.pop(int(ask), None)

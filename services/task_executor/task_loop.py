@@ -175,6 +175,9 @@ class TaskLoop:
         self._turns.on_squeeze = self._squeezed
         self._squeezing: asyncio.Task[None] | None = None
         self._preempting: asyncio.Task[ControlAck] | None = None
+        # Preempted: where each request validated (request key -> TE id), said as it is
+        # handed back.
+        self._moves: dict[str, str] = {}
         self._announcing: asyncio.Task[None] | None = None
         # Told to shrink, and held back by blocks in use: it goes on shrinking at once.
         self._squeeze_left = False
@@ -239,6 +242,7 @@ class TaskLoop:
         for stream in list(self._streams.values()):
             self._aborts.add(stream.engine_id)
             await self._finish(stream, InstanceLost(f"task executor {self._te_id} is stopping"))
+        self._moves = {}  # those of requests that ended meanwhile
         self._work.set()
 
     # -- intake --------------------------------------------------------------------------
@@ -603,14 +607,17 @@ class TaskLoop:
                 f"MESHSERVE_DEVICE_KV_BYTES={te.device_kv_bytes}"
             )
 
-    def _preempted(self) -> None:
+    def _preempted(self, moves: dict[str, str]) -> None:
         """The device arbiter preempts this TE (``DeviceArbiter.preempt_blocked``): a
         neighbour's KV pool cannot grow, and each of this TE's requests validated on another
-        device. It hands them back at once (each resubmitted by its frontend from the tokens
-        it had, so greedy output is unchanged) and unloads; its KV then goes to the grow."""
+        device (``moves``: request key -> that device's TE). It hands them back at once, each
+        naming its TE (``TokenChunk.move_to``: its frontend resubmits it from the tokens it
+        had, so greedy output is unchanged, and its job executor places it there first), and
+        unloads; its KV then goes to the grow."""
         control = self._control
         if control.state != TEState.READY:
             return
+        self._moves = moves
         log.info("preempted by the device arbiter: handing requests back", model=control.model)
         self._preempting = asyncio.get_running_loop().create_task(
             control.on_unload(UnloadModel(reason="preempted for a neighbour's KV", drain_s=0.0))
@@ -889,6 +896,7 @@ class TaskLoop:
         cached_tokens: int = 0,
         error: str | None = None,
         failure: ErrorReply | None = None,
+        move_to: str = "",
     ) -> TokenChunk:
         """The stream's next chunk (its first carries the TE's time and how the KV came)."""
         first = stream.seq == 0
@@ -907,6 +915,7 @@ class TaskLoop:
             failure=failure,
             te_s=time.monotonic() - stream.accepted_at if first else 0.0,
             kv=stream.kv_note if first else None,
+            move_to=move_to,
         )
 
     async def _finish(self, stream: _Stream, failure: MeshserveError) -> None:
@@ -926,7 +935,14 @@ class TaskLoop:
             failure=type(failure).__name__,
             error=failure.message,
         )
-        chunk = self._chunk(stream, [], "error", error=failure.message, failure=failure.to_reply())
+        chunk = self._chunk(
+            stream,
+            [],
+            "error",
+            error=failure.message,
+            failure=failure.to_reply(),
+            move_to=self._moves.pop(stream.key, "") if failure.retryable else "",
+        )
         with contextlib.suppress(PeerUnreachable):
             await self._bus.publish(stream.reply_to, chunk, request_id=stream.request_id)
 

@@ -25,6 +25,9 @@ class ChatJob(Message):
     adapter: str = ""
     adapter_path: str = ""
     age_s: float = 0.0  # seconds since the request reached its frontend, when it was sent
+    # A KV preemption handed the request back having validated it on this TE
+    # (``TokenChunk.move_to``): placed there when it is ready, else wherever routing says.
+    prefer_te_id: str = ""
 
     @property
     def key(self) -> str:

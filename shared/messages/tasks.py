@@ -136,6 +136,9 @@ class TokenChunk(Message):
     failure: ErrorReply | None = None
     te_s: float = 0.0  # on an attempt's first chunk: the TE's time, task accepted to sent
     kv: KvTransferNote | None = None  # on a decode task's first chunk
+    # On a retryable failure: the TE a KV preemption validated the request on (shadow
+    # validation): its resubmission asks for that TE first (``ChatJob.prefer_te_id``).
+    move_to: str = ""
 
     @property
     def key(self) -> str:

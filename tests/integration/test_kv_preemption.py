@@ -7,8 +7,8 @@ On pool A, ``big`` and ``small`` share the device; pool B serves another instanc
 more KV than the device has, and ``small`` (at its floor) cannot shrink. A second on, pool
 A's arbiter finds that ``small``'s one request validates on pool B's device (which pool B
 told it), and preempts it: pool A's ``small`` hands the request back and unloads, its
-frontend resubmits it from the tokens it had, pool B finishes it, and the text is what it
-was alone; ``big``'s pool grows into the room, and its burst completes."""
+frontend resubmits it from the tokens it had, the job executor places it on the TE the
+preemption validated it on, pool B finishes it, and the text is what it was alone; ``big``'s pool grows into the room, and its burst completes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from services.job_executor.metrics import MOVED
 from services.task_executor.device_arbiter import KV_PREEMPTIONS
 from services.task_executor.pool import NodePool
 from shared.messages.cluster import ClusterView, TEState
@@ -108,6 +109,7 @@ async def test_a_blocked_grow_preempts_a_neighbour_whose_request_resumes_on_anot
         await load(b_small, "small")  # somewhere for it to go
         assert not story.done(), "the generation ended before the burst: make it longer"
         before = KV_PREEMPTIONS.labels("cpu")._value.get()
+        moved = MOVED.labels("small", "validated")._value.get()
         started = time.monotonic()
         burst = await asyncio.gather(
             *(
@@ -125,6 +127,9 @@ async def test_a_blocked_grow_preempts_a_neighbour_whose_request_resumes_on_anot
         assert all(r.usage is not None and r.usage.completion_tokens == 500 for r in burst)
         assert KV_PREEMPTIONS.labels("cpu")._value.get() == before + 1
         assert "".join(got) == alone.choices[0].message.content  # resumed, unchanged
+        # The hand-back named the TE the preemption validated it on, and the job executor
+        # placed it there.
+        assert MOVED.labels("small", "validated")._value.get() == moved + 1
         # Pool A's small handed its request back and unloaded; big grew into its room.
         await client.until(
             lambda v: any(t.te_id == a_small and t.state == TEState.IDLE for t in v.tes), 10

@@ -459,9 +459,9 @@ async def test_a_blocked_grow_preempts_a_smaller_neighbour_whose_requests_fit_el
     _serving(big, "m1", *(_request(f"b{k}", now) for k in range(3)))
     small = await _te(budgeted, "small", 400)
     _serving(small, "m2", _request("s1", now))
-    preempted: list[str] = []
-    small.on_preempt = lambda: preempted.append("small")
-    big.on_preempt = lambda: preempted.append("big")
+    preempted: list[tuple[str, dict[str, str]]] = []
+    small.on_preempt = lambda moves: preempted.append(("small", moves))
+    big.on_preempt = lambda moves: preempted.append(("big", moves))
     big.kv_need(1100, deadline=now + 1)
     assert await _until(lambda: small.take_squeeze())  # told, and it holds on
     away = snapshot_views(await _away(tmp_path, now), time.monotonic())
@@ -472,7 +472,8 @@ async def test_a_blocked_grow_preempts_a_smaller_neighbour_whose_requests_fit_el
     assert budgeted.preempt_blocked([away], later + 0.5) == []  # looked at once a second
     (decided,) = budgeted.preempt_blocked([away], later + 1.1)
     assert decided.neighbour == "small" and decided.moves == {"s1": "m2-away"}
-    assert await _until(lambda: preempted == ["small"])
+    # Small hears where its request validated: it hands it back naming that TE.
+    assert await _until(lambda: preempted == [("small", {"s1": "m2-away"})])
     assert KV_PREEMPTIONS.labels("cpu")._value.get() == before + 1
     # Told once: it takes no requests in other pools' plays, and is not preempted again.
     assert [i.te_id for s in budgeted.snapshots("pool-a") for i in s.instances] == ["big"]

@@ -75,6 +75,20 @@ class TestPickTE:
         assert te("c").kv_free_tokens is None
         assert pick_te("m", [a, b, te("c", running=1)], {}, request=huge).te_id == "c"
 
+    def test_a_preempted_request_goes_where_its_preemption_validated_it(self):
+        # b is busier, but the preemption that handed the request back validated it there.
+        tes = [te("a"), te("b", running=3), te("c", state=TEState.LOADING), te("d", model="x")]
+        moved = Request(prompt_tokens=100, prefer="b")
+        chosen = pick_te("m", tes, {}, request=moved)
+        assert (chosen.te_id, chosen.branch) == ("b", "validated")
+        # Gone from the view, excluded (it refused), not ready or another model's: routing
+        # chooses as for any request.
+        for prefer in ("gone", "c", "d"):
+            chosen = pick_te("m", tes, {}, request=Request(prompt_tokens=100, prefer=prefer))
+            assert (chosen.te_id, chosen.branch) == ("a", "load"), prefer
+        chosen = pick_te("m", tes, {}, exclude={"b"}, request=moved)
+        assert (chosen.te_id, chosen.branch) == ("a", "load")
+
     def test_ties_break_by_id_so_the_choice_is_deterministic(self):
         assert pick_te("m", [te("b"), te("a")], {}).te_id == "a"
 
