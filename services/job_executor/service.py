@@ -32,7 +32,7 @@ from services.job_executor.holding import GiveUp, PendingJob, PlaceOn, next_step
 from services.job_executor.kv_index import IndexFeed
 from services.job_executor.ledger import PlacementLedger
 from services.job_executor.output_length import OutputPredictor
-from services.job_executor.placement import Request, te_load
+from services.job_executor.placement import VALIDATED, Request, te_load
 from services.job_executor.planner import DECODE, PREFILL, plan_chat, with_task
 from services.job_executor.routing import RoutingConfig, spread_of
 from services.job_executor.traffic import RateMeter, TrafficLedger
@@ -364,7 +364,7 @@ class JobExecutor:
                     self._feed.placed(job.model, step.te_id, hashes, ttl_s=self._speculative_ttl_s)
                     self._outputs.placed(task.key, job.model, request.prompt_tokens)
                     if job.prefer_te_id:
-                        moved = "validated" if step.te_id == job.prefer_te_id else "rerouted"
+                        moved = VALIDATED if step.te_id == job.prefer_te_id else "rerouted"
                         metrics.MOVED.labels(job.model, moved).inc()
                     log.info(
                         "job placed",

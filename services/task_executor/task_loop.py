@@ -507,7 +507,7 @@ class TaskLoop:
         if not te.kv_sizing or resizer is None:
             self._kv_pool = None
             return
-        budgeted = te.device_kv_bytes > 0 and self._turns.active
+        budgeted = self._budgeted
         squeeze = self._turns.take_squeeze() or self._squeeze_left
         loaded = False  # a model just loaded: its pool enters the device's books
         if self._kv_pool is None or self._kv_pool.engine is not resizer:
@@ -560,13 +560,13 @@ class TaskLoop:
         it drains or closes (its memory is still in use). A new engine sizes its pool at once,
         so the books count it before its first request."""
         control = self._control
-        if control.engine is None and self._told_perf is not None:
-            self._told_perf = None  # it serves nothing: no instance for the device's plays
-            self._turns.serving(None)
         if control.engine is None:
+            if self._told_perf is not None:
+                self._told_perf = None  # it serves nothing: no instance for the device's plays
+                self._turns.serving(None)
             if self._kv_pool is not None and control.state != TEState.DRAINING:
                 self._kv_pool = None
-                if self._settings.task_executor.device_kv_bytes > 0 and self._turns.active:
+                if self._budgeted:
                     self._turns.kv_hold(0)
             elif self._reserved and control.state == TEState.IDLE:  # the load failed
                 self._reserved = False
