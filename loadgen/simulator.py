@@ -793,6 +793,10 @@ class Simulation:
             prompt_tokens=seq.prompt,
             cached_tokens=cached,
             spread=spread_of(self.cfg.routing, self._round_robin, seq.plan.key),
+            ttft_left_s=EPOCH
+            + seq.result.sent_s
+            + self.cfg.slo.ttft_limit_s(seq.plan.input_tokens)
+            - self.now,
         )
         step = next_step(
             seq.job,

@@ -11,11 +11,20 @@ pairs (DeepServe's first branch) come with disaggregation.
 A request a KV preemption handed back goes first to the TE the preemption validated it on
 (``kv_sizing.preemption`` played it there with shadow validation, as the simulator places
 it): the routing branch ``validated``. Where that TE is gone, busy loading something else or
-refused it, routing chooses as for any request."""
+refused it, routing chooses as for any request.
+
+While another instance of the model loads, a ready TE takes a request that can still meet
+its TTFT only if it would prefill its queue and the request's prompt in the time left
+(late binding): a scale-out's first instance up does not take every request held for it,
+to serve them one after another while the instances behind it come up empty. What none can
+take in time waits, held, for the first instance that can (one loads, or a queue drains).
+A request already late goes where routing says (it keeps no instance coming up from one
+still in time), and once nothing loads, routing chooses among all as before."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Mapping, Sequence
 
 from services.job_executor import ledger
@@ -42,6 +51,10 @@ class Request:
     # The TE a KV preemption validated the request on (``ChatJob.prefer_te_id``): chosen
     # over what routing would say while it is ready and not excluded.
     prefer: str = ""
+    # Seconds left before its TTFT limit (``SLO.ttft_limit_s`` from its arrival): while an
+    # instance of its model loads, no ready TE that would start it later takes it (inf: no
+    # limit; 0 or less: late already, any).
+    ttft_left_s: float = math.inf
 
 
 NO_REQUEST = Request()
@@ -78,6 +91,17 @@ def kv_room(te: TEView, unreported: Mapping[str, JobShare]) -> int | None:
     )
 
 
+def prefill_wait_s(te: TEView, unreported: Mapping[str, JobShare], request: Request) -> float:
+    """Seconds the TE needs to prefill what is queued on it and the request's prompt, less
+    the prefix it holds (0 where its capacity is not known)."""
+    if te.capacity is None:
+        return 0.0
+    tokens = ledger.prefill_tokens(te, unreported) + max(
+        request.prompt_tokens - request.cached_tokens.get(te.te_id, 0), 0
+    )
+    return tokens / te.capacity.prefill_tokens_per_s(request.prompt_tokens)
+
+
 def pick_te(
     model: str,
     tes: Sequence[TEView],
@@ -99,6 +123,15 @@ def pick_te(
         return Placement(te_id=None, scale_up=not loading)
     if request.prefer and any(te.te_id == request.prefer for te in ready):
         return Placement(te_id=request.prefer, branch=VALIDATED)
+    if 0 < request.ttft_left_s < math.inf and any(
+        te.model == model and te.state == TEState.LOADING and (te.lora or not request.adapter)
+        for te in tes
+    ):
+        ready = [
+            te for te in ready if prefill_wait_s(te, unreported, request) <= request.ttft_left_s
+        ]
+        if not ready:  # held for the instance coming up, or a queue that drains
+            return Placement(te_id=None)
     candidates = [
         Candidate(
             te.te_id,

@@ -103,6 +103,7 @@ class JobExecutor:
             balance_tokens=je.routing_balance_tokens,
         )
         self._speculative_ttl_s = je.routing_speculative_ttl.total_seconds()
+        self._slo = settings.scaler.slo()  # a request's TTFT limit, for late binding
         self._pd = pd_config(je)
         self._feed = IndexFeed(
             bus,
@@ -309,6 +310,9 @@ class JobExecutor:
                     spread=spread,
                     adapter=job.adapter,
                     prefer=job.prefer_te_id,
+                    ttft_left_s=self._arrivals.get(job.key, time.monotonic())
+                    + self._slo.ttft_limit_s(len(job.prompt_token_ids))
+                    - time.monotonic(),
                 )
                 step = next_step(
                     pending,

@@ -7,6 +7,7 @@ from services.job_executor.holding import GiveUp, Hold, PendingJob, PlaceOn, nex
 from services.job_executor.placement import Request, pick_te
 from services.views import TEView, te_view
 from shared.messages.cluster import JobShare, TEHeartbeat, TEState
+from shared.messages.scaling import InstanceCapacity
 
 
 def te(te_id, state=TEState.READY, model="m", running=0, waiting=0, pool="p1") -> TEView:
@@ -112,6 +113,45 @@ class TestPickTE:
         # No LoRA TE at all: none (the job is held), and the base model goes anywhere.
         assert pick_te("m", [plain], {}, request=ask).te_id is None
         assert pick_te("m", [plain, holder], {}, request=Request(prompt_tokens=16)).te_id == "a"
+
+    def test_while_an_instance_loads_a_ready_te_takes_only_what_it_starts_in_time(self):
+        # 10,000 prompt tokens a second: a 4,000-token prompt takes 0.4 s alone.
+        cap = InstanceCapacity(
+            prefill_s=1e-4,
+            prefill_attention_s=0.0,
+            decode_s=1e-3,
+            decode_context_s=0.0,
+            max_num_seqs=8,
+        )
+
+        def ready(te_id, queued):
+            return dataclasses.replace(te(te_id), capacity=cap, queued_prompt_tokens=queued)
+
+        loading = te("c", state=TEState.LOADING)
+        ask = Request(prompt_tokens=4000, ttft_left_s=1.0)
+        # a's queue (5,000 tokens) and the prompt: 0.9 s, in time; b's (7,000): 1.1 s.
+        assert pick_te("m", [ready("a", 5000), loading], {}, request=ask).te_id == "a"
+        held = pick_te("m", [ready("b", 7000), loading], {}, request=ask)
+        assert (held.te_id, held.scale_up) == (None, False)
+        # Unplaced jobs this JE put there count: one more 4,000-token prompt makes a late.
+        more = {"a": JobShare(prefill_tokens=4000)}
+        assert pick_te("m", [ready("a", 5000), loading], more, request=ask).te_id is None
+        # Where a cached prefix spares the prefill, in time again.
+        cached = dataclasses.replace(ask, cached_tokens={"b": 3000})
+        assert pick_te("m", [ready("b", 7000), loading], {}, request=cached).te_id == "b"
+        # Among several, routing chooses among those in time.
+        assert (
+            pick_te("m", [ready("a", 5000), ready("b", 7000), loading], {}, request=ask).te_id
+            == "a"
+        )
+        # Nothing loading: late or not, routing chooses as before; no limit: as before too.
+        assert pick_te("m", [ready("b", 7000)], {}, request=ask).te_id == "b"
+        assert pick_te("m", [ready("b", 7000), loading], {}, request=Request(4000)).te_id == "b"
+        # Late already: where routing says (it keeps no instance coming up from one in time).
+        late = dataclasses.replace(ask, ttft_left_s=-0.1)
+        assert pick_te("m", [ready("b", 7000), loading], {}, request=late).te_id == "b"
+        # A TE whose capacity is unknown takes it (nothing to say it would be late).
+        assert pick_te("m", [te("d", waiting=50), loading], {}, request=ask).te_id == "d"
 
     def test_asks_for_scale_up_only_when_nothing_is_loading(self):
         assert pick_te("m", [te("x", state=TEState.IDLE, model=None)], {}).scale_up
