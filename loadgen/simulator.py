@@ -1250,10 +1250,10 @@ class Simulation:
             te.busy = True
             self._at(self.now + delay, "iteration", (te, None))
 
-    def _iteration_done(self, arg: tuple[_TE, tuple[dict[_Seq, int], list[_Seq]] | None]) -> None:
+    def _iteration_done(self, arg: tuple[_TE, dict[_Seq, int] | None]) -> None:
         te, batch = arg
         if batch is not None:
-            self._finish_iteration(te, *batch)
+            self._finish_iteration(te, batch)
         self._size_kv(te)  # as a TE, after each iteration
         te.busy = False
         if not self._turn_taking:
@@ -1631,6 +1631,9 @@ class Simulation:
         going_on = set(decision.running)
         ran = [s for s in te.running if str(id(s)) in going_on]
         prefill = [te.waiting.popleft() for _ in range(len(decision.prefill))]
+        # Admitted: running from now on, as the engine counts them (a heartbeat during this
+        # iteration reports them, and the JE's ledger keeps them).
+        te.running.extend(prefill)
         for s in prefill:
             hit = hits.get(s, 0)
             if hit:
@@ -1669,14 +1672,12 @@ class Simulation:
             self.stats.turns += 1
         self.stats.iterations += 1
         te.busy = True
-        self._at(self.now + step, "iteration", (te, (ends, prefill)))
+        self._at(self.now + step, "iteration", (te, ends))
 
-    def _finish_iteration(self, te: _TE, ends: dict[_Seq, int], prefill: list[_Seq]) -> None:
+    def _finish_iteration(self, te: _TE, ends: dict[_Seq, int]) -> None:
         """``ends``: how many tokens each request that ran has in the cache now."""
         arrive = self.now + self.cfg.network_s  # the token reaches the client
         te.last_active = self.now
-        for s in prefill:
-            te.running.append(s)
         for s, end in ends.items():
             s.computed = end
             if end < s.num_tokens:

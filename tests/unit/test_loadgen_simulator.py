@@ -10,8 +10,9 @@ import pytest
 from loadgen.costmodel import EngineProfile
 from loadgen.plan import plan
 from loadgen.report import summarize
-from loadgen.simulator import SimConfig, simulate
+from loadgen.simulator import EPOCH, SimConfig, Simulation, simulate
 from loadgen.traces import TraceRequest
+from shared.messages.cluster import TEState
 from shared.perf_model import fit_prefill
 from shared.slo import SLO
 from tests.shared_traces import azure_slice
@@ -268,3 +269,26 @@ def test_admission_control_refuses_a_burst_beyond_the_queue_bound_at_once() -> N
         planned, {"m": profile(max_num_seqs=2)}, SimConfig(**base, max_queued_per_slot=0)
     )
     assert stats.shed == 0 and all(r.status != 503 or "no_capacity" in r.error for r in results)
+
+
+def test_a_heartbeat_during_a_prompts_first_iteration_reports_it() -> None:
+    """A prompt the engine admitted is the TE's work from then on: a heartbeat while its
+    first (here its only) prefill iteration runs reports it, so the JE's ledger keeps it and
+    routing sees the TE busy (a report without it ended its ledger entry, and the next long
+    prompt went to a TE whose KV it did not fit)."""
+    seen: list[tuple[float, int, int]] = []
+
+    class Watched(Simulation):
+        def _report(self, te) -> None:  # a heartbeat reaching the view
+            super()._report(te)
+            v = self._view[te.te_id]
+            if v.state == TEState.READY:
+                seen.append((self.now - EPOCH, v.running + v.waiting, v.queued_prompt_tokens))
+
+    # 2,000 prompt tokens at 10 ms each: one 20 s iteration from the load's end (2 s).
+    p = profile(prefill_s=0.01, max_prefill_tokens=4096)
+    sim = Watched(plan(trace((0.0, 2000, 4)), model="m"), {"m": p}, SimConfig(devices=1, **NO_NET))
+    sim.run()
+    during = [(n, q) for t, n, q in seen if 3.0 <= t <= 21.0]
+    assert during  # a TE reports at the heartbeat after its work changed
+    assert set(during) == {(1, 2000)}
