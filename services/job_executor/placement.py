@@ -118,15 +118,12 @@ def pick_te(
         and te.te_id not in exclude
         and (te.lora or not request.adapter)
     ]
+    loading = [te for te in tes if te.model == model and te.state == TEState.LOADING]
     if not ready:
-        loading = any(te.model == model and te.state == TEState.LOADING for te in tes)
         return Placement(te_id=None, scale_up=not loading)
     if request.prefer and any(te.te_id == request.prefer for te in ready):
         return Placement(te_id=request.prefer, branch=VALIDATED)
-    if 0 < request.ttft_left_s < math.inf and any(
-        te.model == model and te.state == TEState.LOADING and (te.lora or not request.adapter)
-        for te in tes
-    ):
+    if 0 < request.ttft_left_s < math.inf and any(te.lora or not request.adapter for te in loading):
         ready = [
             te for te in ready if prefill_wait_s(te, unreported, request) <= request.ttft_left_s
         ]

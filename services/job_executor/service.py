@@ -302,6 +302,7 @@ class JobExecutor:
                 candidates = [
                     te.te_id for te in tes if te.model == job.model and te.state == TEState.READY
                 ]
+                mono = time.monotonic()
                 request = Request(
                     prompt_tokens=len(job.prompt_token_ids),
                     cached_tokens=self._feed.cached_tokens(
@@ -310,9 +311,9 @@ class JobExecutor:
                     spread=spread,
                     adapter=job.adapter,
                     prefer=job.prefer_te_id,
-                    ttft_left_s=self._arrivals.get(job.key, time.monotonic())
+                    ttft_left_s=self._arrivals.get(job.key, mono)
                     + self._slo.ttft_limit_s(len(job.prompt_token_ids))
-                    - time.monotonic(),
+                    - mono,
                 )
                 step = next_step(
                     pending,
