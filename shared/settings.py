@@ -571,7 +571,8 @@ class TaskExecutorSettings(Section):
         "at a time, the next turn to the TE holding the request closest to its SLO deadline "
         "(LLM-Mesh; services/task_executor/device_arbiter.py), where that pays: a GPU, or CPU "
         "TEs whose threads together outnumber the cores. Off: each TE's iterations run "
-        "whenever it has work, competing for the device.",
+        "whenever it has work, competing for the device (with MESHSERVE_SHADOW_ADMISSION or "
+        "MESHSERVE_KV_PREEMPTION the pool still serves an arbiter that only observes).",
     )
     turn_spin_count: int = Field(
         default=10000,
@@ -621,8 +622,9 @@ class TaskExecutorSettings(Section):
     )
     shadow_admission: bool = Field(
         default=False,
-        description="Where a pool's TEs take turns and a model has a performance model, a TE "
-        "asks the device arbiter to play the device's next iterations forward with the new "
+        description="Where a model has a performance model, a TE asks its pool's device "
+        "arbiter (one that only observes where the pool's TEs take no turns: the TE's own "
+        "iterations alone) to play the device's next iterations forward with the new "
         "request (shadow validation, services/job_executor/shadow.py) before it takes it, and "
         "refuses it (the job executor tries another instance) when it would be late, push "
         "another request past its deadline, or stretch a decode round past the TPOT. Off: "

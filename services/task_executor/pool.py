@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from services.task_executor.device_arbiter import DeviceArbiter, shares_device
+from services.task_executor.device_arbiter import DeviceArbiter, serves_arbiter, shares_device
 from services.task_executor.device_views import DeviceViews
 from services.task_executor.host_cache_watch import HostCachePublication, HostCacheWatch
 from services.task_executor.pool_metrics import PoolCollector
@@ -56,12 +56,15 @@ class NodePool:
         self.metrics = MetricsServer(settings.metrics, "node pool")
         te = settings.task_executor
         # Its TEs share the pool's device (its cores, or its GPU): one iteration at a time.
+        # Or they do not, and the arbiter only observes what each holds (device_arbiter.py).
+        cores = len(os.sched_getaffinity(0))
         self.arbiter = (
             DeviceArbiter(
                 Path(tempfile.gettempdir()) / f"meshserve-turns-{uuid.uuid4().hex[:12]}",
                 kv_budget_bytes=te.device_kv_bytes if te.kv_sizing else 0,
+                turns=shares_device(te, cores),
             )
-            if shares_device(te, len(os.sched_getaffinity(0)))
+            if serves_arbiter(te, cores)
             else None
         )
 
@@ -141,13 +144,16 @@ class NodePool:
             te_id = f"te-{self.pool_id.removeprefix('pool-')}-{slot}-{uuid.uuid4().hex[:4]}"
             # The pool's health file is the pool's: its TEs must not keep it fresh for it.
             # Nor its metrics port: the pool serves its TEs' metrics.
+            turns = self.arbiter is not None and self.arbiter.turns
             own = self._settings.with_values(
                 health_file=None,
                 metrics={"port": 0},
                 device_arbiter=str(self.arbiter.path) if self.arbiter is not None else "",
+                # Books of the device's KV only where its TEs share it (take turns).
+                **({} if turns else {"device_kv_bytes": 0}),
             )
             # TEs that take turns: their threads stop spinning soon after their iteration.
-            spin = turn_spin_environment(own.task_executor) if self.arbiter is not None else {}
+            spin = turn_spin_environment(own.task_executor) if turns else {}
             env = process_environment({**own.env(), **spin})
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,

@@ -166,12 +166,10 @@ class TaskLoop:
         self._closing = False
         self._idle = asyncio.Event()
         self._idle.set()
-        # Turns on the device this pool's TEs share (device_arbiter.py); each iteration asks
-        # with the most urgent deadline among this TE's requests.
-        self._turns = TurnClient(
-            settings.task_executor.device_arbiter if settings.task_executor.device_turns else "",
-            te_id,
-        )
+        # Turns on the device this pool's TEs share (device_arbiter.py; or an arbiter that
+        # only observes, granting every turn at once); each iteration asks with the most
+        # urgent deadline among this TE's requests.
+        self._turns = TurnClient(settings.task_executor.device_arbiter, te_id)
         self._turns.on_squeeze = self._squeezed
         self._squeezing: asyncio.Task[None] | None = None
         self._preempting: asyncio.Task[ControlAck] | None = None

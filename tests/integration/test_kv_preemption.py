@@ -1,6 +1,7 @@
 """KV preemption across devices (``MESHSERVE_KV_PREEMPTION``, LLM-Mesh), with real processes:
-two node pools, each a device of two TEs under a KV budget, a cluster manager, a job
-executor and a frontend, called with the official ``openai`` client.
+two node pools (pool A a device of two TEs under a KV budget, pool B one TE, whose arbiter
+only observes: no turns, no books), a cluster manager, a job executor and a frontend,
+called with the official ``openai`` client.
 
 On pool A, ``big`` and ``small`` share the device; pool B serves another instance of
 ``small``. A long greedy generation runs on pool A's ``small``; a burst on ``big`` then wants
@@ -54,13 +55,18 @@ async def test_a_blocked_grow_preempts_a_neighbour_whose_request_resumes_on_anot
         kv_preemption=True,
     )
     async with control_plane(settings, nats_url, redis_url) as run:
+        # Pool B's one TE takes no turns: its arbiter only observes what it holds, and
+        # publishes that (the place small's request may go).
+        single = settings.with_values(pool_size=1)
         pools = [
-            await run.start(lambda bus, p=p: NodePool(settings=settings, pool_id=p, bus=bus))
-            for p in ("pool-a", "pool-b")
+            await run.start(lambda bus, p=p, s=s: NodePool(settings=s, pool_id=p, bus=bus))
+            for p, s in (("pool-a", settings), ("pool-b", single))
         ]
+        assert pools[0].arbiter is not None and pools[0].arbiter.turns
+        assert pools[1].arbiter is not None and not pools[1].arbiter.turns
         client: BusClient = await run.start(lambda bus: BusClient(settings, bus))
         await client.started.wait()
-        await client.until(lambda v: len(v.tes) == 4, 90)
+        await client.until(lambda v: len(v.tes) == 3, 90)
         a_big, a_small = sorted(t.te_id for t in client.view.view.tes if t.pool_id == "pool-a")
         b_small = min(t.te_id for t in client.view.view.tes if t.pool_id == "pool-b")
 

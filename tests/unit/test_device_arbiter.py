@@ -8,6 +8,7 @@ the shrink that makes its room."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ from services.task_executor.device_arbiter import (
     DeviceArbiter,
     Instance,
     TurnClient,
+    serves_arbiter,
     shares_device,
     snapshot_views,
 )
@@ -147,6 +149,59 @@ async def test_without_an_arbiter_turns_are_granted_at_once(tmp_path: Path) -> N
 def test_turns_are_served_where_one_iteration_fills_the_device(values: dict, pays: bool) -> None:
     te = Settings.load(**({"pool_size": 2} | values)).task_executor
     assert shares_device(te, cores=2) is pays
+
+
+@pytest.mark.parametrize(
+    ("values", "serves"),
+    [
+        ({"pool_size": 2, "device": "cuda"}, True),  # turns
+        ({"pool_size": 1}, False),
+        ({"pool_size": 1, "shadow_admission": True}, True),  # observes
+        ({"pool_size": 1, "kv_preemption": True}, True),
+        ({"pool_size": 2, "torch_threads": 1, "kv_preemption": True}, True),  # threads fit
+        ({"pool_size": 1, "device_turns": False, "shadow_admission": True}, True),
+    ],
+)
+def test_a_pool_serves_an_arbiter_for_turns_or_to_observe(values: dict, serves: bool) -> None:
+    te = Settings.load(**values).task_executor
+    assert serves_arbiter(te, cores=2) is serves
+
+
+async def test_an_arbiter_that_observes_plays_each_te_as_a_device_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """No turns: a TE's turn is granted while another's is held; each TE is a device of its
+    own in the snapshots (other pools' plays) and in its own checks (a neighbour's long
+    queue does not make a new request late); no KV books, whatever the budget."""
+    arbiter = DeviceArbiter(tmp_path / "observe", kv_budget_bytes=1000, turns=False)
+    await arbiter.start()
+    assert arbiter.kv_budget_bytes == 0
+    a, b = TurnClient(str(arbiter.path), "a"), TurnClient(str(arbiter.path), "b")
+    turn_a = _Turn(a, 100.0)
+    assert await turn_a.granted()
+    turn_b = _Turn(b, 10.0)
+    assert await turn_b.granted()  # not after a's: a device of its own
+    await turn_a.end()
+    await turn_b.end()
+    now = time.monotonic()
+    # a: 40 requests of 2,000-token prompts still to prefill (seconds of work); b: idle.
+    queued = [
+        dataclasses.replace(_request(f"q{k}", now), computed_tokens=0, output_tokens=0)
+        for k in range(40)
+    ]
+    queued = [dataclasses.replace(r, prompt_tokens=2000) for r in queued]
+    _serving(a, "m1", *queued)
+    _serving(b, "m1")
+    assert await _until(lambda: len(arbiter.snapshots("p")) == 2)
+    snaps = {s.device: [i.te_id for i in s.instances] for s in arbiter.snapshots("p")}
+    assert snaps == {"cpu#a": ["a"], "cpu#b": ["b"]}
+    new = dataclasses.replace(_request("n", now), computed_tokens=0, output_tokens=0, ttft_slo=1.0)
+    assert (await b.check(new, "cpu")).ok  # b plays alone: a's queue is not its
+    assert not (await a.check(new, "cpu")).ok  # behind a's queue it would be late
+    assert math.isinf(b.kv_room)  # no books: it holds what it will
+    a.close()
+    b.close()
+    await arbiter.stop()
 
 
 async def test_a_te_slower_than_its_profile_is_stretched(arbiter: DeviceArbiter) -> None:
