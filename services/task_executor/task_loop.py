@@ -62,14 +62,20 @@ from shared.messages.tasks import (
     TokenChunk,
 )
 from shared.perf_model import PerfModel
-from shared.settings import Settings
+from shared.settings import Settings, TaskExecutorSettings
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
-# The device a TE names to its pool's arbiter for the KV books (the pool's one device)
-# before an engine says which it runs on: KV sized by demand runs on CPU engines.
-BOOKS_DEVICE = "cpu"
+
+def books_device(te: TaskExecutorSettings) -> str:
+    """The device a TE names to its pool's arbiter for the KV books (the pool's one device)
+    before an engine says which it runs on: the pool's, as the torch engine (the one whose
+    KV pool resizes) will name it (``auto``: a GPU where there is one; ``cuda``: its
+    index)."""
+    from services.task_executor.engines.torch_engine.build import resolve_device
+
+    return str(resolve_device(te.device))
 
 
 @dataclasses.dataclass(slots=True)
@@ -434,7 +440,7 @@ class TaskLoop:
 
     async def run(self) -> None:
         if self._budgeted:  # an idle TE hears the books too (the scaler places loads by them)
-            await self._turns.announce(BOOKS_DEVICE)
+            await self._turns.announce(books_device(self._settings.task_executor))
         while not self._closing:
             try:  # an idle TE still looks at its KV pool now and then (it shrinks lazily)
                 tick = self._kv_pool.idle_tick_s if self._kv_pool is not None else None
@@ -597,7 +603,8 @@ class TaskLoop:
         wait_s = te.kv_room_wait.total_seconds()
         self._reserved = True
         self.kv_floor_bytes = floor
-        if not await self._turns.kv_reserve(floor, BOOKS_DEVICE, time.monotonic(), wait_s):
+        device = books_device(te)
+        if not await self._turns.kv_reserve(floor, device, time.monotonic(), wait_s):
             self._reserved = False
             raise NoKvRoom(
                 f"no room on the device for {cmd.model}'s KV ({floor} bytes, its floor) "

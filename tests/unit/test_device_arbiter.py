@@ -8,6 +8,7 @@ the shrink that makes its room."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
@@ -26,6 +27,7 @@ from services.task_executor.device_arbiter import (
     shares_device,
     snapshot_views,
 )
+from services.task_executor.task_loop import books_device
 from shared.headroom import RequestView
 from shared.messages.base import decoder_for, encode
 from shared.messages.devices import DeviceInstance, DeviceRequest, DeviceSnapshot
@@ -50,8 +52,16 @@ class _Turn:
         self.entered = asyncio.create_task(self._cm.__aenter__())
 
     async def granted(self) -> bool:
-        await asyncio.sleep(0.05)
+        """Whether the turn is granted, waiting up to a second for it (a grant takes
+        milliseconds, but a garbage collection of the test process may hold it for tens)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.entered), 1.0)
         return self.entered.done()
+
+    async def waiting(self) -> bool:
+        """Whether the turn is still not granted 50 ms on (it waits for another's)."""
+        await asyncio.sleep(0.05)
+        return not self.entered.done()
 
     async def end(self) -> None:
         await self.entered
@@ -63,13 +73,13 @@ async def test_the_turn_goes_to_the_earliest_deadline_waiting(arbiter: DeviceArb
     turn_a = _Turn(a, 100.0)
     assert await turn_a.granted()
     turn_b, turn_c = _Turn(b, 10.0), _Turn(c, 5.0)
-    assert not await turn_b.granted() and not await turn_c.granted()  # a holds it
+    assert await turn_b.waiting() and await turn_c.waiting()  # a holds it
     await turn_a.end()
-    assert await turn_c.granted() and not await turn_b.granted()  # 5 before 10
+    assert await turn_c.granted() and await turn_b.waiting()  # 5 before 10
     again_a = _Turn(a, 1.0)  # a asks again, most urgent now
-    assert not await again_a.granted()
+    assert await again_a.waiting()
     await turn_c.end()
-    assert await again_a.granted() and not await turn_b.granted()
+    assert await again_a.granted() and await turn_b.waiting()
     await again_a.end()
     assert await turn_b.granted()
     await turn_b.end()
@@ -84,11 +94,11 @@ async def test_a_te_between_iterations_does_not_hold_the_device(arbiter: DeviceA
     turn_a = _Turn(a, 1.0)
     assert await turn_a.granted()
     turn_b = _Turn(b, 5.0)
-    assert not await turn_b.granted()
+    assert await turn_b.waiting()
     await turn_a.end()
     assert await turn_b.granted()
     again_a = _Turn(a, 2.0)
-    assert not await again_a.granted()
+    assert await again_a.waiting()
     await turn_b.end()
     assert await again_a.granted()
     await again_a.end()
@@ -101,7 +111,7 @@ async def test_a_te_that_goes_away_gives_its_turn_back(arbiter: DeviceArbiter) -
     turn_a = _Turn(a, 1.0)  # held (and never ended)
     assert await turn_a.granted()
     turn_b = _Turn(b, 5.0)
-    assert not await turn_b.granted()
+    assert await turn_b.waiting()
     a.close()  # its process died: the connection drops
     assert await turn_b.granted()
     b.close()
@@ -567,3 +577,13 @@ def test_another_pools_request_times_move_onto_this_hosts_clock() -> None:
     views, takes = snapshot_views(snapshot, 5000.0)
     assert views[0].requests == (RequestView(4990.0, 100, 50, 2.0, 0.1, 100, 3, "r"),)
     assert takes == {"t": "m"}  # a prefill instance takes no request of another's
+
+
+def test_a_te_names_its_pools_device_to_the_books_as_its_engine_will() -> None:
+    """Before its engine exists (the books, a load's reservation) a TE names the pool's
+    device as the torch engine will: auto is a GPU where there is one, with its index."""
+    import torch
+
+    assert books_device(Settings.load(device="cpu").task_executor) == "cpu"
+    auto = books_device(Settings.load(device="auto").task_executor)
+    assert auto == ("cuda:0" if torch.cuda.is_available() else "cpu")
