@@ -424,8 +424,6 @@ class _TE:
     pool_blocks: int = 0  # the blocks its KV pool holds (free_blocks of them unused)
     kv_room: float = math.inf  # bytes of KV its device's books let it hold now
     squeeze_left: bool = False  # told to shrink and held back by blocks in use
-    # Preempted mid-iteration (``_move_out``): where its requests go once the iteration ends.
-    moving_out: dict[str, str] | None = None
     load_s: float = 0.0  # how long its load takes (after the room for its KV, if it waits)
     books: _Device | None = None  # its device, whose books its KV pool grows within
 
@@ -1256,10 +1254,6 @@ class Simulation:
         te, batch = arg
         if batch is not None:
             self._finish_iteration(te, batch)
-        if te.moving_out is not None:  # preempted during the iteration: its requests go now
-            te.busy = False
-            self._move_out(te, {})
-            te.busy = True
         self._size_kv(te)  # as a TE, after each iteration
         te.busy = False
         if not self._turn_taking:
@@ -1466,36 +1460,22 @@ class Simulation:
 
     def _move_out(self, te: _TE, moves: Mapping[str, str]) -> None:
         """A preempted neighbour's requests go where ``moves`` says, recomputed there, and
-        the neighbour unloads. One mid-iteration (time-sliced, or the device's turn taken
-        while another TE's books changed) stops taking requests now and hands them back
-        when the iteration ends, as a TE hears ``preempt`` between two iterations: the
-        iteration's tokens are its requests' own, not a copy's on their new TE."""
+        the neighbour unloads."""
         device = self._devices[te.device]
         if te in device.wanting:  # waiting for its turn: it no longer needs one
             del device.wanting[te]
             te.busy = False
-        if te.busy:  # mid-iteration (its end is due): the requests go once it ended
-            if te.moving_out is None:
-                self.stats.kv_preemptions += 1
-                self._drain(te)
-            te.moving_out = {**(te.moving_out or {}), **moves}
-            return
-        if te.moving_out is None:
-            self.stats.kv_preemptions += 1
-        moves = {**(te.moving_out or {}), **moves}
-        te.moving_out = None
-        # Any request it took after the decision goes where the others of its model go.
-        fallback = next(iter(moves.values()), None)
         seqs = list(itertools.chain(te.running, te.waiting))
         te.running.clear()
         te.waiting.clear()
+        self.stats.kv_preemptions += 1
         for s in seqs:
             key = s.plan.key
             te.free_blocks += s.blocks - s.shared_blocks
             s.blocks = s.shared_blocks = s.computed = s.matched = 0
             s.prompt = s.num_tokens  # recomputed from all its tokens, as a preempted request
             self._ledger.ended(key, te.te_id)
-            target = self._by_id[moves.get(key) or fallback or ""]
+            target = self._by_id[moves[key]]
             self._ledger.placed(target.te_id, key, s.prompt, 0)
             target.placements += 1
             s.placement = target.placements
@@ -1504,10 +1484,7 @@ class Simulation:
                 self._ledger.prefilled(key, target.te_id)
             self.stats.kv_moved += 1
             self._enqueue(target, s)
-        if te.state == TEState.READY:
-            self._drain(te)
-        else:  # drained when preempted mid-iteration
-            self._maybe_unloaded(te)
+        self._drain(te)
 
     # -- shared devices ------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ from loadgen.plan import plan
 from loadgen.simulator import SimConfig, Simulation, simulate
 from loadgen.traces import TraceRequest
 from loadgen.transforms import spread_models
-from shared.messages.cluster import TEState
 from shared.settings import ModelScaling
 from shared.slo import SLO
 from tests.unit.test_loadgen_simulator import profile
@@ -208,50 +207,3 @@ def test_a_blocked_grow_preempts_a_smaller_neighbour_whose_requests_fit_elsewher
     assert before.kv_preemptions == 0 and before.preemptions > 0
     assert after.kv_preemptions == 1 and after.kv_moved == 1 and after.preemptions == 0
     assert ended_after < ended_before - 10
-
-
-class _PreemptMidIteration(Simulation):
-    """Preempts the first instance of b that starts an iteration in which one of its
-    requests produces its last token, while that iteration runs (``_move_out``, as a
-    neighbour's blocked grow does): its requests go to b's other instance."""
-
-    moved: list[str]
-
-    def _start_iteration(self, te):  # type: ignore[no-untyped-def]
-        super()._start_iteration(te)
-        if getattr(self, "moved", None) is not None or te.model != "b" or not te.busy:
-            return
-        if not any(s.generated == s.plan.output_tokens - 1 > 0 for s in te.running):
-            return
-        other = next(t for t in self._by_id.values() if t.model == "b" and t is not te)
-        seqs = [*te.running, *te.waiting]
-        self.moved = [te.te_id]
-        self._move_out(te, {s.plan.key: other.te_id for s in seqs})
-        assert te.busy and te.state == TEState.DRAINING  # its iteration ends first
-
-
-def test_a_neighbour_preempted_mid_iteration_hands_its_requests_back_when_it_ends() -> None:
-    # Two instances of b on two devices, two requests of b on each; one instance is
-    # preempted while an iteration runs in which one of its requests ends. That request
-    # ends there (its last token is that iteration's); the other moves, recomputes on the
-    # other instance and ends with all its tokens; the preempted instance unloads.
-    reqs = _trace(
-        (0.0, 1, 1, "b"),
-        *((4.0 + i / 100, 300, 200, "b") for i in range(4)),
-    )
-    cfg = SimConfig(
-        devices=2,
-        network_s=0.0,
-        keep_alive_s=600,
-        min_replicas=2,
-        max_replicas=2,
-        slo=SLO(ttft_s=60, tpot_s=1.0),
-    )
-    sim = _PreemptMidIteration(plan(reqs), {"b": profile("b")}, cfg)
-    results = sim.run()
-    assert sim.moved
-    assert all(r.ok for r in results)
-    assert [r.completion_tokens for r in results] == [1, 200, 200, 200, 200]
-    assert sim.stats.kv_preemptions == 1 and sim.stats.kv_moved >= 1
-    # It unloaded once its iteration ended (and the scaler loads b again: min_replicas 2).
-    assert sim.stats.unloads == 1 and sim.stats.loads == 3
