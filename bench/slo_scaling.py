@@ -1,7 +1,8 @@
 """Does autoscaling keep the SLO that a fleet always on keeps? In the simulator, the same
 requests twice per case: the scaler from zero (``autoscaled``), and every device holding an
 instance throughout (``always-on``: ``--min-replicas`` = devices). Per case: SLO attainment
-of both, the gap in points, and the autoscaled fleet's instance-seconds over always-on's.
+of both, the gap in points, and the autoscaled fleet's instance-seconds over always-on's
+(both until the replay's last request ended: the keep-alive after it is not compared).
 The goal (issue 32): the gap within 2 points at ≤ 0.6× the instance-seconds.
 
 Each run is ``meshserve-loadgen simulate`` as a user runs it (every policy as it ships: the

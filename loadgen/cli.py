@@ -440,7 +440,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     peak = max(stats.peak_replicas.values(), default=0)
     print(
-        f"instance-seconds {stats.instance_seconds:.0f}, peak replicas of one model {peak}, "
+        f"instance-seconds {stats.instance_seconds:.0f} (then {stats.tail_instance_seconds:.0f} "
+        f"waiting out the keep-alive), peak replicas of one model {peak}, "
         f"held requests {stats.held} (mean wait "
         f"{stats.held_wait_s / max(stats.held, 1):.2f} s), timeouts {stats.timeouts}, "
         f"refused by admission control {stats.shed}"

@@ -284,7 +284,11 @@ class SimStats:
     shed: int = 0  # refused at once by admission control
     max_busy_devices: int = 0
     peak_replicas: dict[str, int] = dataclasses.field(default_factory=dict)
-    instance_seconds: float = 0.0  # TEs loading, serving or draining a model
+    # TEs loading, serving or draining a model, until the replay's last request ended (the
+    # horizon every fleet is measured over: an always-on fleet's instances run on past it
+    # too, uncounted); after it, the instances that wait out their keep-alive.
+    instance_seconds: float = 0.0
+    tail_instance_seconds: float = 0.0
     held: int = 0  # requests that waited for an instance
     held_wait_s: float = 0.0  # their waits, summed
     prompt_tokens: int = 0  # of requests placed
@@ -658,6 +662,7 @@ class Simulation:
         self._ready: dict[str, int] = {}  # model -> instances ready (truth, not the view)
         self._cold: list[Result] = []  # requests that found no instance of their model ready
         self.results: list[Result] = []
+        self._spans: list[tuple[float, float]] = []  # (since, until) a TE held a model
 
     # -- event queue ----------------------------------------------------------------------
 
@@ -697,7 +702,11 @@ class Simulation:
             if te.state == TEState.PRELOADING:
                 self.stats.preload_seconds += self.now - te.since
             elif te.state != TEState.IDLE:
-                self.stats.instance_seconds += self.now - te.since
+                self._spans.append((te.since, self.now))
+        end = EPOCH + max((r.sent_s + (r.e2e_s or 0.0) for r in self.results), default=0.0)
+        for since, until in self._spans:
+            self.stats.instance_seconds += max(min(until, end) - since, 0.0)
+            self.stats.tail_instance_seconds += max(until - max(since, end), 0.0)
         self.stats.cold_requests = len(self._cold)
         self.stats.cold_ttft_s = latency_summary(
             [r.ttft_s for r in self._cold if r.ttft_s is not None]
@@ -1218,7 +1227,7 @@ class Simulation:
         te.epoch += 1
         self._state_changed(te)
         self.stats.unloads += 1
-        self.stats.instance_seconds += self.now - te.since
+        self._spans.append((te.since, self.now))
 
     def _loaded(self, arg: tuple[_TE, int]) -> None:
         te, epoch = arg
@@ -1325,7 +1334,7 @@ class Simulation:
         te.state, te.model, te.profile = TEState.IDLE, None, None
         te.epoch += 1
         self.stats.kv_load_failures += 1
-        self.stats.instance_seconds += self.now - te.since
+        self._spans.append((te.since, self.now))
         self._state_changed(te)
 
     @staticmethod

@@ -119,6 +119,25 @@ def test_warm_instance_and_scale_to_zero_after_keep_alive() -> None:
     assert stats.loads == 2 and stats.unloads >= 1
 
 
+def test_instance_seconds_end_with_the_last_request_and_the_keep_alive_is_apart() -> None:
+    """Every fleet is measured over the same horizon, until the replay's last request ended:
+    an always-on instance runs on past it, uncounted, so the instance an autoscaled fleet
+    keeps for its keep-alive after it counts apart (``tail_instance_seconds``)."""
+    planned = plan(trace((0.0, 100, 5)), model="m")
+    by_fleet = {}
+    for fleet, extra in (("autoscaled", {}), ("always-on", {"min_replicas": 1})):
+        cfg = SimConfig(devices=1, keep_alive_s=30.0, host_cache_bytes=0, **extra, **NO_NET)
+        (r,), stats = simulate(planned, {"m": profile()}, cfg)
+        by_fleet[fleet] = (r.sent_s + r.e2e_s, stats)
+    end, auto = by_fleet["autoscaled"]
+    # Loaded from the first request's arrival to its end (load 2 s, prefill, four decodes).
+    assert auto.instance_seconds == pytest.approx(end, abs=0.01)
+    assert auto.tail_instance_seconds == pytest.approx(30.0, abs=1.0)  # then its keep-alive
+    end_on, on = by_fleet["always-on"]
+    # The always-on instance too, though the run went on (its scaler's last ticks).
+    assert on.instance_seconds == pytest.approx(end_on, abs=0.01)
+
+
 def test_requests_batch_together_and_share_decode_steps() -> None:
     # Eight requests arriving at once after the model is up decode as one batch.
     reqs = [(0.0, 10, 2)] + [(10.0, 16, 11)] * 8
