@@ -326,6 +326,19 @@ def peak(mem: ModelMemory, now: float, window_s: float) -> int:
     return max((n for at, n in mem.peaks if now - at < window_s), default=0)
 
 
+def observed_s(mem: ModelMemory, now: float, window_s: float, floor_s: float) -> float:
+    """How much of the last ``window_s`` the memory has seen the model for: the whole
+    window, or, in a model's first window (its first traffic since the scaler started),
+    the time since its first bucket, at least ``floor_s``. A rate over the window divides
+    by this: a model seconds old would otherwise look a fraction as busy as it is. (A
+    model back from a quiet spell keeps its last bucket before it, so its window counts
+    the quiet time as such.)"""
+    if not mem.buckets:
+        return window_s
+    # The first bucket counts whole, as ``window`` counts a bucket partly inside.
+    return min(window_s, max(floor_s, now - mem.buckets[0].at + BUCKET_S))
+
+
 def window(mem: ModelMemory, now: float, window_s: float) -> Bucket:
     """The traffic of the last ``window_s`` (a bucket partly inside counts whole)."""
     if not mem.buckets:

@@ -6,8 +6,9 @@
   where ``prefill(n)`` and ``decode(c)`` are one instance's seconds per token for a prompt
   of n tokens and at a context of c tokens (``InstanceCapacity``, measured once per model
   and engine: attention makes long prompts and long contexts dearer per token). Rates come
-  from the JEs' arrivals over a stable window (60 s) and a panic window (6 s); ``o`` is the
-  mean output of recently finished requests.
+  from the JEs' arrivals over a stable window (60 s) and a panic window (6 s); in a model's
+  first minute the stable rate is over the seconds seen (``observed_s``, at least the panic
+  window), not the whole window. ``o`` is the mean output of recently finished requests.
 - Wanted replicas: the stable load over the target utilisation; the panic load likewise
   when it asks for at least ``panic_factor`` × the ready instances (a burst); while
   requests queue, the work waiting (sequences over ``max_num_seqs`` slots, queued prompt
@@ -39,7 +40,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from services.scaler.state import Bucket, ModelMemory, ScalerConfig, peak, window
+from services.scaler.state import Bucket, ModelMemory, ScalerConfig, observed_s, peak, window
 from services.views import TEView
 from shared.messages.cluster import TEState
 from shared.messages.scaling import InstanceCapacity
@@ -137,6 +138,9 @@ def target(
     held_tokens = sum(h.prompt_tokens for h in held)
     idle = held_n == 0 and now - mem.last_demand > pol.keep_alive_s
     stable = window(mem, now, cfg.stable_window_s)
+    # The stable window's seconds of traffic seen (a new model's first minute: fewer, but
+    # never less than the panic window).
+    stable_s = observed_s(mem, now, cfg.stable_window_s, cfg.panic_window_s)
     panic = window(mem, now, cfg.panic_window_s)
     slo = window(mem, now, cfg.slo_window_s)
     attainment = slo.slo_met / slo.finished if slo.finished >= cfg.slo_min_samples else None
@@ -154,14 +158,14 @@ def target(
     prefill_current = len(prefill) + prefill_coming
     prefill_load = prefill_panic = 0.0
     if cap is not None:
-        stable_load = _instances_of_work(stable, cfg.stable_window_s, out_per_req, cap)
+        stable_load = _instances_of_work(stable, stable_s, out_per_req, cap)
         panic_load = _instances_of_work(panic, cfg.panic_window_s, out_per_req, cap)
-        prefill_load = _prefill_instances(stable.pd_prompt_tokens, stable, cfg.stable_window_s, cap)
+        prefill_load = _prefill_instances(stable.pd_prompt_tokens, stable, stable_s, cap)
         prefill_panic = _prefill_instances(panic.pd_prompt_tokens, panic, cfg.panic_window_s, cap)
         # What the prefill instances took of it is not the others' work (what the rule
         # wanted to send them, and they could carry, may be more: a prompt stays where a
         # prefill instance would start it later).
-        taken = _prefill_instances(stable.pd_placed_tokens, stable, cfg.stable_window_s, cap)
+        taken = _prefill_instances(stable.pd_placed_tokens, stable, stable_s, cap)
         taken_panic = _prefill_instances(panic.pd_placed_tokens, panic, cfg.panic_window_s, cap)
         stable_load -= min(taken, prefill_current)
         panic_load -= min(taken_panic, prefill_current)

@@ -196,10 +196,12 @@ def test_prefill_instances_scale_in_after_the_stable_window_when_long_prompts_st
 
 
 def test_prompts_queued_at_the_prefill_instances_scale_them_out_before_the_window_sees_it() -> None:
-    # Ten seconds of long prompts: the stable window (60 s) sees a sixth of their rate, one
-    # instance's worth, while 9,000 prompt tokens wait at the one prefill instance: 4.5 s
-    # of its work, over backlog_drain_s (2 s): 3 instances, clamped to 2.
-    s = traffic(fresh(), seconds=10, rps=0.3, prompt=4000, pd_share=1.0, placed=1.0)
+    # Ten seconds of long prompts to a model seen for a minute (one short prompt 50 s
+    # before): the stable window (60 s) sees a sixth of their rate, one instance's worth,
+    # while 9,000 prompt tokens wait at the one prefill instance: 4.5 s of its work, over
+    # backlog_drain_s (2 s): 3 instances, clamped to 2.
+    s = traffic(fresh(), seconds=0.5, rps=2, prompt=16, pd_share=0.0, start=T0 - 50)
+    s = traffic(s, seconds=10, rps=0.3, prompt=4000, pd_share=1.0, placed=1.0)
     tes = [te("r1"), prefill("p1", queued=9000), idle("a"), idle("b")]
     d = decide(s, tes, models=["m"], now=T0 + 10, cfg=PD)
     assert d.targets["m"].prefill_wanted == 2

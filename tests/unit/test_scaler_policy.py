@@ -29,6 +29,7 @@ from services.scaler.state import (
     observe_traffic,
     observe_view,
 )
+from services.scaler.target import target
 from services.views import TEView
 from shared.messages.cluster import CachedWeights, TEState
 from shared.messages.scaling import InstanceCapacity, ModelOutcomes, ModelTraffic
@@ -133,6 +134,26 @@ def test_a_queue_scales_out_even_when_the_rates_do_not() -> None:
     # 20 sequences over 8 slots: 3 instances, all of them from the 3 idle TEs.
     assert d.targets["m"].reason == "queue" and d.targets["m"].wanted == 3
     assert len(loads(d)) == 2
+
+
+def test_a_new_models_stable_load_is_its_rate_not_a_fraction_of_it() -> None:
+    """The stable window's rate divides by the seconds the memory has seen the model: ten
+    seconds into a new model's traffic, the rate of those ten seconds (never less than the
+    panic window's); back from a quiet spell, the whole window."""
+    # 5 req/s of 100 prompt + 10 output tokens: 0.5 + 0.5 = 1 instance of work.
+    s = with_traffic(fresh(), seconds=10, rps=5)
+    t = target("m", s.models["m"], [te("r1")], now=T0 + 10, cfg=CFG)
+    assert t.stable_load == pytest.approx(1.0, rel=0.1)  # not a sixth of it
+    assert t.wanted == 2  # at 50%
+    # The first second: over the panic window (6 s), not over one second.
+    s = with_traffic(fresh(), seconds=1, rps=5)
+    t = target("m", s.models["m"], [te("r1")], now=T0 + 1, cfg=CFG)
+    assert t.stable_load == pytest.approx(t.panic_load, rel=0.01)
+    # A model quiet for minutes, then the same ten seconds: a sixth of the window's work.
+    s = with_traffic(fresh(), seconds=1, rps=5, start=T0 - 600)
+    s = with_traffic(s, seconds=10, rps=5)
+    t = target("m", s.models["m"], [te("r1")], now=T0 + 10, cfg=CFG)
+    assert t.stable_load == pytest.approx(1.0 / 6, rel=0.15)
 
 
 def test_steady_load_at_the_threshold_does_not_flap() -> None:
