@@ -111,6 +111,7 @@ def _run(job: Job) -> dict[str, Any]:
         routing=RoutingConfig(policy=routing),
         kv_sizing=kv,
         kv_preemption=job.config.endswith("-kvp"),
+        late_yield_s=a["late_yield"],
     )
     t0 = time.monotonic()
     results, stats = simulate(
@@ -184,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="the models' context (default: the profiles'; a -kv config's pools' floor is "
         "1.25 times it)",
+    )
+    p.add_argument(
+        "--late-yield",
+        type=float,
+        help="seconds a late prompt waits behind those in time (default MESHSERVE_LATE_YIELD's)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=2, help="simulations at once")

@@ -364,6 +364,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas or args.devices * max(1, args.slots_per_device),
         target_utilization=args.target_utilization,
+        late_yield_s=args.late_yield,
         stable_window_s=args.stable_window,
         panic_window_s=args.panic_window,
         slo=slo,
@@ -956,6 +957,12 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--stable-window", type=float, default=60.0, help="seconds; the scaler's rate window"
+    )
+    m.add_argument(
+        "--late-yield",
+        type=float,
+        help="seconds a prompt past its TTFT target waits behind those in time "
+        "(MESHSERVE_LATE_YIELD; default its default: 0, deadline order alone)",
     )
     m.add_argument(
         "--panic-window", type=float, default=6.0, help="seconds; the scaler's burst window"

@@ -136,6 +136,7 @@ from services.scaler.tick import tick
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
     SeqView,
+    admission_head,
     blocks_for,
     enqueue,
     pacing,
@@ -236,6 +237,8 @@ class SimConfig:
     # Of ``devices``, the last ``gpu_devices`` are GPUs: instances there run their model's
     # GPU profile (``Simulation(gpu_profiles=...)``), in node pools of their own.
     gpu_devices: int = 0
+    # How long a late prompt waits behind those in time (None: MESHSERVE_LATE_YIELD's default).
+    late_yield_s: float | None = None
 
     def settings(self) -> Settings:
         """The simulated cluster's settings, as far as they decide anything: the scaler
@@ -258,6 +261,7 @@ class SimConfig:
                 "max_prefill_replicas": self.max_prefill_replicas,
             },
             host_cache={"load_bandwidth": self.load_bandwidth},
+            torch={} if self.late_yield_s is None else {"late_yield": self.late_yield_s},
         )
 
     def scaler_config(self) -> ScalerConfig:
@@ -631,6 +635,7 @@ class Simulation:
         self._held: dict[str, list[_Seq]] = {}  # model -> jobs waiting for an instance
         # The scaler: its memory, as the service keeps it; the JE's and frontend's reports.
         self._scfg = cfg.scaler_config()
+        self._late_yield_s = cfg.settings().torch.late_yield.total_seconds()
         self._scaler = ScalerState()
         for model in sorted({p.model for p in planned}):
             self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())
@@ -1606,7 +1611,7 @@ class Simulation:
         ]
         # The scheduler admits in queue order and stops at the first that does not fit: only
         # the head of the queue can matter (a long queue would make every iteration O(n)).
-        head = list(itertools.islice(te.waiting, prof.max_num_seqs))
+        head = admission_head(te.waiting, prof.max_num_seqs, self._ttft_left, self._late_yield_s)
         hits = {s: te.cached_prefix(s) for s in head}
         waiting = [
             SeqView(
@@ -1625,6 +1630,7 @@ class Simulation:
             max_prefill_tokens=prof.max_prefill_tokens,
             chunked_prefill=prof.chunked_prefill,
             pacing=paced,
+            late_yield_s=self._late_yield_s,
         )
         decision = schedule(running, waiting, te.free_blocks, sched)
         if decision.preempt:
@@ -1639,7 +1645,9 @@ class Simulation:
                 self.stats.preemptions += 1
         going_on = set(decision.running)
         ran = [s for s in te.running if str(id(s)) in going_on]
-        prefill = [te.waiting.popleft() for _ in range(len(decision.prefill))]
+        prefill = head[: len(decision.prefill)]  # the head's first, as the engine admits
+        for s in prefill:
+            te.waiting.remove(s)
         # Admitted: running from now on, as the engine counts them (a heartbeat during this
         # iteration reports them, and the JE's ledger keeps them).
         te.running.extend(prefill)

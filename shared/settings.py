@@ -672,6 +672,15 @@ class TorchEngineSettings(Section):
         description="A prompt over what is left of max_prefill_tokens computes in chunks over "
         "several iterations, beside the running requests' decode steps.",
     )
+    late_yield: Duration = Field(
+        default=timedelta(0),
+        description="Prompts go by the deadline of their TTFT target, except one past it by "
+        "less than this, which waits behind every prompt still in time (plain earliest "
+        "deadline first serves the latest first and makes the next ones late too); past it, "
+        "first again. 0 (the default): deadline order alone. 3 s helps fleets of one "
+        "instance per device under overload; where instances share a device, its turns "
+        "still go by plain deadline (README, Prompts by deadline).",
+    )
     host_kv_blocks: int = Field(
         default=0, ge=0, description="KV blocks of the prefix cache's host-memory tier (0: none)."
     )

@@ -134,6 +134,7 @@ def create_engine(
             max_num_seqs=settings.task_executor.max_num_seqs,
             max_prefill_tokens=settings.torch.max_prefill_tokens,
             chunked_prefill=settings.torch.chunked_prefill,
+            late_yield_s=settings.torch.late_yield.total_seconds(),
             enable_prefix_caching=settings.task_executor.prefix_caching,
             num_host_kv_blocks=settings.torch.host_kv_blocks,
             cpu_kernels=settings.torch.cpu_kernels,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -64,6 +63,7 @@ from services.task_executor.engines.torch_engine.overlap import OverlapStats, ma
 from services.task_executor.engines.torch_engine.prefix_cache import PrefixCache
 from services.task_executor.engines.torch_engine.scheduler import (
     SchedulerConfig,
+    admission_head,
     blocks_needed,
     enqueue,
     pacing,
@@ -113,6 +113,7 @@ class TorchEngine:
         weights_from: str | None = None,
         received: Received | None = None,
         lora: LoraLimits | None = None,
+        late_yield_s: float = 0.0,
     ) -> None:
         """``tensors``: where the weights come from (default: the checkpoint's safetensors
         files in ``model_dir``). ``model_dir`` still gives the config.
@@ -252,6 +253,7 @@ class TorchEngine:
             # ~1% of the cache kept back at admission, so newly admitted requests do not force
             # a preemption on their first decode steps.
             watermark_blocks=max(1, num_kv_blocks // 100),
+            late_yield_s=late_yield_s,
         )
         self._running: list[Seq] = []  # admission order (scheduler.victim_index reads it)
         self._waiting: collections.deque[Seq] = collections.deque()
@@ -542,19 +544,23 @@ class TorchEngine:
         # Only the requests that could join are looked up: a long queue costs nothing.
         room = max(0, self._sched.max_num_seqs - len(self._running))
         bs = self._sched.block_size
-        candidates = list(itertools.islice(self._waiting, room))
+        now = time.monotonic()
+        candidates = admission_head(
+            self._waiting, room, lambda r: r.ttft_left(now), self._sched.late_yield_s
+        )
         if self._lora is not None and len(self._lora):
             candidates = self._with_adapter_slots(candidates)
-        waiting = [waiting_view(r, pc, bs) for r in candidates]
+        waiting = [waiting_view(r, pc, bs, now) for r in candidates]
         decision = schedule(running, waiting, pc.num_free, self._sched)
         for rid in decision.preempt:  # the least headroom (or the oldest) ends at the front
             req = self._requests[rid]
             self._running.remove(req)
             self._release(req)
             self._waiting.appendleft(req)
-        for rid in decision.prefill:
-            req = self._waiting.popleft()
-            assert req.request_id == rid, "the scheduler admits from the front of the queue"
+        for i, rid in enumerate(decision.prefill):
+            req = candidates[i]
+            assert req.request_id == rid, "the scheduler admits from the head it was given"
+            self._waiting.remove(req)  # near the front: the head's first ones
             self._admit(req)
             self._running.append(req)
         scheduled = []

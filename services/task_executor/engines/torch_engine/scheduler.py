@@ -24,6 +24,11 @@ Policy (close to vLLM's default):
   the budget before the long one's next chunk when its first token is due sooner. The
   engine queues waiting requests in deadline order. Without deadlines (no SLO known) the
   order is the old one: running prompts, then the queue.
+- Except a prompt late already, by less than ``late_yield_s``: it goes behind every prompt
+  still in time (``prompt_order``, ``admission_head``). Plain earliest-deadline-first serves
+  the latest request first, which makes the next ones late too (its domino effect under
+  overload); a late prompt's SLO is lost wherever it goes, theirs is not. Past the bound it
+  takes its deadline's place again, first, so nothing waits for ever.
 - With pacing (``Pacing``, from the engine's measured costs), the budget is not fixed: while
   no request is decoding, ``ceiling`` tokens, so a burst of prompts prefills in chunks as large
   as the engine runs at its full rate; while some decode, the most prompt tokens whose
@@ -39,7 +44,9 @@ Policy (close to vLLM's default):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import TypeVar
@@ -186,12 +193,14 @@ class SchedulerConfig:
     watermark_blocks: int = 0
     chunked_prefill: bool = False
     pacing: Pacing | None = None  # with chunked prefill: the budget per iteration instead
+    # A prompt late by less than this goes behind those still in time (``prompt_order``).
+    late_yield_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerDecision:
     running: tuple[str, ...] = ()  # running requests that compute now, oldest first
-    prefill: tuple[str, ...] = ()  # waiting requests that join, in queue order
+    prefill: tuple[str, ...] = ()  # waiting requests that join, in the order given
     preempt: tuple[str, ...] = ()  # running requests sent back to waiting, newest first
     # For each request of running and prefill: how many of its tokens the cache holds after
     # the iteration (all of them, unless a prompt goes on in the next iteration).
@@ -206,6 +215,33 @@ def queue_due(due: float, *, started: bool) -> float:
     """A waiting request's place in the queue: its deadline; one that has produced tokens
     (preempted, to be recomputed) goes before any new one."""
     return -math.inf if started else due
+
+
+def prompt_order(ttft_left_s: float, late_yield_s: float) -> tuple[bool, float]:
+    """A prompt's place among prompts (the lowest first): its deadline, except that one late
+    by less than ``late_yield_s`` goes behind every prompt still in time (0: deadline order
+    alone). Requests that produced tokens (-inf) and those late by more come first."""
+    return (-late_yield_s < ttft_left_s <= 0, ttft_left_s)
+
+
+def admission_head(
+    queue: Sequence[T], n: int, ttft_left_s: Callable[[T], float], late_yield_s: float
+) -> list[T]:
+    """The first ``n`` requests of ``queue`` (in deadline order, ``enqueue``) in the order
+    they should join (``prompt_order``): those late by more than ``late_yield_s`` (and those
+    that produced tokens), then those in time, then those late by less. The late-by-less
+    lie together in the queue, so two bisections find them; a long queue costs nothing."""
+    if late_yield_s > 0 and queue:
+        late = bisect.bisect_right(queue, -late_yield_s, key=ttft_left_s)
+        in_time = bisect.bisect_right(queue, 0.0, key=ttft_left_s)
+        if late < in_time:
+            order = itertools.chain(
+                itertools.islice(queue, late),
+                itertools.islice(queue, in_time, None),
+                itertools.islice(queue, late, in_time),
+            )
+            return list(itertools.islice(order, n))
+    return list(itertools.islice(queue, n))
 
 
 def enqueue(queue: MutableSequence[T], item: T, due: Callable[[T], float]) -> None:
@@ -241,13 +277,16 @@ def schedule(
     free_blocks: int,
     config: SchedulerConfig,
 ) -> SchedulerDecision:
-    """``running`` oldest first; ``waiting`` in the order they should join (by deadline)."""
+    """``running`` oldest first; ``waiting`` in the order they should join (the queue's
+    head as ``admission_head`` gives it)."""
     bs, budget, chunked = config.block_size, config.max_prefill_tokens, config.chunked_prefill
     prompts = [s for s in running if chunked and s.num_tokens - s.num_cached_tokens > 1]
     # Prompt work by deadline: the running prompts mid-way and the head of the queue (stable:
     # without deadlines, running prompts first, then the queue, as they always went).
     head = list(waiting[: max(0, config.max_num_seqs - len(running))])
-    by_deadline = sorted([*prompts, *head], key=lambda s: s.ttft_left_s)
+    by_deadline = sorted(
+        [*prompts, *head], key=lambda s: prompt_order(s.ttft_left_s, config.late_yield_s)
+    )
     if chunked and config.pacing is not None:
         decoding = [s for s in running if s.num_tokens - s.num_cached_tokens == 1]
         contexts = [s.num_tokens for s in decoding]

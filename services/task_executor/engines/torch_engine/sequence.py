@@ -67,12 +67,15 @@ class Seq:
             return self.block_hashes[: covered // block_size]
         return self.block_hashes
 
-    def ttft_left(self) -> float:
-        """Seconds until its first token is due: -inf once it has produced tokens (preempted,
-        its prompt recomputed: before any new prompt), inf without a deadline."""
+    def ttft_left(self, now: float | None = None) -> float:
+        """Seconds until its first token is due (from ``now``, default the monotonic clock's
+        now): -inf once it has produced tokens (preempted, its prompt recomputed: before any
+        new prompt), inf without a deadline."""
         if self.first_token_at is not None:
             return -math.inf
-        return self.due - time.monotonic() if self.due != math.inf else math.inf
+        if self.due == math.inf:
+            return math.inf
+        return self.due - (time.monotonic() if now is None else now)
 
 
 def running_view(seq: Seq, pacing: Pacing | None, ahead: int = 0) -> SeqView:
@@ -96,12 +99,14 @@ def running_view(seq: Seq, pacing: Pacing | None, ahead: int = 0) -> SeqView:
     )
 
 
-def waiting_view(seq: Seq, prefix_cache: PrefixCache, block_size: int) -> SeqView:
+def waiting_view(
+    seq: Seq, prefix_cache: PrefixCache, block_size: int, now: float | None = None
+) -> SeqView:
     """The scheduler's view of a waiting request: what of it the prefix cache (or its
     imported KV) already holds."""
     found, in_use = prefix_cache.probe(seq.reusable_hashes(block_size))
     n = len(seq.token_ids)
-    left = seq.ttft_left()
+    left = seq.ttft_left(now)
     if seq.imported_kv is not None:
         cached_kv = seq.imported_from + seq.imported_kv.shape[2]
         return SeqView(seq.request_id, n, in_use, num_cached_tokens=cached_kv, ttft_left_s=left)
