@@ -928,12 +928,14 @@ def test_the_queue_is_in_deadline_order_with_preempted_requests_first() -> None:
     assert slo.ttft_limit_s(100) == 2.0 and slo.ttft_limit_s(2048) == 4.0
 
 
-def test_an_engine_with_a_ttft_target_prefills_the_prompt_due_first(
-    model_dir: Path, monkeypatch
-) -> None:
+def _deadline_engine(
+    model_dir: Path, monkeypatch, **kwargs: object
+) -> tuple[TorchEngine, list[float]]:
+    """A paced engine whose prompts are due 2 s after they arrive, or 1/16 s a token (a
+    64-token prompt in 4 s), on a clock the test moves (``clock[0]``, from 100 s)."""
     from shared.messages.scaling import InstanceCapacity
 
-    engine = _engine(model_dir, max_prefill_tokens=None)
+    engine = _engine(model_dir, max_prefill_tokens=None, **kwargs)
     cap = InstanceCapacity(
         prefill_s=2e-3,
         prefill_attention_s=0,
@@ -946,9 +948,15 @@ def test_an_engine_with_a_ttft_target_prefills_the_prompt_due_first(
     monkeypatch.setattr(
         "services.task_executor.engines.torch_engine.engine.time.monotonic", lambda: clock[0]
     )
-    # 2 s for any prompt, or 1/16 s a token: a 64-token prompt is due in 4 s.
     engine.pace_prefill(cap, 0.25, ttft_s=2.0, ttft_per_token_s=1 / 16)
-    engine.add_request(EngineRequest("long", list(range(3, 67)), greedy(2)))
+    return engine, clock
+
+
+def test_an_engine_with_a_ttft_target_prefills_the_prompt_due_first(
+    model_dir: Path, monkeypatch
+) -> None:
+    engine, clock = _deadline_engine(model_dir, monkeypatch)
+    engine.add_request(EngineRequest("long", list(range(3, 67)), greedy(2)))  # due at 104
     clock[0] += 0.5
     engine.add_request(EngineRequest("short", [3, 4, 5, 6], greedy(2)))  # due at 102.5 < 104
     assert [r.request_id for r in engine._waiting] == ["short", "long"]
@@ -963,22 +971,7 @@ def test_an_engine_serves_a_prompt_in_time_before_one_already_late(
     """A 64-token prompt due at 104 s still waits at 105 s (the engine was busy); a short one
     arrives, due at 107 s. With the late prompt yielding, the short one meets its target; in
     plain deadline order the late one goes first."""
-    from shared.messages.scaling import InstanceCapacity
-
-    engine = _engine(model_dir, max_prefill_tokens=None, late_yield_s=late_yield_s)
-    cap = InstanceCapacity(
-        prefill_s=2e-3,
-        prefill_attention_s=0,
-        decode_s=0.01,
-        decode_step_s=0.04,
-        decode_context_s=0,
-        max_num_seqs=4,
-    )
-    clock = [100.0]
-    monkeypatch.setattr(
-        "services.task_executor.engines.torch_engine.engine.time.monotonic", lambda: clock[0]
-    )
-    engine.pace_prefill(cap, 0.25, ttft_s=2.0, ttft_per_token_s=1 / 16)
+    engine, clock = _deadline_engine(model_dir, monkeypatch, late_yield_s=late_yield_s)
     engine.add_request(EngineRequest("late", list(range(3, 67)), greedy(2)))
     clock[0] = 105.0
     engine.add_request(EngineRequest("fresh", [3, 4, 5, 6], greedy(2)))
