@@ -634,8 +634,9 @@ class Simulation:
         self._dirty: set[str] = set()  # TEs whose state changed since the last report
         self._held: dict[str, list[_Seq]] = {}  # model -> jobs waiting for an instance
         # The scaler: its memory, as the service keeps it; the JE's and frontend's reports.
-        self._scfg = cfg.scaler_config()
-        self._late_yield_s = cfg.settings().torch.late_yield.total_seconds()
+        settings = cfg.settings()
+        self._scfg = scaler_config(settings)
+        self._late_yield_s = settings.torch.late_yield.total_seconds()
         self._scaler = ScalerState()
         for model in sorted({p.model for p in planned}):
             self._scaler = observe_capacity(self._scaler, model, profiles[model].capacity())

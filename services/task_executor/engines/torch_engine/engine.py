@@ -545,9 +545,7 @@ class TorchEngine:
         room = max(0, self._sched.max_num_seqs - len(self._running))
         bs = self._sched.block_size
         now = time.monotonic()
-        candidates = admission_head(
-            self._waiting, room, lambda r: r.ttft_left(now), self._sched.late_yield_s
-        )
+        candidates = self._waiting_head(room, now)
         if self._lora is not None and len(self._lora):
             candidates = self._with_adapter_slots(candidates)
         waiting = [waiting_view(r, pc, bs, now) for r in candidates]
@@ -722,6 +720,14 @@ class TorchEngine:
             if pc.enabled:
                 self._cache_queries += req.prompt_len
                 self._cache_hits += req.num_computed
+
+    def _waiting_head(self, room: int, now: float) -> list[Seq]:
+        """The first ``room`` waiting requests in the order they should join at ``now``
+        (``scheduler.admission_head``): what the scheduler is shown, and the stepper's
+        look-ahead too."""
+        return admission_head(
+            self._waiting, room, lambda r: r.ttft_left(now), self._sched.late_yield_s
+        )
 
     def _with_adapter_slots(self, candidates: list[Seq]) -> list[Seq]:
         """The head of the queue that may join now as far as LoRA goes: each request's adapter

@@ -34,7 +34,7 @@ import torch
 from services.task_executor.engines.torch_engine import sampling
 from services.task_executor.engines.torch_engine.model import SeqChunk, build_batch, to_device
 from services.task_executor.engines.torch_engine.overlap import Launch, Launcher, OverlapStats
-from services.task_executor.engines.torch_engine.scheduler import admission_head, schedule
+from services.task_executor.engines.torch_engine.scheduler import schedule
 from services.task_executor.engines.torch_engine.sequence import Seq, running_view, waiting_view
 
 if TYPE_CHECKING:
@@ -173,10 +173,7 @@ class OverlappedStepper:
         if engine._waiting and room > 0:
             running = [running_view(r, sched.pacing, ahead=1) for r in going_on]
             now = time.monotonic()
-            head = admission_head(
-                engine._waiting, room, lambda r: r.ttft_left(now), sched.late_yield_s
-            )
-            waiting = [waiting_view(r, pc, bs, now) for r in head]
+            waiting = [waiting_view(r, pc, bs, now) for r in engine._waiting_head(room, now)]
             decision = schedule(running, waiting, pc.num_free, sched)
             if decision.preempt or decision.prefill:
                 return None
