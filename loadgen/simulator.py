@@ -155,7 +155,7 @@ from services.task_executor.kv_sizing import (
 )
 from services.task_executor.weight_cache.eviction import EvictionConfig
 from services.views import TEView, queued_import_tokens, queued_prompt_tokens, remember_model
-from shared.headroom import RequestView, earliest_deadline, next_turn, request_view
+from shared.headroom import RequestView, earliest_deadline, next_turn, request_view, urgency
 from shared.messages.cluster import JobShare, TEState
 from shared.messages.tasks import TaskMode
 from shared.perf_model import PerfModel
@@ -1534,17 +1534,19 @@ class Simulation:
 
     def _grant_turn(self, device: _Device) -> None:
         """The device is free: the next turn to the instance whose most urgent request is
-        due first (``next_turn``; "fifo": the one that asked first)."""
+        due first (``next_turn`` over each one's ``urgency``, as its engine orders prompts:
+        those late by less than the late yield, behind; "fifo": the one that asked first)."""
         while device.active is None and device.wanting:
             if self.cfg.sharing == "headroom":
-                deadlines = {
-                    t.te_id: earliest_deadline(self._held_views(t)) for t in device.wanting
+                claims = {
+                    t.te_id: urgency(self._held_views(t), self.now, self._late_yield_s)
+                    for t in device.wanting
                 }
-                chosen = next_turn(deadlines)
+                chosen = next_turn(claims)
                 te = next(t for t in device.wanting if t.te_id == chosen) if chosen else None
                 if te is None:  # nothing held anywhere: the first that asked
                     te = min(device.wanting, key=lambda t: (device.wanting[t], t.te_id))
-                elif deadlines[te.te_id] < self.now:
+                elif claims[te.te_id].deadline < self.now:
                     self.stats.late_turns += 1
             else:
                 te = min(device.wanting, key=lambda t: (device.wanting[t], t.te_id))

@@ -7,7 +7,10 @@ A request's next token is due at ``arrival + TTFT_SLO + TPOT_SLO × tokens_out``
 at ``arrival + TTFT_SLO``; each later one a TPOT later); its headroom is that deadline less
 now, negative once it is late (an SLO miss, counted in the metrics). Ordering turns by the
 least headroom is earliest-deadline-first: under the device's capacity it meets every
-deadline any order would.
+deadline any order would. Except, where the engine lets late prompts yield
+(``MESHSERVE_LATE_YIELD``), a prompt late by less than the bound goes behind every request
+still in time (``yields``): the instance it waits on claims the turn after every instance
+with a request in time (``Urgency``), as its engine serves it after its own in-time prompts.
 
 The device's arbiter (which grants turns to the TE processes sharing a device), the job
 executor's shadow validation (which plays the device's next turns forward before it admits
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from shared.slo import SLO
 
@@ -75,12 +79,44 @@ def earliest_deadline(requests: Iterable[RequestView]) -> float:
     return min((r.deadline() for r in requests), default=math.inf)
 
 
-def next_turn(deadlines: Mapping[str, float]) -> str | None:
-    """The instance whose turn is next: the one with the earliest deadline among those with
-    work (a finite deadline); ties go to the smaller name, so every reader agrees. None when
-    no instance has work."""
-    best: tuple[float, str] | None = None
-    for instance, deadline in deadlines.items():
-        if math.isfinite(deadline) and (best is None or (deadline, instance) < best):
-            best = (deadline, instance)
+def yields(headroom_s: float, late_yield_s: float) -> bool:
+    """Whether a prompt with this headroom goes behind every request still in time: it is
+    late by less than ``late_yield_s`` (0: none does). One late by more goes first: it waited
+    long enough already; by then the bound no longer spares in-time prompts' deadlines."""
+    return -late_yield_s < headroom_s <= 0
+
+
+class Urgency(NamedTuple):
+    """An instance's claim on its device's next turn (the lowest first): its most urgent
+    request's deadline, behind every instance holding one in time when that request is a
+    prompt that ``yields``."""
+
+    yields: bool
+    deadline: float
+
+
+NO_WORK = Urgency(False, math.inf)
+
+
+def urgency(requests: Iterable[RequestView], now: float, late_yield_s: float = 0.0) -> Urgency:
+    """The claim of an instance holding ``requests`` at ``now``, its engine letting prompts
+    late by less than ``late_yield_s`` yield (a request that has produced tokens never does:
+    its next token is due, and its engine runs it every iteration)."""
+    return min(
+        (
+            Urgency(r.output_tokens == 0 and yields(r.headroom(now), late_yield_s), r.deadline())
+            for r in requests
+        ),
+        default=NO_WORK,
+    )
+
+
+def next_turn(claims: Mapping[str, Urgency]) -> str | None:
+    """The instance whose turn is next: the lowest claim (``Urgency``; without late yield,
+    the earliest deadline) among those with work (a finite deadline); ties go to the smaller
+    name, so every reader agrees. None when no instance has work."""
+    best: tuple[Urgency, str] | None = None
+    for instance, claim in claims.items():
+        if math.isfinite(claim.deadline) and (best is None or (claim, instance) < best):
+            best = (claim, instance)
     return None if best is None else best[1]

@@ -34,7 +34,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from shared.headroom import RequestView, next_turn
+from shared.headroom import RequestView, Urgency, next_turn
 from shared.perf_model import PerfModel
 
 MARGIN = 0.10  # profiled times are stretched by this much
@@ -169,7 +169,7 @@ def _play(
     for _ in range(MAX_ITERATIONS):
         if t >= until or (watched is not None and watched.output >= new_tokens):
             break
-        turn = next_turn({name: inst.earliest() for name, inst in instances.items()})
+        turn = next_turn({n: Urgency(False, inst.earliest()) for n, inst in instances.items()})
         if turn is None:
             break
         t = instances[turn].iterate(t, margin)

@@ -11,10 +11,12 @@ way, tens of microseconds beside iterations of milliseconds.
 The pool serves the arbiter on a Unix socket (its path goes to its TEs as
 ``MESHSERVE_DEVICE_ARBITER``). A TE says hello with its id and device, asks for a turn with
 its most urgent deadline (``want <deadline>``: monotonic seconds, the host's clock, which
-every process on it shares), runs one iteration once told ``go`` and says ``done``. The
-turn goes to the earliest deadline among the TEs waiting when it frees: a TE between two
-iterations (publishing its tokens, taking new requests) is not waiting, so the device never
-idles while another TE could run (work-conserving). A TE that goes away (or whose
+every process on it shares; ``want <deadline> yield`` when that request is a prompt its
+engine lets yield, late by less than ``MESHSERVE_LATE_YIELD``: ``shared.headroom.Urgency``),
+runs one iteration once told ``go`` and says ``done``. The turn goes to the lowest claim
+among the TEs waiting when it frees (the earliest deadline, a yielding one behind all those
+still in time): a TE between two iterations (publishing its tokens, taking new requests)
+is not waiting, so the device never idles while another TE could run (work-conserving). A TE that goes away (or whose
 connection drops) gives its turn back. Turns granted past their deadline are counted
 (negative headroom: an SLO miss in the making).
 
@@ -92,7 +94,7 @@ from services.task_executor.kv_sizing import (
     make_room,
     preemption,
 )
-from shared.headroom import RequestView, next_turn
+from shared.headroom import NO_WORK, RequestView, Urgency, next_turn
 from shared.logging import get_logger
 from shared.messages.devices import DeviceInstance, DeviceRequest, DeviceSnapshot
 from shared.messages.tasks import TaskMode
@@ -161,7 +163,7 @@ class _Client:
     name: str
     device: str
     writer: asyncio.StreamWriter
-    wants: float | None = None  # the deadline it asked with (None: not asking)
+    wants: Urgency | None = None  # its claim as it asked (None: not asking)
     asked_at: float = 0.0
     # For shadow validation: its instance (None: it serves nothing, or has no performance
     # model) and its requests as it last said.
@@ -323,7 +325,11 @@ class DeviceArbiter:
                     client.turn_ended(time.monotonic())
                 elif word == "want":
                     deadline, _, requests = arg.partition(" ")
-                    client.wants, client.asked_at = float(deadline), time.monotonic()
+                    yielding = requests.startswith("yield")
+                    if yielding:
+                        requests = requests.removeprefix("yield").lstrip()
+                    client.wants = Urgency(yielding, float(deadline))
+                    client.asked_at = time.monotonic()
                     if requests:
                         client.requests = decode_requests(requests)
                     device.waiting[client.name] = client
@@ -550,11 +556,10 @@ class DeviceArbiter:
             client.writer.write(line.encode())
 
     def _grant(self, name: str, device: _Device) -> None:
-        """The turn to the waiting TE with the earliest deadline, when nobody holds it."""
+        """The turn to the waiting TE with the lowest claim (the earliest deadline), when
+        nobody holds it."""
         while device.holder is None and device.waiting:
-            chosen = next_turn(
-                {n: c.wants if c.wants is not None else math.inf for n, c in device.waiting.items()}
-            )
+            chosen = next_turn({n: c.wants or NO_WORK for n, c in device.waiting.items()})
             if chosen is None:  # only TEs asking with no deadline at all: first come
                 chosen = next(iter(device.waiting))
             client = device.waiting.pop(chosen)
@@ -570,13 +575,13 @@ class DeviceArbiter:
             label = device_label(name)
             TURNS.labels(label).inc()
             TURN_WAIT.labels(label).observe(now - client.asked_at)
-            if client.wants is not None and client.wants < now:
+            if client.wants is not None and client.wants.deadline < now:
                 LATE_TURNS.labels(label).inc()
             client.wants = None
 
 
 class TurnClient:
-    """A TE's side: ``async with client.turn(deadline, device, requests):`` around each
+    """A TE's side: ``async with client.turn(claim, device, requests):`` around each
     engine iteration; ``check`` before it takes a request (shadow validation on the
     device); ``serving`` when what it serves changes. Without an arbiter, or once talking to
     it failed, every turn is granted at once and every request admitted."""
@@ -765,11 +770,18 @@ class TurnClient:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, deadline: float, device: str, requests: Iterable[RequestView] | None = None
+        self,
+        claim: Urgency | float,
+        device: str,
+        requests: Iterable[RequestView] | None = None,
     ) -> AsyncIterator[None]:
-        """``device``: the engine's (the turns are that device's; the first names it);
-        ``requests``: what it holds, for the device's shadow validations."""
-        held = await self._acquire(deadline, device, requests)
+        """``claim``: its most urgent request's (``shared.headroom.urgency``; a bare
+        deadline: one that does not yield); ``device``: the engine's (the turns are that
+        device's; the first names it); ``requests``: what it holds, for the device's shadow
+        validations."""
+        held = await self._acquire(
+            claim if isinstance(claim, Urgency) else Urgency(False, claim), device, requests
+        )
         try:
             yield
         finally:
@@ -777,16 +789,17 @@ class TurnClient:
                 self._send("done\n")
 
     async def _acquire(
-        self, deadline: float, device: str, requests: Iterable[RequestView] | None
+        self, claim: Urgency, device: str, requests: Iterable[RequestView] | None
     ) -> bool:
         if self._off:
             return False
         try:
             writer = await self._connected(device)
-            d = deadline if math.isfinite(deadline) else 1e18
+            d = claim.deadline if math.isfinite(claim.deadline) else 1e18
+            said = " yield" if claim.yields else ""
             body = f" {encode_requests(requests)}" if requests is not None else ""
             self._go = asyncio.get_running_loop().create_future()
-            writer.write(f"want {d!r}{body}\n".encode())
+            writer.write(f"want {d!r}{said}{body}\n".encode())
             await self._go
             return True
         except asyncio.CancelledError:  # a "go" may be on its way: start afresh next time

@@ -47,7 +47,7 @@ from shared.errors import (
     PeerUnreachable,
     Refused,
 )
-from shared.headroom import RequestView, earliest_deadline, request_view
+from shared.headroom import RequestView, Urgency, earliest_deadline, request_view, urgency
 from shared.logging import get_logger
 from shared.messages.api import ErrorReply
 from shared.messages.cluster import JobShare, MemberDown, TEState
@@ -469,7 +469,7 @@ class TaskLoop:
                         if self._views:
                             self._sync_instance(engine)
                         async with self._turns.turn(
-                            self._earliest_deadline(),
+                            self._urgency(),
                             engine.device,
                             self._request_views() if self._views else None,
                         ):
@@ -703,6 +703,14 @@ class TaskLoop:
 
     def _request_views(self) -> list[RequestView]:
         return [self._request_view(s) for s in self._streams.values()]
+
+    def _urgency(self) -> Urgency:
+        """Its claim on the device's next turn (``shared.headroom.urgency``): its most urgent
+        request's deadline, as its engine orders prompts (those it lets yield, behind)."""
+        pacing = self._control.features.prefill_pacing
+        late_yield_s = pacing.late_yield_s if pacing is not None else 0.0
+        views = (self._request_view(s) for s in self._streams.values())
+        return urgency(views, time.monotonic(), late_yield_s)
 
     def _earliest_deadline(self) -> float:
         """When the most urgent of this TE's requests is due its next token

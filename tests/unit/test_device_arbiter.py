@@ -28,7 +28,7 @@ from services.task_executor.device_arbiter import (
     snapshot_views,
 )
 from services.task_executor.task_loop import books_device
-from shared.headroom import RequestView
+from shared.headroom import RequestView, Urgency
 from shared.messages.base import decoder_for, encode
 from shared.messages.devices import DeviceInstance, DeviceRequest, DeviceSnapshot
 from shared.messages.tasks import TaskMode
@@ -47,8 +47,14 @@ async def arbiter(tmp_path: Path) -> AsyncIterator[DeviceArbiter]:
 class _Turn:
     """A turn being asked for or held by a test's TE."""
 
-    def __init__(self, client: TurnClient, deadline: float, device: str = "cpu") -> None:
-        self._cm = client.turn(deadline, device)
+    def __init__(
+        self,
+        client: TurnClient,
+        claim: Urgency | float,
+        device: str = "cpu",
+        requests: list[RequestView] | None = None,
+    ) -> None:
+        self._cm = client.turn(claim, device, requests)
         self.entered = asyncio.create_task(self._cm.__aenter__())
 
     async def granted(self) -> bool:
@@ -81,6 +87,31 @@ async def test_the_turn_goes_to_the_earliest_deadline_waiting(arbiter: DeviceArb
     await turn_c.end()
     assert await again_a.granted() and await turn_b.waiting()
     await again_a.end()
+    assert await turn_b.granted()
+    await turn_b.end()
+    for client in (a, b, c):
+        client.close()
+
+
+async def test_a_te_whose_most_urgent_prompt_yields_waits_for_those_in_time(
+    arbiter: DeviceArbiter,
+) -> None:
+    """``want <deadline> yield``: its most urgent request is a prompt late by less than the
+    late yield (its engine serves it behind its prompts in time), so the turn goes first to
+    a TE with a later deadline still in time; what it holds is read all the same."""
+    a, b, c = (TurnClient(str(arbiter.path), n) for n in "abc")
+    turn_a = _Turn(a, 100.0)
+    assert await turn_a.granted()
+    prompt = RequestView(
+        arrival=1.0, prompt_tokens=10, expected_output=5, ttft_slo=2.0, tpot_slo=0.1, id="p"
+    )
+    turn_b = _Turn(b, Urgency(True, 3.0), requests=[prompt])
+    turn_c = _Turn(c, 10.0)
+    assert await turn_b.waiting() and await turn_c.waiting()
+    assert arbiter._devices["cpu"].clients["b"].requests == (prompt,)
+    await turn_a.end()
+    assert await turn_c.granted() and await turn_b.waiting()  # 10 in time before 3 yielding
+    await turn_c.end()
     assert await turn_b.granted()
     await turn_b.end()
     for client in (a, b, c):

@@ -72,6 +72,22 @@ def test_the_turn_goes_to_the_earliest_deadline_not_the_first_asker() -> None:
     assert stats.turns == stats.iterations
 
 
+def test_with_late_yield_the_turn_goes_to_a_prompt_in_time_before_one_already_late() -> None:
+    # c's 2,040-token prompt holds the device from 4 s to 6.04 s. a's 100-token prompt (due at
+    # 6.01 s) is late by then, b's (due at 6.2 s) is not: earliest deadline first serves a,
+    # and b misses too; with late yield b goes first and only a misses.
+    reqs = _trace((4.0, 2040, 1, "c"), (4.01, 100, 1, "a"), (4.2, 100, 1, "b"))
+    cfg = SimConfig(slots_per_device=3, sharing="headroom", **ONE_DEVICE)
+    edf, stats = _run(reqs, cfg)
+    assert edf["a"].ttft_s == pytest.approx(2.03 + 0.1)
+    assert edf["b"].ttft_s == pytest.approx(1.84 + 0.2)  # late
+    late_turns = stats.late_turns
+    yielding, stats = _run(reqs, dataclasses.replace(cfg, late_yield_s=3.0))
+    assert yielding["b"].ttft_s == pytest.approx(1.84 + 0.1)  # in time
+    assert yielding["a"].ttft_s == pytest.approx(2.03 + 0.2)
+    assert stats.late_turns == late_turns  # a's turn, late either way
+
+
 def test_shadow_validation_refuses_what_would_break_a_neighbours_tpot() -> None:
     # b decodes 200 tokens from 5 s, a step 20 ms (22 ms with the margin) under a 30 ms TPOT;
     # a's request at 6 s would add a turn of a's to every round (44 ms).

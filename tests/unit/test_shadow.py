@@ -10,7 +10,7 @@ import math
 import pytest
 
 from services.job_executor.shadow import InstanceView, validate
-from shared.headroom import RequestView, earliest_deadline, next_turn
+from shared.headroom import NO_WORK, RequestView, Urgency, earliest_deadline, next_turn, urgency
 from tests.unit.exact_perf import EXACT_PERF
 
 
@@ -35,9 +35,35 @@ def test_headroom_is_the_next_tokens_deadline_less_now():
 
 
 def test_the_turn_goes_to_the_least_headroom_and_ties_agree():
-    assert next_turn({"a": 5.0, "b": 3.0, "c": 4.0}) == "b"
-    assert next_turn({"b": 3.0, "a": 3.0}) == "a"
-    assert next_turn({"a": math.inf}) is None and next_turn({}) is None
+    def at(**deadlines: float) -> dict[str, Urgency]:
+        return {name: Urgency(False, d) for name, d in deadlines.items()}
+
+    assert next_turn(at(a=5.0, b=3.0, c=4.0)) == "b"
+    assert next_turn(at(b=3.0, a=3.0)) == "a"
+    assert next_turn(at(a=math.inf)) is None and next_turn({}) is None
+
+
+def test_an_instance_whose_most_urgent_is_a_prompt_late_by_less_than_the_yield_goes_last():
+    """As its engine serves such a prompt behind its own prompts in time, the device serves
+    its instance behind every instance holding a request in time; late by more, or one that
+    has produced tokens (its next token due), keeps its deadline's place."""
+    now = 10.0
+    late = _req("late", arrival=7.0, ttft=2.0)  # due at 9: late by 1 s
+    in_time = _req("fresh", arrival=9.0, ttft=2.0)  # due at 11
+    very_late = _req("old", arrival=2.0, ttft=2.0)  # due at 4: late by 6 s
+    decoding = _req("dec", arrival=7.0, ttft=2.0, tpot=0.1, output_tokens=2, computed_tokens=10)
+    assert urgency([late, in_time], now, 3.0) == Urgency(False, 11.0)
+    assert urgency([late], now, 3.0) == Urgency(True, 9.0)
+    assert urgency([late], now, 0.0) == Urgency(False, 9.0)  # no yield: its deadline
+    assert urgency([very_late], now, 3.0) == Urgency(False, 4.0)
+    assert urgency([decoding], now, 3.0) == Urgency(False, pytest.approx(9.2))
+    assert urgency([], now, 3.0) == NO_WORK
+    claims = {"a": urgency([late], now, 3.0), "b": urgency([in_time], now, 3.0)}
+    assert next_turn(claims) == "b"
+    claims["c"] = urgency([very_late], now, 3.0)
+    assert next_turn(claims) == "c"
+    assert next_turn({"a": urgency([late], now, 0.0), "b": urgency([in_time], now, 0.0)}) == "a"
+    assert next_turn({"a": urgency([late], now, 3.0)}) == "a"  # alone: work-conserving
 
 
 def test_a_request_an_idle_device_can_serve_is_admitted():

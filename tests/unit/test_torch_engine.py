@@ -971,7 +971,11 @@ def test_an_engine_serves_a_prompt_in_time_before_one_already_late(
     """A 64-token prompt due at 104 s still waits at 105 s (the engine was busy); a short one
     arrives, due at 107 s. With the late prompt yielding, the short one meets its target; in
     plain deadline order the late one goes first."""
+    from services.task_executor.engines.capabilities import bind_features
+
     engine, clock = _deadline_engine(model_dir, monkeypatch, late_yield_s=late_yield_s)
+    pacing = bind_features(engine).prefill_pacing
+    assert pacing is not None and pacing.late_yield_s == late_yield_s  # its TE claims turns so
     engine.add_request(EngineRequest("late", list(range(3, 67)), greedy(2)))
     clock[0] = 105.0
     engine.add_request(EngineRequest("fresh", [3, 4, 5, 6], greedy(2)))

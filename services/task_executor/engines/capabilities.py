@@ -136,6 +136,13 @@ class PrefillPacing(Protocol):
         of their TTFT target, ``max(ttft_s, tokens * ttft_per_token_s)`` after arrival."""
         ...
 
+    @property
+    def late_yield_s(self) -> float:
+        """Prompts late by less than this go behind every prompt still in time
+        (``shared.headroom.yields``; 0: none do, or prompts have no deadlines yet): the TE
+        claims its device's turns as its engine will serve them."""
+        ...
+
 
 @runtime_checkable
 class LoraServing(Protocol):

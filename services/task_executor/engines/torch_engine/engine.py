@@ -371,6 +371,11 @@ class TorchEngine:
         )
         self._sched = dataclasses.replace(self._sched, pacing=paced)
 
+    @property
+    def late_yield_s(self) -> float:
+        """``MESHSERVE_LATE_YIELD`` once prompts have deadlines (paced), else 0."""
+        return self._sched.late_yield_s if self._sched.pacing is not None else 0.0
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self._running),

@@ -51,6 +51,7 @@ import math
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import TypeVar
 
+from shared.headroom import yields
 from shared.messages.scaling import InstanceCapacity
 
 
@@ -221,7 +222,7 @@ def prompt_order(ttft_left_s: float, late_yield_s: float) -> tuple[bool, float]:
     """A prompt's place among prompts (the lowest first): its deadline, except that one late
     by less than ``late_yield_s`` goes behind every prompt still in time (0: deadline order
     alone). Requests that produced tokens (-inf) and those late by more come first."""
-    return (-late_yield_s < ttft_left_s <= 0, ttft_left_s)
+    return (yields(ttft_left_s, late_yield_s), ttft_left_s)
 
 
 def admission_head(
