@@ -872,9 +872,10 @@ class Simulation:
             self.stats.prompt_tokens += seq.plan.input_tokens
             self.stats.matched_tokens += matched
             self.stats.oracle_tokens += max(cached.values(), default=0)
-        # In deadline order, as the engine queues.
+        # In deadline order, as the engine queues: due from its arrival, as the TE hands
+        # the engine its request (``EngineRequest.arrival``).
         paced = self._pacing.get((te.kind, model))
-        seq.due = self.now + paced.ttft_limit_s(seq.prompt) if paced else math.inf
+        seq.due = EPOCH + seq.result.sent_s + paced.ttft_limit_s(seq.prompt) if paced else math.inf
         te.last_active = self.now
         if prefill_te is not None:  # the decode TE waits for the KV
             self._traffic.prefill_placed(model, seq.prompt - matched)  # as the JE counts it

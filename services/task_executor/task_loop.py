@@ -316,7 +316,11 @@ class TaskLoop:
         )
         self._streams[stream.key] = self._engine_streams[stream.engine_id] = stream
         request = EngineRequest(
-            stream.engine_id, task.prompt_token_ids, task.sampling, adapter=task.adapter
+            stream.engine_id,
+            task.prompt_token_ids,
+            task.sampling,
+            adapter=task.adapter,
+            arrival=stream.arrival,
         )
         if task.adapter:
             self._adapter_paths[task.adapter] = task.adapter_path

@@ -964,6 +964,18 @@ def test_an_engine_with_a_ttft_target_prefills_the_prompt_due_first(
     assert firsts[0] == "short"
 
 
+def test_a_prompts_deadline_counts_from_its_arrival_not_from_when_the_engine_got_it(
+    model_dir: Path, monkeypatch
+) -> None:
+    """A request held 1.5 s for a load (``EngineRequest.arrival``) is due 0.5 s after the
+    engine gets it, before a short prompt that arrived just now (due in 2 s)."""
+    engine, clock = _deadline_engine(model_dir, monkeypatch)
+    engine.add_request(EngineRequest("fresh", [3, 4, 5, 6], greedy(2)))
+    engine.add_request(EngineRequest("held", [3, 4, 5, 7], greedy(2), arrival=clock[0] - 1.5))
+    assert [r.request_id for r in engine._waiting] == ["held", "fresh"]
+    assert engine._requests["held"].ttft_left() == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize(("late_yield_s", "first"), [(3.0, "fresh"), (0.0, "late")])
 def test_an_engine_serves_a_prompt_in_time_before_one_already_late(
     model_dir: Path, monkeypatch, late_yield_s: float, first: str

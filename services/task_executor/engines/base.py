@@ -40,6 +40,10 @@ class EngineRequest(msgspec.Struct):
     # The LoRA adapter it runs under ("": the base model); only an engine that declares
     # ``lora`` serves one, and only once the adapter is loaded (``LoraServing``).
     adapter: str = ""
+    # When the request reached its frontend, in monotonic seconds (the host's clock): its
+    # TTFT target counts from then, the time it waited for a route or a load included
+    # (None: from when the engine got it).
+    arrival: float | None = None
 
 
 class EngineOutput(msgspec.Struct):

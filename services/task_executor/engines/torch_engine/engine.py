@@ -699,6 +699,7 @@ class TorchEngine:
             generator=sampling.make_generator(request.sampling.seed),
             adapter=request.adapter,
             hash_root=adapter_root(request.adapter),
+            arrival=request.arrival,
         )
 
     def _enqueue(self, req: Seq) -> None:
@@ -707,7 +708,8 @@ class TorchEngine:
             req.block_hashes = chain_hashes(req.token_ids, self._sched.block_size, req.hash_root)
         self._requests[req.request_id] = req
         if (paced := self._sched.pacing) is not None:
-            req.due = time.monotonic() + paced.ttft_limit_s(req.prompt_len)
+            since = time.monotonic() if req.arrival is None else req.arrival
+            req.due = since + paced.ttft_limit_s(req.prompt_len)
         enqueue(self._waiting, req, lambda r: queue_due(r.due, started=r.num_output > 0))
 
     def _admit(self, req: Seq) -> None:

@@ -40,6 +40,7 @@ class Seq:
     uniforms: list[torch.Tensor] = dataclasses.field(default_factory=list)
     first_token_at: float | None = None  # monotonic seconds its first output token came out
     due: float = math.inf  # monotonic seconds its first token is due (its TTFT target)
+    arrival: float | None = None  # when it reached its frontend (EngineRequest.arrival)
     adapter: str = ""  # the LoRA adapter it runs under ("": the base model)
     adapter_slot: int = -1  # that adapter's device slot while it runs (lora.py)
     hash_root: int = 0  # the root of its block hashes (block_hash.adapter_root)
