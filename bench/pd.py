@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
         "--slo-cuda", default="ttft=500ms,ttft_per_token=1/16384,tpot=25ms", help="GPU profiles"
     )
     ap.add_argument("--traces", type=Path, default=TRACES)
+    ap.add_argument(
+        "--late-yield",
+        type=float,
+        help="seconds a late prompt waits behind those in time (default MESHSERVE_LATE_YIELD's)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "pd.json")
     args = ap.parse_args(argv)
     # By (model, profile file): a map measured on one profile says nothing of another.
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                     slo=slo,
                     kv_bandwidth=args.kv_bandwidth,
                     record_gaps=True,
+                    late_yield_s=args.late_yield,
                 )
                 split = dataclasses.replace(base, max_replicas=n - k, max_prefill_replicas=k)
                 shared = dataclasses.replace(base, max_replicas=n, max_prefill_replicas=k)

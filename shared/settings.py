@@ -677,9 +677,10 @@ class TorchEngineSettings(Section):
         description="Prompts go by the deadline of their TTFT target, except one past it by "
         "less than this, which waits behind every prompt still in time (plain earliest "
         "deadline first serves the latest first and makes the next ones late too); past it, "
-        "first again. 0 (the default): deadline order alone. 3 s helps fleets of one "
-        "instance per device under overload; where instances share a device, its turns "
-        "still go by plain deadline (README, Prompts by deadline).",
+        "first again; where TEs share a device, a TE whose most urgent request is such a "
+        "prompt claims its turn behind those in time. 0 (the default): deadline order "
+        "alone. 3 s helps fleets of one instance per device under overload; on shared "
+        "devices it is mixed (README, Prompts by deadline).",
     )
     host_kv_blocks: int = Field(
         default=0, ge=0, description="KV blocks of the prefix cache's host-memory tier (0: none)."
