@@ -1572,6 +1572,7 @@ class Simulation:
                     ),
                     max_num_seqs=t.profile.max_num_seqs,
                     max_prefill_tokens=t.profile.max_prefill_tokens,
+                    late_yield_s=self._late_yield_s,
                 )
             )
         return tuple(views)

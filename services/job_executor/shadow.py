@@ -23,9 +23,11 @@ hears of it only when nothing can take it. Pure: the node pool's arbiter and the
 call it as is.
 
 An iteration of an instance, as its engine runs one: every running request decodes a token
-(up to ``max_num_seqs``), and waiting prompts fill the rest of the iteration's prefill
-budget (``max_prefill_tokens``, chunked), first come first served; a prompt whose last
-chunk ran gets its first token then.
+(up to ``max_num_seqs``), and prompts fill the rest of the iteration's prefill budget
+(``max_prefill_tokens``, chunked) in the engine's order: by deadline, a prompt late by less
+than the engine's late yield (``InstanceView.late_yield_s``) behind those in time; a prompt
+whose last chunk ran gets its first token then. The device's turns go by each instance's
+claim (``shared.headroom.Urgency``), as its arbiter grants them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from shared.headroom import RequestView, Urgency, next_turn
+from shared.headroom import NO_WORK, RequestView, Urgency, next_turn, yields
 from shared.perf_model import PerfModel
 
 MARGIN = 0.10  # profiled times are stretched by this much
@@ -55,6 +57,8 @@ class InstanceView:
     # Its real iterations over what its profile predicts for them (the arbiter measures it:
     # other processes' overheads, a busier host), applied before the margin.
     stretch: float = 1.0
+    # Its engine's late yield (``MESHSERVE_LATE_YIELD``; 0: prompts go by deadline alone).
+    late_yield_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,13 +90,21 @@ class _Instance:
     view: InstanceView
     reqs: list[_Req]
 
-    def earliest(self) -> float:
-        return min((r.deadline() for r in self.reqs), default=math.inf)
+    def claim(self, now: float) -> Urgency:
+        """Its claim on the device's next turn, as ``shared.headroom.urgency`` makes it."""
+        y = self.view.late_yield_s
+        return min(
+            (
+                Urgency(r.output == 0 and yields(r.deadline() - now, y), r.deadline())
+                for r in self.reqs
+            ),
+            default=NO_WORK,
+        )
 
     def iterate(self, now: float, margin: float) -> float:
         """One iteration from ``now``: its end time; tokens and deadlines recorded."""
         v = self.view
-        decoding, chunks, seconds = _next_iteration(v, self.reqs)
+        decoding, chunks, seconds = _next_iteration(v, self.reqs, now)
         end = now + seconds * v.stretch * (1 + margin)
         for r in decoding:
             _token(r, end)
@@ -105,26 +117,36 @@ class _Instance:
 
 
 def _next_iteration(
-    v: InstanceView, reqs: Sequence[_Req]
+    v: InstanceView, reqs: Sequence[_Req], now: float | None = None
 ) -> tuple[list[_Req], list[tuple[_Req, int]], float]:
     """What the instance's next iteration runs (its decodes; its prompts' chunks) and how
-    long its profile says that takes."""
+    long its profile says that takes. From ``now`` on, prompts go as its engine orders them
+    (by deadline, those that yield behind: ``shared.headroom.yields``); without, as held."""
     decoding = [r for r in reqs if r.computed >= r.view.prompt_tokens][: v.max_num_seqs]
     slots = v.max_num_seqs - len(decoding)
     budget = v.max_prefill_tokens
     chunks: list[tuple[_Req, int]] = []
-    for r in reqs:
+    prompts = [r for r in reqs if r.computed < r.view.prompt_tokens]
+    if now is not None:
+        prompts.sort(key=lambda r: _prompt_order(r, now, v.late_yield_s))
+    for r in prompts:
         if budget <= 0 or slots <= 0:
             break
-        if r.computed < r.view.prompt_tokens:
-            n = min(r.view.prompt_tokens - r.computed, budget)
-            chunks.append((r, n))
-            budget -= n
-            slots -= 1
+        n = min(r.view.prompt_tokens - r.computed, budget)
+        chunks.append((r, n))
+        budget -= n
+        slots -= 1
     context = sum(r.view.prompt_tokens + r.output for r in decoding)
     mean = context / len(decoding) if decoding else 0.0
     prefill = sum(n for _, n in chunks)
     return decoding, chunks, v.perf.iteration_s(len(decoding), mean, prefill)
+
+
+def _prompt_order(r: _Req, now: float, late_yield_s: float) -> tuple[bool, float]:
+    """A prompt's place among its instance's, as the engine's ``scheduler.prompt_order``:
+    one sent back after producing tokens first, then by deadline, those that yield last."""
+    left = -math.inf if r.output else r.deadline() - now
+    return (yields(left, late_yield_s), left)
 
 
 def iteration_s(v: InstanceView) -> float:
@@ -169,7 +191,7 @@ def _play(
     for _ in range(MAX_ITERATIONS):
         if t >= until or (watched is not None and watched.output >= new_tokens):
             break
-        turn = next_turn({n: Urgency(False, inst.earliest()) for n, inst in instances.items()})
+        turn = next_turn({name: inst.claim(t) for name, inst in instances.items()})
         if turn is None:
             break
         t = instances[turn].iterate(t, margin)

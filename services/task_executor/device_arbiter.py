@@ -196,6 +196,7 @@ class _Client:
             max_num_seqs=self.instance.max_num_seqs,
             max_prefill_tokens=self.instance.max_prefill_tokens,
             stretch=self.stretch,
+            late_yield_s=self.instance.late_yield_s,
         )
 
     def turn_ended(self, now: float) -> None:
@@ -225,6 +226,7 @@ class Instance(msgspec.Struct, frozen=True):
     max_prefill_tokens: int
     model: str = ""
     role: TaskMode = TaskMode.COLOCATED
+    late_yield_s: float = 0.0  # its engine's (``PrefillPacing.late_yield_s``)
 
 
 def _used(clients: Iterable[_Client]) -> int:
@@ -257,6 +259,7 @@ def snapshot_views(
             max_num_seqs=i.max_num_seqs,
             max_prefill_tokens=i.max_prefill_tokens,
             stretch=i.stretch,
+            late_yield_s=i.late_yield_s,
         )
         for i in snapshot.instances
     )
@@ -397,6 +400,7 @@ class DeviceArbiter:
                     max_num_seqs=c.instance.max_num_seqs,
                     max_prefill_tokens=c.instance.max_prefill_tokens,
                     stretch=c.stretch,
+                    late_yield_s=c.instance.late_yield_s,
                     requests=[DeviceRequest(*dataclasses.astuple(r)) for r in c.requests],
                 )
                 for c in device.clients.values()

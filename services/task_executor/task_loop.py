@@ -688,6 +688,7 @@ class TaskLoop:
                 max_prefill_tokens=budget.paced_tokens or budget.tokens,
                 model=self._control.model or "",
                 role=self._control.role,
+                late_yield_s=self._late_yield_s(),
             )
         )
 
@@ -708,13 +709,16 @@ class TaskLoop:
     def _request_views(self) -> list[RequestView]:
         return [self._request_view(s) for s in self._streams.values()]
 
+    def _late_yield_s(self) -> float:
+        """Its engine's late yield (0: prompts go by deadline alone, or no deadlines)."""
+        pacing = self._control.features.prefill_pacing
+        return pacing.late_yield_s if pacing is not None else 0.0
+
     def _urgency(self) -> Urgency:
         """Its claim on the device's next turn (``shared.headroom.urgency``): its most urgent
         request's deadline, as its engine orders prompts (those it lets yield, behind)."""
-        pacing = self._control.features.prefill_pacing
-        late_yield_s = pacing.late_yield_s if pacing is not None else 0.0
         views = (self._request_view(s) for s in self._streams.values())
-        return urgency(views, time.monotonic(), late_yield_s)
+        return urgency(views, time.monotonic(), self._late_yield_s())
 
     def _earliest_deadline(self) -> float:
         """When the most urgent of this TE's requests is due its next token

@@ -35,6 +35,7 @@ class DeviceInstance(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     max_num_seqs: int
     max_prefill_tokens: int
     stretch: float = 1.0  # its real iterations over its profile's predictions
+    late_yield_s: float = 0.0  # its engine's late yield (0: prompts by deadline alone)
     requests: list[DeviceRequest] = msgspec.field(default_factory=list)
 
 

@@ -72,6 +72,25 @@ def test_a_request_an_idle_device_can_serve_is_admitted():
     assert v.first_token_s == pytest.approx(0.1 * 1.1)  # its prefill, with the margin
 
 
+def test_the_play_runs_an_instances_prompts_as_its_engine_orders_them():
+    """By deadline (a short prompt due first takes its chunk before a long one's); with the
+    engine's late yield, a prompt late by less than it goes behind those in time. 500
+    prompt tokens an iteration (0.55 s with the margin); a 1,500-token prompt waits."""
+    short = _req("new", prompt=100, ttft=1.0)  # due at 1
+    long = _req("long", prompt=1500, ttft=3.0)  # due at 3
+    inst = dataclasses.replace(_inst("a", long), max_prefill_tokens=500)
+    v = validate([inst], "a", short, 0.0)  # first come would finish it at 1.76 s
+    assert v.ok and v.first_token_s == pytest.approx(0.55)
+    # At 10 s the long prompt is late by 0.5 s: by deadline it still goes first.
+    late = _req("long", prompt=1500, ttft=2.0, arrival=7.5)
+    short = _req("new", prompt=100, ttft=1.0, arrival=10.0)
+    inst = dataclasses.replace(_inst("a", late), max_prefill_tokens=500)
+    v = validate([inst], "a", short, 10.0)
+    assert not v.ok and v.reason == "late"  # its first token at 11.76 s, past 11
+    v = validate([dataclasses.replace(inst, late_yield_s=3.0)], "a", short, 10.0)
+    assert v.ok and v.first_token_s == pytest.approx(0.55)
+
+
 def test_a_request_that_would_be_late_is_refused():
     # Another instance's prompt (1.5 s, due first) runs before the newcomer's (1 s): its
     # first token would come at 2.75 s, past its 2 s limit.
