@@ -23,10 +23,11 @@ hears of it only when nothing can take it. Pure: the node pool's arbiter and the
 call it as is.
 
 An iteration of an instance, as its engine runs one: every running request decodes a token
-(up to ``max_num_seqs``), and prompts fill the rest of the iteration's prefill budget
-(``max_prefill_tokens``, chunked) in the engine's order: by deadline, a prompt late by less
-than the engine's late yield (``InstanceView.late_yield_s``) behind those in time; a prompt
-whose last chunk ran gets its first token then. The device's turns go by each instance's
+(up to ``max_num_seqs``), the free batch slots go to prompts in the order held, and those
+prompts share the iteration's prefill budget (``max_prefill_tokens``, chunked) in the
+engine's order: by deadline, a prompt late by less than the engine's late yield
+(``InstanceView.late_yield_s``) behind those in time; a prompt whose last chunk ran gets its
+first token then. The device's turns go by each instance's
 claim (``shared.headroom.Urgency``), as its arbiter grants them.
 """
 
@@ -120,22 +121,24 @@ def _next_iteration(
     v: InstanceView, reqs: Sequence[_Req], now: float | None = None
 ) -> tuple[list[_Req], list[tuple[_Req, int]], float]:
     """What the instance's next iteration runs (its decodes; its prompts' chunks) and how
-    long its profile says that takes. From ``now`` on, prompts go as its engine orders them
-    (by deadline, those that yield behind: ``shared.headroom.yields``); without, as held."""
+    long its profile says that takes. The batch's free slots go to prompts in the order the
+    instance holds them (those it runs already keep theirs: a view does not say which they
+    are, and may be an iteration old); from ``now`` on, the prefill budget goes among them as
+    its engine orders them (by deadline, those that yield behind: ``shared.headroom.yields``),
+    without, as held."""
     decoding = [r for r in reqs if r.computed >= r.view.prompt_tokens][: v.max_num_seqs]
     slots = v.max_num_seqs - len(decoding)
     budget = v.max_prefill_tokens
     chunks: list[tuple[_Req, int]] = []
-    prompts = [r for r in reqs if r.computed < r.view.prompt_tokens]
+    prompts = [r for r in reqs if r.computed < r.view.prompt_tokens][: max(0, slots)]
     if now is not None:
         prompts.sort(key=lambda r: _prompt_order(r, now, v.late_yield_s))
     for r in prompts:
-        if budget <= 0 or slots <= 0:
+        if budget <= 0:
             break
         n = min(r.view.prompt_tokens - r.computed, budget)
         chunks.append((r, n))
         budget -= n
-        slots -= 1
     context = sum(r.view.prompt_tokens + r.output for r in decoding)
     mean = context / len(decoding) if decoding else 0.0
     prefill = sum(n for _, n in chunks)

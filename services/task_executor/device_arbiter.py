@@ -16,9 +16,9 @@ engine lets yield, late by less than ``MESHSERVE_LATE_YIELD``: ``shared.headroom
 runs one iteration once told ``go`` and says ``done``. The turn goes to the lowest claim
 among the TEs waiting when it frees (the earliest deadline, a yielding one behind all those
 still in time): a TE between two iterations (publishing its tokens, taking new requests)
-is not waiting, so the device never idles while another TE could run (work-conserving). A TE that goes away (or whose
-connection drops) gives its turn back. Turns granted past their deadline are counted
-(negative headroom: an SLO miss in the making).
+is not waiting, so the device never idles while another TE could run (work-conserving). A
+TE that goes away (or whose connection drops) gives its turn back. Turns granted past
+their deadline are counted (negative headroom: an SLO miss in the making).
 
 Turns pay where one TE's iteration fills the device (``shares_device``): a GPU, or CPU TEs
 whose threads together outnumber the cores. Measured on host A (2 cores, AVX-512 BF16), two

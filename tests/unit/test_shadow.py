@@ -89,6 +89,13 @@ def test_the_play_runs_an_instances_prompts_as_its_engine_orders_them():
     assert not v.ok and v.reason == "late"  # its first token at 11.76 s, past 11
     v = validate([dataclasses.replace(inst, late_yield_s=3.0)], "a", short, 10.0)
     assert v.ok and v.first_token_s == pytest.approx(0.55)
+    # The batch's slots go in the order held: with one, the long prompt (maybe running
+    # already: a view may be an iteration old) keeps it, and the short one waits behind it.
+    inst = dataclasses.replace(
+        _inst("a", long, _req("dec", output_tokens=1, expected_output=2, computed_tokens=10)),
+        max_num_seqs=2,
+    )
+    assert validate([inst], "a", _req("new", prompt=100, ttft=1.0), 0.0).reason == "late"
 
 
 def test_a_request_that_would_be_late_is_refused():
