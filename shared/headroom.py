@@ -98,15 +98,17 @@ class Urgency(NamedTuple):
 NO_WORK = Urgency(False, math.inf)
 
 
+def request_claim(deadline: float, output_tokens: int, now: float, late_yield_s: float) -> Urgency:
+    """One request's claim at ``now``: a request that has produced tokens never yields (its
+    next token is due, and its engine runs it every iteration)."""
+    return Urgency(output_tokens == 0 and yields(deadline - now, late_yield_s), deadline)
+
+
 def urgency(requests: Iterable[RequestView], now: float, late_yield_s: float = 0.0) -> Urgency:
     """The claim of an instance holding ``requests`` at ``now``, its engine letting prompts
-    late by less than ``late_yield_s`` yield (a request that has produced tokens never does:
-    its next token is due, and its engine runs it every iteration)."""
+    late by less than ``late_yield_s`` yield: its most urgent request's."""
     return min(
-        (
-            Urgency(r.output_tokens == 0 and yields(r.headroom(now), late_yield_s), r.deadline())
-            for r in requests
-        ),
+        (request_claim(r.deadline(), r.output_tokens, now, late_yield_s) for r in requests),
         default=NO_WORK,
     )
 

@@ -37,7 +37,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from shared.headroom import NO_WORK, RequestView, Urgency, next_turn, yields
+from shared.headroom import NO_WORK, RequestView, Urgency, next_turn, request_claim, yields
 from shared.perf_model import PerfModel
 
 MARGIN = 0.10  # profiled times are stretched by this much
@@ -95,11 +95,7 @@ class _Instance:
         """Its claim on the device's next turn, as ``shared.headroom.urgency`` makes it."""
         y = self.view.late_yield_s
         return min(
-            (
-                Urgency(r.output == 0 and yields(r.deadline() - now, y), r.deadline())
-                for r in self.reqs
-            ),
-            default=NO_WORK,
+            (request_claim(r.deadline(), r.output, now, y) for r in self.reqs), default=NO_WORK
         )
 
     def iterate(self, now: float, margin: float) -> float:
