@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import random
 import shutil
 import signal
 import socket
@@ -26,11 +27,29 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return 32768, 60999
+
+
 def free_port() -> int:
+    """A port free now for a server another process (or a later call) binds by number.
+
+    Chosen below the kernel's ephemeral range, so no socket that binds port 0 or connects
+    out in the meantime (our own JSON-lines servers, NATS clients) can take it first; the
+    kernel's own pick is the fallback when that range is all taken."""
+    low, _ = _ephemeral_ports()
+    pool = range(max(1024, low // 2), low)
+    for port in random.sample(pool, min(64, len(pool))):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
