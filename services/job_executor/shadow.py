@@ -9,7 +9,9 @@ placement when it would
   until its deadline passed, or its prompt is too long for the device) is late on any
   device, and refusing it for that would only turn a slow answer into none: its deadline
   becomes one TTFT SLO after the soonest its instance could give it the first token, so
-  that it may wait its turn but not behind a queue it cannot see the end of;
+  that it may wait its turn but not behind a queue it cannot see the end of (where its
+  engine lets late prompts yield, its turn comes once it is late by more than the bound:
+  one TTFT SLO after it could be served then);
 - push a request the device already holds past a deadline it would have met (``pushes``);
 - make one decode round of the device exceed the TPOT SLO: a turn for every instance that
   holds requests with tokens to come after their first, each decoding its batch of them (the
@@ -250,7 +252,12 @@ def validate(
     tokens = min(max(1, new.expected_output), 1 + horizon_tokens)
     due = new.arrival + new.ttft_slo
     if (alone := _first_alone(device, target, new, now, margin)) > due:
-        due = alone + new.ttft_slo  # late whatever the device does: its turn, not a queue
+        # Late whatever the device does: its turn, not a queue. Where its engine lets late
+        # prompts yield, its turn comes after the instance's prompts still in time, at the
+        # latest once it is late by more than the bound.
+        y = next((i.late_yield_s for i in device if i.instance == target), 0.0)
+        turn = max(alone, due + y + (alone - now)) if y > 0 else alone
+        due = turn + new.ttft_slo
     until = due + new.tpot_slo * (tokens - 1)
     with_new, end = _play(device, now, margin, until=until, new=(target, new), new_tokens=tokens)
     without, _ = _play(device, now, margin, until=end, new=None, new_tokens=0)

@@ -136,6 +136,34 @@ def test_a_request_late_alone_may_wait_its_turn_but_not_a_queue():
     assert v.first_token_s == math.inf  # the play stops at its deadline
 
 
+def test_a_late_request_that_yields_may_wait_out_the_yield():
+    """Where the engine lets late prompts yield, a request already late waits behind the
+    instance's prompts still in time, at the latest until it is late by more than the
+    bound: its turn, which refusing it everywhere would only take from it."""
+    # Late by 0.5 s at 10 s; alone its first token would come at 10.11 s. The prompt in
+    # time (1,500 tokens, due at 13 s) takes three iterations of 500 first (0.55 s each).
+    late = _req("new", prompt=100, ttft=1.0, arrival=8.5)
+    inst = dataclasses.replace(
+        _inst("a", _req("intime", prompt=1500, ttft=3.0, arrival=10.0)), max_prefill_tokens=500
+    )
+    assert validate([inst], "a", late, 10.0).ok  # by deadline: it goes first
+    v = validate([dataclasses.replace(inst, late_yield_s=3.0)], "a", late, 10.0)
+    assert v.ok and v.first_token_s == pytest.approx(3 * 0.55 + 0.11 + 1.5)
+    # Behind the bound it still may not wait for a batch slot it cannot see the end of: the
+    # one slot held by a generation with 400 tokens to go (4.4 s).
+    held = _req("held", prompt=10, ttft=100.0, tpot=1.0, computed_tokens=10, output_tokens=1)
+    one_slot = InstanceView(
+        instance="a",
+        perf=EXACT_PERF,
+        requests=(dataclasses.replace(held, expected_output=401),),
+        max_num_seqs=1,
+        max_prefill_tokens=2048,
+        late_yield_s=3.0,
+    )
+    v = validate([one_slot], "a", late, 10.0)
+    assert (v.ok, v.reason) == (False, "late")
+
+
 def test_a_request_that_pushes_an_admitted_one_past_its_deadline_is_refused():
     # a's waiting prompt (0.55 s) is due at 0.6 s: it makes it alone. The newcomer is due
     # first (0.3 s), so it runs first, and a's first token comes at 0.66 s.
