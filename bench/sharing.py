@@ -12,7 +12,10 @@
   (``MESHSERVE_KV_SIZING``, shrunk after 10 s).
 
 Every row also has the TE processes' resident memory, summed, sampled every half second
-(``te_rss_mean_mib``, ``te_rss_peak_mib``): what KV sized by demand gives back.
+(``te_rss_mean_mib``, ``te_rss_peak_mib``): what KV sized by demand gives back; and what
+the node pool's device arbiter counted (its ``/metrics``): the turns it granted, those
+granted late, and its shadow validations by outcome (``checks``: admitted, late, pushes,
+tpot), so a config's refusals can be told apart.
 
 Models are ``--models`` copies of the demo model, each its own model with tensors of its own
 (scaled copies: the host cache shares none). The trace is ``meshserve-loadgen synth``: each
@@ -36,10 +39,11 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.cluster import LocalCluster
+from bench.cluster import LocalCluster, counter
 from bench.common import (
     RESULTS,
     ROOT,
@@ -52,6 +56,8 @@ from bench.common import (
 )
 from bench.scaling import Fleet, _distinct_copy
 from devtools.procs import module_of, processes_of, rss_bytes
+from services.launcher import SERVICES
+from shared.embedded import free_port
 from shared.settings import process_environment
 
 COMMON = {
@@ -109,7 +115,8 @@ def _run(
     name: str, models: Path, names: list[str], trace: Path, tokenizer: Path, work: Path
 ) -> dict[str, Any]:
     shared = name != "exclusive"
-    settings = {**COMMON, **CONFIGS[name]}
+    metrics_port = free_port()  # each service its own: the base, then the next ones
+    settings = {**COMMON, **CONFIGS[name], "METRICS_PORT": str(metrics_port)}
     if shared:  # every model loaded from the start, one instance each
         pinned = {n: {"min_replicas": 1, "max_replicas": 1} for n in names}
         settings["MODEL_SCALING"] = json.dumps(pinned)
@@ -145,8 +152,28 @@ def _run(
             "summary": summary,
             "instance_s": fleet.instance_s,
             "metrics": cluster.metrics(),
+            **_arbiter(metrics_port + SERVICES.index("task_executor")),
             **rss,
         }
+
+
+def _arbiter(port: int) -> dict[str, Any]:
+    """What the node pool's device arbiter counted, from its ``/metrics`` (empty where it
+    could not be read: its port was taken, say)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    outcomes = ("admitted", "late", "pushes", "tpot")
+    checks = {
+        o: int(counter(text, "meshserve:device_admission_checks", outcome=o)) for o in outcomes
+    }
+    return {
+        "turns": int(counter(text, "meshserve:device_turns")),
+        "late_turns": int(counter(text, "meshserve:device_late_turns")),
+        "checks": checks,
+    }
 
 
 def _met(summary: dict[str, Any]) -> int:
@@ -215,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         row["instance_s"] = runs[name]["instance_s"]
         row["te_rss_mean_mib"] = runs[name]["te_rss_mean_mib"]
         row["te_rss_peak_mib"] = runs[name]["te_rss_peak_mib"]
+        for key in ("turns", "late_turns", "checks"):
+            if key in runs[name]:
+                row[key] = runs[name][key]
+        checks = row.get("checks", {})
+        row["refused"] = sum(v for k, v in checks.items() if k != "admitted")
         rows.append(row)
         print(f"{name}: {time.monotonic() - t0:.0f} s, {row['met']} met the SLO", flush=True)
     table = Table(
@@ -229,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
             Col("ttft_p90", "TTFT p90 ms", ".0f"),
             Col("tpot_p90", "TPOT p90 ms", ".0f"),
             Col("failed", "failed"),
+            Col("refused", "refused"),
+            Col("late_turns", "late turns"),
             Col("te_rss_mean_mib", "TE RSS mean MiB", ".0f"),
             Col("te_rss_peak_mib", "peak MiB", ".0f"),
         ]
