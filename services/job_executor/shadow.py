@@ -92,13 +92,31 @@ class _Req:
 class _Instance:
     view: InstanceView
     reqs: list[_Req]
+    # Its claim as last made, and until when it holds (its requests unchanged, the play's
+    # clock only moving on): the play asks every instance's claim every iteration, and
+    # only one instance iterates (with eight instances of eight requests, the claims were
+    # three quarters of a validation's 5.7 ms, on the cores the device's engines run on).
+    _claim: Urgency | None = None
+    _claim_until: float = -math.inf
 
     def claim(self, now: float) -> Urgency:
         """Its claim on the device's next turn, as ``shared.headroom.urgency`` makes it."""
+        if self._claim is not None and now < self._claim_until:
+            return self._claim
         y = self.view.late_yield_s
-        return min(
-            (request_claim(r.deadline(), r.output, now, y) for r in self.reqs), default=NO_WORK
-        )
+        claim: Urgency | None = None  # (NO_WORK sorts before a claim that yields)
+        until = math.inf
+        for r in self.reqs:
+            deadline = r.deadline()
+            mine = request_claim(deadline, r.output, now, y)
+            claim = mine if claim is None else min(claim, mine)
+            if y > 0 and not r.output:  # it yields from its deadline until the bound's end
+                for edge in (deadline, deadline + y):
+                    if now < edge:
+                        until = min(until, edge)
+                        break
+        self._claim, self._claim_until = claim or NO_WORK, until
+        return self._claim
 
     def iterate(self, now: float, margin: float) -> float:
         """One iteration from ``now``: its end time; tokens and deadlines recorded."""
@@ -112,6 +130,7 @@ class _Instance:
             if r.computed >= r.view.prompt_tokens:
                 _token(r, end)
         self.reqs = [r for r in self.reqs if not r.done()]
+        self._claim = None  # its requests moved on
         return end
 
 

@@ -122,6 +122,16 @@ def test_bench_multicast_times_both_schedules_side_by_side(tmp_path: Path) -> No
     assert "fan-out ÷ pipeline" in printed
 
 
+def test_bench_shadow_cost_times_a_validation_per_device_size(tmp_path: Path) -> None:
+    printed = _bench(
+        "bench.shadow_cost", "--requests", "1,8", "--repeats", "3", "--out", str(tmp_path)
+    )
+    rows = json.loads((tmp_path / "shadow-cost.json").read_text())["rows"]
+    assert [(r["instances"], r["requests"]) for r in rows] == [(8, 1), (8, 8)]
+    assert all(0 < r["median_ms"] <= r["p90_ms"] for r in rows)
+    assert "median ms" in printed
+
+
 def test_bench_kv_transport_pulls_over_both_transports_next_to_the_baselines(
     tmp_path: Path,
 ) -> None:

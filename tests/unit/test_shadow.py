@@ -164,6 +164,28 @@ def test_a_late_request_that_yields_may_wait_out_the_yield():
     assert (v.ok, v.reason) == (False, "late")
 
 
+def test_the_plays_kept_claims_are_the_claims_urgency_makes():
+    """The play keeps each instance's claim until its requests move or one of its prompts
+    starts or stops yielding: at every moment it is what ``urgency`` says."""
+    from services.job_executor.shadow import _Instance, _Req
+
+    reqs = (
+        _req("p", prompt=100, ttft=1.0, arrival=0.0),  # due at 1, yields until 4
+        _req("q", prompt=100, ttft=2.5, arrival=0.0),  # due at 2.5, yields until 5.5
+        _req("d", computed_tokens=10, output_tokens=2, tpot=0.5, ttft=2.0),  # due at 3
+    )
+    view = dataclasses.replace(_inst("a", *reqs), late_yield_s=3.0)
+    inst = _Instance(view, [_Req(r, r.computed_tokens, r.output_tokens) for r in reqs])
+    for now in (0.0, 0.5, 1.0, 2.0, 2.5, 3.9, 4.0, 5.0, 5.5, 6.0):  # (the play moves on)
+        assert inst.claim(now) == urgency(reqs, now, 3.0), now
+    end = inst.iterate(0.0, 0.1)  # tokens came: the claim is made anew
+    views = [
+        dataclasses.replace(r.view, computed_tokens=r.computed, output_tokens=r.output)
+        for r in inst.reqs
+    ]
+    assert inst.claim(end) == urgency(views, end, 3.0)
+
+
 def test_a_request_that_pushes_an_admitted_one_past_its_deadline_is_refused():
     # a's waiting prompt (0.55 s) is due at 0.6 s: it makes it alone. The newcomer is due
     # first (0.3 s), so it runs first, and a's first token comes at 0.66 s.
