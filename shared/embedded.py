@@ -27,11 +27,12 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    with contextlib.suppress(OSError, ValueError):
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    return 32768, 60999
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out itself (to a bind of port 0, an outgoing
+    connection)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
 
 
 def free_port() -> int:
@@ -40,7 +41,7 @@ def free_port() -> int:
     Chosen below the kernel's ephemeral range, so no socket that binds port 0 or connects
     out in the meantime (our own JSON-lines servers, NATS clients) can take it first; the
     kernel's own pick is the fallback when that range is all taken."""
-    low, _ = _ephemeral_ports()
+    low = _ephemeral_low()
     pool = range(max(1024, low // 2), low)
     for port in random.sample(pool, min(64, len(pool))):
         with socket.socket() as s, contextlib.suppress(OSError):

@@ -104,6 +104,15 @@ def request_claim(deadline: float, output_tokens: int, now: float, late_yield_s:
     return Urgency(output_tokens == 0 and yields(deadline - now, late_yield_s), deadline)
 
 
+def claim_changes(deadline: float, output_tokens: int, now: float, late_yield_s: float) -> float:
+    """When one request's claim (``request_claim``) next changes while its tokens stay as
+    they are: a prompt's starts yielding at its deadline and stops once late by the bound
+    (inf: never, as without late yield, or for a request that has produced tokens)."""
+    if late_yield_s <= 0 or output_tokens:
+        return math.inf
+    return next((edge for edge in (deadline, deadline + late_yield_s) if now < edge), math.inf)
+
+
 def urgency(requests: Iterable[RequestView], now: float, late_yield_s: float = 0.0) -> Urgency:
     """The claim of an instance holding ``requests`` at ``now``, its engine letting prompts
     late by less than ``late_yield_s`` yield: its most urgent request's."""

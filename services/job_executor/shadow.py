@@ -39,7 +39,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from shared.headroom import NO_WORK, RequestView, Urgency, next_turn, request_claim, yields
+from shared.headroom import (
+    NO_WORK,
+    RequestView,
+    Urgency,
+    claim_changes,
+    next_turn,
+    request_claim,
+    yields,
+)
 from shared.perf_model import PerfModel
 
 MARGIN = 0.10  # profiled times are stretched by this much
@@ -104,18 +112,11 @@ class _Instance:
         if self._claim is not None and now < self._claim_until:
             return self._claim
         y = self.view.late_yield_s
-        claim: Urgency | None = None  # (NO_WORK sorts before a claim that yields)
-        until = math.inf
-        for r in self.reqs:
-            deadline = r.deadline()
-            mine = request_claim(deadline, r.output, now, y)
-            claim = mine if claim is None else min(claim, mine)
-            if y > 0 and not r.output:  # it yields from its deadline until the bound's end
-                for edge in (deadline, deadline + y):
-                    if now < edge:
-                        until = min(until, edge)
-                        break
-        self._claim, self._claim_until = claim or NO_WORK, until
+        deadlines = [(r.deadline(), r.output) for r in self.reqs]
+        self._claim = min((request_claim(d, o, now, y) for d, o in deadlines), default=NO_WORK)
+        self._claim_until = min(
+            (claim_changes(d, o, now, y) for d, o in deadlines), default=math.inf
+        )
         return self._claim
 
     def iterate(self, now: float, margin: float) -> float:
