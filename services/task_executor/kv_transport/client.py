@@ -11,7 +11,8 @@ pull that completed keeps its connection for the next pull to the same TE
 (``connections.py``).
 
 Over TCP the payloads are received straight into the result tensor's memory, and the lease
-is released before ``pull`` returns. Over shared memory the result is a read-only view of the
+is released as soon as ``pull`` has returned (the release goes out on the loop's next turn:
+the caller's import does not wait for it). Over shared memory the result is a read-only view of the
 prefill TE's arena (``mapped.py``): no copy at all until the caller's own (its import into
 its KV cache). The lease is then held, and renewed, until the result and every view of it
 are gone: the prefill side writes the arena again only after that release, so what the
@@ -151,7 +152,8 @@ class _Pull:
         self._renewal: asyncio.Task[None] | None = None
 
     async def run(self, started: float) -> Pulled:
-        held = False  # the result reads the arena in place: the lease ends when it is gone
+        held = False  # the lease ends after the return: once an in-place result is gone, or
+        # (TCP) on the loop's next turn
         try:
             meta = await self._open()
             self._renew_later()
@@ -160,8 +162,11 @@ class _Pull:
                 held = True
             else:
                 kv, done = await self._receive(meta)
-                with contextlib.suppress(OSError):  # everything is here: a courtesy
-                    await self._release()
+                # Everything is here: the release is a courtesy, sent once the caller has
+                # the KV (a send here would wake the server, which on a busy host takes
+                # this core before the caller gets its result).
+                held = True
+                self._release_soon()
         except (OSError, wire.ProtocolError) as e:
             raise TransferFailed(f"KV {self.key!r} from {self.address}: {e}") from e
         finally:
