@@ -12,9 +12,9 @@ pull that completed keeps its connection for the next pull to the same TE
 
 Over TCP the payloads are received straight into the result tensor's memory, and the lease
 is released as soon as ``pull`` has returned (the release goes out on the loop's next turn:
-the caller's import does not wait for it). Over shared memory the result is a read-only view of the
-prefill TE's arena (``mapped.py``): no copy at all until the caller's own (its import into
-its KV cache). The lease is then held, and renewed, until the result and every view of it
+the caller's import does not wait for it). Over shared memory the result is a read-only
+view of the prefill TE's arena (``mapped.py``): no copy at all until the caller's own (its
+import into its KV cache). The lease is then held, and renewed, until the result and every view of it
 are gone: the prefill side writes the arena again only after that release, so what the
 caller reads is never overwritten under it. A caller copies what it needs and drops the
 result; one that holds it past ``deadline_s`` stops renewing, and the prefill side, its lease
