@@ -56,7 +56,7 @@ from bench.common import (
 )
 from bench.scaling import Fleet, _distinct_copy
 from devtools.procs import module_of, processes_of, rss_bytes
-from services.launcher import SERVICES
+from services.launcher import metrics_port as service_metrics_port
 from shared.embedded import free_port
 from shared.settings import process_environment
 
@@ -152,7 +152,7 @@ def _run(
             "summary": summary,
             "instance_s": fleet.instance_s,
             "metrics": cluster.metrics(),
-            **_arbiter(metrics_port + SERVICES.index("task_executor")),
+            **_arbiter(service_metrics_port(metrics_port, "task_executor")),
             **rss,
         }
 

@@ -31,6 +31,12 @@ MAX_CRASHES = 5
 CRASH_WINDOW_S = 60.0
 
 
+def metrics_port(base: int, service: str) -> int:
+    """The ``/metrics`` port of ``service`` on this host where the launcher was given
+    ``base``: the base port, then the next ones, in ``SERVICES`` order."""
+    return base + SERVICES.index(service)
+
+
 def say(msg: str) -> None:
     print(f"meshserve: {msg}", file=sys.stderr, flush=True)
 
@@ -84,8 +90,7 @@ class Launcher:
 
     def _spawn(self, name: str, env: dict[str, str], crashes: list[float] | None = None) -> None:
         if (port := self.settings.metrics.port) and name != "frontend":
-            # One /metrics port each on this host: the base port, then the next ones.
-            env = {**env, "MESHSERVE_METRICS_PORT": str(port + SERVICES.index(name))}
+            env = {**env, "MESHSERVE_METRICS_PORT": str(metrics_port(port, name))}
         if self._creds is not None:  # its own role's credentials, in the URLs it is given
             role = SERVICE_ROLE[name]
             env = {**env, **{var: self._creds.url(url, role) for var, url in self._secured.items()}}

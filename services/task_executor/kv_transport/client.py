@@ -14,11 +14,12 @@ Over TCP the payloads are received straight into the result tensor's memory, and
 is released as soon as ``pull`` has returned (the release goes out on the loop's next turn:
 the caller's import does not wait for it). Over shared memory the result is a read-only
 view of the prefill TE's arena (``mapped.py``): no copy at all until the caller's own (its
-import into its KV cache). The lease is then held, and renewed, until the result and every view of it
-are gone: the prefill side writes the arena again only after that release, so what the
-caller reads is never overwritten under it. A caller copies what it needs and drops the
-result; one that holds it past ``deadline_s`` stops renewing, and the prefill side, its lease
-expired, drops the arena instead of reusing it (the pages stay, intact, for this mapping).
+import into its KV cache). The lease is then held, and renewed, until the result and every
+view of it are gone: the prefill side writes the arena again only after that release, so
+what the caller reads is never overwritten under it. A caller copies what it needs and drops
+the result; one that holds it past ``deadline_s`` stops renewing, and the prefill side, its
+lease expired, drops the arena instead of reusing it (the pages stay, intact, for this
+mapping).
 
 A small pull's time is its two wake-ups of idle processes and the Python between them (on
 this project's 2-core VMs a core idle for 20 ms runs the same code ~10x slower at first), so
@@ -152,25 +153,26 @@ class _Pull:
         self._renewal: asyncio.Task[None] | None = None
 
     async def run(self, started: float) -> Pulled:
-        held = False  # the lease ends after the return: once an in-place result is gone, or
-        # (TCP) on the loop's next turn
+        # The lease ends after the return: once an in-place result is gone, or (TCP) on the
+        # loop's next turn. Until then failures close the connection here.
+        released_later = False
         try:
             meta = await self._open()
             self._renew_later()
             if meta.arena is not None:
                 kv, done = await self._in_place(meta)
-                held = True
+                released_later = True
             else:
                 kv, done = await self._receive(meta)
                 # Everything is here: the release is a courtesy, sent once the caller has
                 # the KV (a send here would wake the server, which on a busy host takes
                 # this core before the caller gets its result).
-                held = True
+                released_later = True
                 self._release_soon()
         except (OSError, wire.ProtocolError) as e:
             raise TransferFailed(f"KV {self.key!r} from {self.address}: {e}") from e
         finally:
-            if not held:
+            if not released_later:
                 self._stop_renewing()
                 if self.conn is not None:
                     self.conn.close()  # (one handed back after its release is kept)
