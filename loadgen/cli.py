@@ -307,6 +307,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from loadgen.costmodel import DEFAULT_PROFILE, GPU_PROFILE, load_profiles
+    from loadgen.fleet import FleetTimeline, write_fleet
     from loadgen.prefix_sim import reuse_bound
     from loadgen.report import summarize
     from loadgen.simulator import SimConfig, simulate
@@ -392,8 +393,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"({len(names)} model(s))",
         file=sys.stderr,
     )
+    if args.fleet_bucket <= 0:
+        raise UsageError("--fleet-bucket must be positive")
+    fleet = FleetTimeline(args.fleet_bucket)
     t0 = time.perf_counter()
-    results, stats = simulate(planned, profiles, cfg, gpu_profiles)
+    results, stats = simulate(planned, profiles, cfg, gpu_profiles, fleet=fleet)
     wall = time.perf_counter() - t0
     summary = summarize(results, slo, exact_prompts=True)
     ideal = None
@@ -435,6 +439,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"(simulated, {cfg.devices} devices, {Path(args.trace).name})",
         not args.no_plots,
     )
+    for line in write_fleet(args.out, fleet.rows(results, slo), plots=not args.no_plots):
+        print(line)
     print(
         f"simulated {stats.iterations} iterations, {stats.loads} loads, {stats.unloads} "
         f"unloads, {stats.preemptions} preemptions in {wall:.1f} s"
@@ -966,6 +972,14 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--panic-window", type=float, default=6.0, help="seconds; the scaler's burst window"
+    )
+    m.add_argument(
+        "--fleet-bucket",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="fleet.jsonl's bucket: each model's instances, what the scaler wanted and why, "
+        "and the requests that arrived and missed the SLO, per this many seconds",
     )
     m.add_argument(
         "--compare-ideal",

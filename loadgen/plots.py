@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -131,3 +132,33 @@ def plot_compare(runs: Mapping[str, Sequence[Result]], path: Path, slo: SLO | No
     _cdf_axes(axes, runs, slo)
     fig.suptitle("Latency CDFs: " + " vs ".join(runs))
     return _save(fig, Path(path))
+
+
+def plot_fleet(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """``fleet.jsonl``'s rows (``loadgen.fleet``): each model's mean instances and what the
+    scaler wanted per bucket, and the requests that missed the SLO (by arrival) beside
+    them; one panel per model, at most 8 (the busiest)."""
+    by_model: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], []).append(r)
+    busiest = sorted(by_model, key=lambda m: -sum(r["instance_s"] for r in by_model[m]))[:8]
+    fig, axes = plt.subplots(len(busiest), 1, figsize=(9, 2.6 * len(busiest)), squeeze=False)
+    for ax, model in zip(axes[:, 0], busiest, strict=True):
+        mine = by_model[model]
+        t = [r["t_s"] for r in mine]
+        ax.step(t, [r["instances"] for r in mine], where="post", label="instances (mean)")
+        ax.step(t, [r["max_instances"] for r in mine], where="post", alpha=0.5, label="most")
+        ax.step(t, [r["wanted"] for r in mine], where="post", ls="--", label="wanted (mean)")
+        ax.set_ylabel("instances")
+        ax.grid(alpha=0.3)
+        ax2 = ax.twinx()
+        width = (t[1] - t[0]) if len(t) > 1 else 1.0
+        ax2.bar(t, [r["missed"] for r in mine], width=width, align="edge", color="tab:red",
+                alpha=0.25, label="missed SLO")  # fmt: skip
+        ax2.set_ylabel("requests missed")
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
+        ax.set_title(f"Fleet over time: {model}", fontsize=10)
+    axes[-1, 0].set_xlabel("time (s from start)")
+    return _save(fig, path)

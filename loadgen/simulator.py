@@ -103,6 +103,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from loadgen.costmodel import EngineProfile
+from loadgen.fleet import FleetTimeline
 from loadgen.plan import Planned
 from loadgen.prefix_sim import PrefixLRU, chain_keys
 from loadgen.results import Result
@@ -579,6 +580,8 @@ class Simulation:
         profiles: Mapping[str, EngineProfile],
         cfg: SimConfig,
         gpu_profiles: Mapping[str, EngineProfile] | None = None,
+        *,
+        fleet: FleetTimeline | None = None,
     ) -> None:
         models = {p.model for p in planned}
         missing = sorted(models - set(profiles))
@@ -593,6 +596,7 @@ class Simulation:
         self.gpu_profiles = gpu_profiles or {}
         self.planned = sorted(planned, key=lambda p: p.arrival_s)
         self.stats = SimStats()
+        self._fleet = fleet
         self._slots = max(1, cfg.slots_per_device)
         self._turn_taking = self._slots > 1 and cfg.sharing != "uncoordinated"
         self.tes: list[_TE] = []
@@ -704,6 +708,8 @@ class Simulation:
             self.now = t
             self.stats.events += 1
             handlers[kind](arg)
+        if self._fleet is not None:
+            self._fleet.close(self.now - EPOCH)
         for te in self.tes:
             if te.state == TEState.PRELOADING:
                 self.stats.preload_seconds += self.now - te.since
@@ -1146,6 +1152,8 @@ class Simulation:
                 self._drain(te)
         for model, t in decision.targets.items():
             self.stats.peak_replicas[model] = max(self.stats.peak_replicas.get(model, 0), t.current)
+        if self._fleet is not None:
+            self._fleet.note(self.now - EPOCH, decision.targets)
         for p in step.preloads:
             self._preloaded[p.model, p.pool_id] = self.now
             self._preload(self._by_id[p.te_id], p.model, p.weights_from)
@@ -1761,8 +1769,12 @@ def simulate(
     profiles: Mapping[str, EngineProfile],
     cfg: SimConfig,
     gpu_profiles: Mapping[str, EngineProfile] | None = None,
+    *,
+    fleet: FleetTimeline | None = None,
 ) -> tuple[list[Result], SimStats]:
-    sim = Simulation(planned, profiles, cfg, gpu_profiles)
+    """The requests' results and the run's figures; ``fleet``, where given, takes every
+    scaler tick's targets (each model's fleet over time)."""
+    sim = Simulation(planned, profiles, cfg, gpu_profiles, fleet=fleet)
     results = sim.run()
     return results, sim.stats
 

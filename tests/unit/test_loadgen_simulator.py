@@ -249,6 +249,13 @@ def test_cli_simulates_a_real_trace_slice_with_a_saved_profile(tmp_path) -> None
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 300
     assert (out / "latency_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The fleet over time (loadgen/fleet.py): every request arrived in one of its buckets,
+    # whose misses are the summary's, and the scaler's two instances show in them.
+    fleet = [json.loads(x) for x in (out / "fleet.jsonl").read_text().splitlines()]
+    assert sum(r["arrived"] for r in fleet) == 300
+    assert sum(r["missed"] for r in fleet) == 300 - summary["slo_met"]
+    assert max(r["max_instances"] for r in fleet) == 2
+    assert (out / "fleet_over_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_calibration_recovers_a_known_per_token_cost() -> None:
