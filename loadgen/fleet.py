@@ -1,10 +1,12 @@
 """The fleet over time in ``meshserve-loadgen simulate``: for each model and each bucket of
 simulated time (``bucket_s``, 30 s by default), the instances it held (loading or serving,
 as the scaler counts them), how many were ready, how many the scaler wanted and why (the
-seconds under each of ``Target.reason``), the scaler's SLO window at the bucket's end, and
-beside them the requests that arrived in the bucket and those of them that missed the SLO.
-Written as ``fleet.jsonl`` in the run's directory (and plotted as ``fleet_over_time.png``):
-where the instance-seconds went and which bursts missed, without a recorder of one's own.
+seconds under each of ``Target.reason``), the instance-seconds beyond what it wanted (a
+scale-in not due yet) and of those the ones its SLO peak memory kept, the scaler's SLO
+window at the bucket's end, and beside them the requests that arrived in the bucket and
+those of them that missed the SLO. Written as ``fleet.jsonl`` in the run's directory (and
+plotted as ``fleet_over_time.png``): where the instance-seconds went and which bursts
+missed, without a recorder of one's own.
 
 ``FleetTimeline.note`` takes every scaler tick's ``Target``s (the figures of a tick hold
 until the next; ``simulate(..., fleet=...)`` calls it); ``rows`` adds the requests. Times
@@ -30,6 +32,8 @@ BUCKET_S = 30.0
 class _Bucket:
     seconds: float = 0.0  # of the bucket the model's figures cover
     instance_s: float = 0.0  # current (ready + loading) x seconds
+    above_s: float = 0.0  # of those, beyond what the scaler wanted (scale-in not yet due)
+    peak_s: float = 0.0  # of those, what its SLO peak memory kept (``Target.peak``)
     ready_s: float = 0.0
     wanted_s: float = 0.0
     max_instances: int = 0
@@ -83,6 +87,8 @@ class FleetTimeline:
             b = self._bucket(model, at)
             b.seconds += dt
             b.instance_s += t.current * dt
+            b.above_s += max(t.current - t.wanted, 0) * dt
+            b.peak_s += max(min(t.current, t.peak) - t.wanted, 0) * dt
             b.ready_s += t.ready * dt
             b.wanted_s += t.wanted * dt
             b.max_instances = max(b.max_instances, t.current)
@@ -113,6 +119,8 @@ class FleetTimeline:
                     "wanted": round(b.wanted_s / self.bucket_s, 2),
                     "max_instances": b.max_instances,
                     "instance_s": round(b.instance_s, 1),
+                    "above_wanted_s": round(b.above_s, 1),
+                    "peak_held_s": round(b.peak_s, 1),
                     "reasons": {k: round(v, 1) for k, v in sorted(b.reasons.items())},
                     "slo_attainment_scaler": b.slo_attainment,
                     "arrived": n,
@@ -123,12 +131,20 @@ class FleetTimeline:
 
 
 def lines(rows: Sequence[Mapping[str, Any]], worst: int = 5) -> list[str]:
-    """The run's buckets with the most misses, for the report (all of ``fleet.jsonl`` is in
-    the file)."""
+    """For the report: the instance-seconds, those beyond what the scaler wanted and those
+    its SLO peak memory kept; the run's buckets with the most misses (all of
+    ``fleet.jsonl`` is in the file)."""
+    total = sum(r["instance_s"] for r in rows)
+    above = sum(r["above_wanted_s"] for r in rows)
+    out = [
+        f"fleet: {total:.0f} instance-s as the scaler counts them (ready and loading), "
+        f"{above:.0f} of them beyond what it wanted (scale-in not due yet), "
+        f"{sum(r['peak_held_s'] for r in rows):.0f} kept by its SLO peak memory"
+    ]
     hit = sorted((r for r in rows if r["missed"]), key=lambda r: (-r["missed"], r["t_s"]))
     if not hit:
-        return []
-    out = [f"buckets with the most SLO misses (of {len(rows)} in fleet.jsonl):"]
+        return out
+    out.append(f"buckets with the most SLO misses (of {len(rows)} in fleet.jsonl):")
     for r in hit[:worst]:
         why = max(r["reasons"], key=r["reasons"].get) if r["reasons"] else "-"
         out.append(

@@ -56,11 +56,12 @@ def test_figures_hold_until_the_next_tick_and_split_at_bucket_edges() -> None:
     fleet = FleetTimeline(bucket_s=30)
     fleet.note(0.0, {"m": at(2, 3)})
     fleet.note(45.0, {"m": at(4, 4, "burst", slo_attainment=0.9)})
-    fleet.close(60.0)
+    fleet.note(60.0, {"m": at(4, 1, peak=3)})  # scale-in not due; the SLO peak keeps 3
+    fleet.close(70.0)
     slo = SLO(ttft_s=1.0, ttft_per_input_token_s=0.0)
     rows = fleet.rows([result(1.0, 0.5), result(31.0, 2.0), result(59.0, None)], slo)
-    assert [(r["t_s"], r["model"]) for r in rows] == [(0.0, "m"), (30.0, "m")]
-    first, second = rows
+    assert [(r["t_s"], r["model"]) for r in rows] == [(0.0, "m"), (30.0, "m"), (60.0, "m")]
+    first, second, third = rows
     assert first["instance_s"] == 60.0 and first["instances"] == 2.0
     assert first["wanted"] == 3.0 and first["reasons"] == {"load": 30.0}
     assert (first["arrived"], first["missed"]) == (1, 0)
@@ -70,7 +71,14 @@ def test_figures_hold_until_the_next_tick_and_split_at_bucket_edges() -> None:
     assert second["reasons"] == {"burst": 15.0, "load": 15.0}
     assert second["slo_attainment_scaler"] == 0.9
     assert (second["arrived"], second["missed"]) == (2, 2)  # late, and refused
-    assert lines(rows)[1].strip().startswith("30 s m: 2 of 2 missed")
+    assert first["above_wanted_s"] == second["above_wanted_s"] == 0.0
+    # 10 s of 4 instances where 1 was wanted: 30 instance-s beyond it, 20 the peak kept.
+    assert third["instance_s"] == 40.0 and third["above_wanted_s"] == 30.0
+    assert third["peak_held_s"] == 20.0
+    report = lines(rows)
+    assert report[0].startswith("fleet: 190 instance-s") and "30 of them beyond" in report[0]
+    assert "20 kept by its SLO peak memory" in report[0]
+    assert report[2].strip().startswith("30 s m: 2 of 2 missed")
 
 
 def test_a_model_the_scaler_leaves_out_holds_nothing_and_arrivals_alone_show() -> None:
@@ -84,7 +92,7 @@ def test_a_model_the_scaler_leaves_out_holds_nothing_and_arrivals_alone_show() -
     assert (10.0, "m") not in by
     assert by[0.0, "n"]["instance_s"] == 20.0 and by[10.0, "n"]["instance_s"] == 20.0
     assert by[20.0, "m"]["instance_s"] == 0.0 and by[20.0, "m"]["arrived"] == 1
-    assert lines(rows) == []  # nothing missed
+    assert len(lines(rows)) == 1  # the totals; nothing missed
 
 
 def test_bucket_must_be_positive() -> None:
@@ -109,3 +117,6 @@ def test_a_simulation_fills_it_from_the_scaler_it_runs() -> None:
     total = stats.instance_seconds + stats.tail_instance_seconds
     assert sum(r["instance_s"] for r in rows) == pytest.approx(total, rel=0.05)
     assert {"load"} <= {reason for r in rows for reason in r["reasons"]}
+    assert all(0 <= r["peak_held_s"] <= r["above_wanted_s"] <= r["instance_s"] for r in rows)
+    # After the burst the fleet waits out its scale-in (stable window, then keep-alive).
+    assert sum(r["above_wanted_s"] for r in rows) > 0
