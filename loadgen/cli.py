@@ -393,9 +393,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"({len(names)} model(s))",
         file=sys.stderr,
     )
-    if args.fleet_bucket <= 0:
-        raise UsageError("--fleet-bucket must be positive")
-    fleet = FleetTimeline(args.fleet_bucket)
+    try:
+        fleet = FleetTimeline(args.fleet_bucket)
+    except ValueError as e:
+        raise UsageError(f"--fleet-bucket: {e}") from None
     t0 = time.perf_counter()
     results, stats = simulate(planned, profiles, cfg, gpu_profiles, fleet=fleet)
     wall = time.perf_counter() - t0

@@ -30,7 +30,6 @@ BUCKET_S = 30.0
 
 @dataclasses.dataclass(slots=True)
 class _Bucket:
-    seconds: float = 0.0  # of the bucket the model's figures cover
     instance_s: float = 0.0  # current (ready + loading) x seconds
     above_s: float = 0.0  # of those, beyond what the scaler wanted (scale-in not yet due)
     peak_s: float = 0.0  # of those, what its SLO peak memory kept (``Target.peak``)
@@ -85,7 +84,6 @@ class FleetTimeline:
                 at = (index + 1) * self.bucket_s + 1e-9
                 continue
             b = self._bucket(model, at)
-            b.seconds += dt
             b.instance_s += t.current * dt
             b.above_s += max(t.current - t.wanted, 0) * dt
             b.peak_s += max(min(t.current, t.peak) - t.wanted, 0) * dt
