@@ -455,6 +455,10 @@ async def test_a_preload_fills_the_host_cache_and_a_load_then_maps_it(
         while worker.state != TEState.IDLE:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+        # The pool publishes its cache after the preload ends: the TE's copy follows.
+        while "demo" not in worker._heartbeat().cached_weights:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
         held = worker._heartbeat().cached_weights["demo"]
         assert held.resident_bytes == held.total_bytes > 0 and worker.model is None
         assert (await client.control("te-p", LoadModel(model="demo", path=str(demo_model_dir)))).ok
